@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Installs dropbp and its test dependencies into .venv on a fresh machine.
+# torch==2.13.0 first: on these machines it comes from a local CPU wheel; installing the package's
+# torch range with no torch present would pull the CUDA build (several GB).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+. .venv/bin/activate
+python -m pip install --quiet --upgrade pip
+python -m pip install --quiet "torch==2.13.0"
+python -m pip install --quiet -e ".[test,hf]"
+python -c "import torch, transformers, peft, dropbp, dropbp.backends; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__, '| dropbp', dropbp.__version__)"

@@ -1,0 +1,14 @@
+"""dropbp: faster, lighter fine-tuning by dropping the backward pass of random residual branches.
+
+``dropbp.apply(model, drop_rate)`` attaches DropBP to a Hugging Face or custom model;
+``dropbp.allocate_rates`` is the sensitivity-based rate allocation. Device backends live in
+``dropbp.backends``; the core never imports a device library.
+"""
+
+from .adapters import SUPPORTED_ARCHITECTURES, Branch
+from .allocation import allocate_rates
+from .controller import DropBPController, apply
+
+__version__ = "0.1.0"
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "Branch", "DropBPController", "allocate_rates", "apply", "__version__"]

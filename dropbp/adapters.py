@@ -1,0 +1,180 @@
+"""Which modules of a model are DropBP branches, and what each costs.
+
+A branch is the module whose output is added to the residual stream: the attention and the MLP of
+every decoder layer. Hugging Face models are recognised by ``config.model_type`` and the child
+names each architecture uses; nothing in ``transformers`` is edited or replaced. Other models name
+their branches with ``branches=[...]``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from torch import nn
+
+__all__ = ["Branch", "SUPPORTED_ARCHITECTURES", "find_branches", "branch_flops"]
+
+log = logging.getLogger("dropbp")
+
+# model_type -> (attention child, MLP child) of each decoder layer. Parallel-residual models
+# (gpt_neox, phi-style) need nothing special: each branch reads the layer input and is dropped alone.
+SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("self_attn", "mlp"),
+    "mistral": ("self_attn", "mlp"),
+    "mixtral": ("self_attn", "block_sparse_moe"),
+    "qwen2": ("self_attn", "mlp"),
+    "qwen3": ("self_attn", "mlp"),
+    "qwen3_moe": ("self_attn", "mlp"),
+    "gemma": ("self_attn", "mlp"),
+    "gemma2": ("self_attn", "mlp"),
+    "phi3": ("self_attn", "mlp"),
+    "olmo": ("self_attn", "mlp"),
+    "olmo2": ("self_attn", "mlp"),
+    "granite": ("self_attn", "mlp"),
+    "gpt2": ("attn", "mlp"),
+    "gpt_neox": ("attention", "mlp"),
+}
+
+_ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
+_MLP_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe")
+_ATTENTION_HINTS = ("attn", "attention")
+
+
+@dataclass
+class Branch:
+    """One droppable residual branch.
+
+    ``name`` is the module's path in ``model.named_modules()``; ``kind`` is ``"attn"`` or ``"mlp"``;
+    ``flops`` its forward cost per token (used only as ratios, for allocation); ``rate`` its current
+    drop probability.
+    """
+
+    name: str
+    kind: str
+    flops: float
+    rate: float
+    module: nn.Module = field(repr=False, compare=False)
+
+
+def _model_type(model: nn.Module) -> str | None:
+    config = getattr(model, "config", None)
+    return getattr(config, "model_type", None)
+
+
+def _attention_width(model: nn.Module) -> int | None:
+    """``n_heads * head_dim`` from the Hugging Face config: the width of the score/value products."""
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    hidden = getattr(config, "hidden_size", None)
+    if not heads or not hidden:
+        return None
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return int(heads * head_dim)
+
+
+def _is_adapter_path(path: str) -> bool:
+    """PEFT adapter weights (LoRA and relatives) are not part of the branch's base cost."""
+    return any(part.startswith(("lora_", "adapter", "ia3_", "vera_")) for part in path.split("."))
+
+
+def branch_flops(module: nn.Module, kind: str, seq_len: int, attention_width: int | None) -> float:
+    """Forward FLOPs per token of a branch, from its module shapes (mission.md section 3).
+
+    Every projection costs ``2 * in * out``; adapter (LoRA) weights are left out so the figures are
+    the same with and without PEFT. Attention adds ``4 * seq_len * width`` for the scores and the
+    weighted values.
+    """
+    weights = 0
+    for path, sub in module.named_modules():
+        if next(sub.children(), None) is not None or _is_adapter_path(path):
+            continue
+        if isinstance(getattr(sub, "in_features", None), int) and isinstance(
+            getattr(sub, "out_features", None), int
+        ):
+            weights += sub.in_features * sub.out_features
+        elif type(sub).__name__ == "Conv1D" and getattr(sub, "weight", None) is not None:
+            weights += sub.weight.numel()  # GPT-2's transposed linear
+    flops = 2.0 * weights
+    if kind == "attn" and attention_width:
+        flops += 4.0 * seq_len * attention_width
+    if flops <= 0:
+        flops = float(sum(p.numel() for p in module.parameters())) or 1.0
+    return flops
+
+
+def _kind_from_name(name: str) -> str:
+    leaf = name.rsplit(".", 1)[-1].lower()
+    return "attn" if any(h in leaf for h in _ATTENTION_HINTS) else "mlp"
+
+
+def _named_branches(model: nn.Module, attn: tuple[str, ...], mlp: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(name, kind) of the attention and MLP children of every module that has both, in order."""
+    found = []
+    for name, module in model.named_modules():
+        children = dict(module.named_children())
+        a = next((c for c in attn if c in children), None)
+        m = next((c for c in mlp if c in children), None)
+        if a is None or m is None:
+            continue
+        prefix = f"{name}." if name else ""
+        found += [(prefix + a, "attn"), (prefix + m, "mlp")]
+    return found
+
+
+def find_branches(model: nn.Module, names: list[str] | None, seq_len: int) -> list[Branch]:
+    """The model's branches in forward order, either named by the caller or found by architecture."""
+    modules = dict(model.named_modules())
+    if names is not None:
+        pairs = _explicit(names, modules)
+    else:
+        pairs = _detect(model)
+    width = _attention_width(model)
+    return [
+        Branch(name, kind, branch_flops(modules[name], kind, seq_len, width), 0.0, modules[name])
+        for name, kind in pairs
+    ]
+
+
+def _explicit(names: list[str], modules: dict[str, nn.Module]) -> list[tuple[str, str]]:
+    if isinstance(names, (str, bytes)) or not all(isinstance(n, str) for n in names):
+        raise TypeError("branches must be a list of module names (str), as in model.named_modules()")
+    if not names:
+        raise ValueError("branches is empty: name at least one module, as in model.named_modules()")
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"branches names a module more than once: {duplicates}")
+    unknown = [n for n in names if n not in modules or n == ""]
+    if unknown:
+        raise ValueError(
+            f"branches names modules that the model does not have: {unknown}; "
+            f"use names from model.named_modules(), e.g. {[n for n in modules if n][:4]}"
+        )
+    order = {n: i for i, n in enumerate(modules)}
+    return [(n, _kind_from_name(n)) for n in sorted(names, key=order.__getitem__)]
+
+
+def _detect(model: nn.Module) -> list[tuple[str, str]]:
+    model_type = _model_type(model)
+    if model_type in SUPPORTED_ARCHITECTURES:
+        attn, mlp = SUPPORTED_ARCHITECTURES[model_type]
+        found = _named_branches(model, (attn,), (mlp,))
+    else:
+        found = _named_branches(model, _ATTENTION_NAMES, _MLP_NAMES)
+        if found:
+            log.warning(
+                "dropbp: model_type %r is not among the tested architectures (%s); using the %d "
+                "attention/MLP branches found by child name. Pass branches=[...] to choose them.",
+                model_type,
+                ", ".join(sorted(SUPPORTED_ARCHITECTURES)),
+                len(found),
+            )
+    if not found:
+        raise ValueError(
+            f"dropbp found no decoder layers in this {type(model).__name__} (model_type "
+            f"{model_type!r}): it looked for modules with an attention child named one of "
+            f"{list(_ATTENTION_NAMES)} and an MLP child named one of {list(_MLP_NAMES)}. "
+            f"Pass the residual branches yourself: dropbp.apply(model, p, branches=[...module names "
+            f"from model.named_modules()...])"
+        )
+    return found

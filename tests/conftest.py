@@ -1,0 +1,95 @@
+"""Tiny random-weight Hugging Face models (nothing is downloaded) and gradient helpers."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+VOCAB = 96
+_COMMON = dict(vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+TINY_CONFIGS: dict[str, dict] = {
+    "llama": dict(
+        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8
+    ),
+    "mistral": dict(
+        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8
+    ),
+    "qwen2": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2),
+    "qwen3": dict(
+        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8
+    ),
+    "gemma": dict(
+        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8
+    ),
+    "phi3": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2),
+    "gpt2": dict(n_embd=32, n_head=4, n_positions=64),
+    "gpt_neox": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, use_parallel_residual=True),
+}
+
+
+def tiny_model(model_type: str, layers: int = 3, seed: int = 0, **overrides) -> nn.Module:
+    """A randomly initialised causal LM of ``model_type`` with ``layers`` decoder layers."""
+    kwargs = {**_COMMON, **TINY_CONFIGS[model_type], **overrides}
+    kwargs["n_layer" if model_type == "gpt2" else "num_hidden_layers"] = layers
+    config = transformers.AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return model.train()
+
+
+def with_lora(model: nn.Module) -> nn.Module:
+    """Wrap in PEFT LoRA on every linear layer, with non-zero B so every adapter gets a gradient."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    torch.manual_seed(1)
+    return peft.get_peft_model(model, config).train()
+
+
+def batch(seed: int = 0, size: int = 2, length: int = 12) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (size, length), generator=g)
+
+
+def loss_and_grads(model: nn.Module, ids: torch.Tensor, rng_seed: int = 123) -> tuple[torch.Tensor, dict]:
+    """One forward/backward with fixed randomness; returns the loss and {name: grad or None}."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(rng_seed)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {
+        n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()
+    }
+
+
+def detach_outputs(model: nn.Module, names: tuple[str, ...]) -> list:
+    """The hand-written reference: detach the output of each named module after it runs."""
+
+    def detach(module, args, output):
+        if isinstance(output, tuple):
+            return tuple(o.detach() if torch.is_tensor(o) else o for o in output)
+        return output.detach()
+
+    modules = dict(model.named_modules())
+    return [modules[n].register_forward_hook(detach) for n in names]
+
+
+def assert_same_grads(got: dict, want: dict, atol: float = 1e-6) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        g, w = got[name], want[name]
+        assert (g is None) == (w is None), f"{name}: gradient presence differs ({g is None} vs {w is None})"
+        if w is not None:
+            torch.testing.assert_close(g, w, atol=atol, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.fixture
+def clone():
+    return copy.deepcopy

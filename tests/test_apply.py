@@ -1,0 +1,232 @@
+"""dropbp.apply on every supported architecture: branch discovery, FLOPs, invisibility to the model's
+own contracts (state dict, isinstance, PEFT, save_pretrained), state round trips, bad input."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+
+import pytest
+import torch
+from conftest import TINY_CONFIGS, batch, loss_and_grads, tiny_model, with_lora
+
+import dropbp
+
+EXPECTED_BRANCHES = {
+    "llama": ("model.layers.{}.self_attn", "model.layers.{}.mlp"),
+    "mistral": ("model.layers.{}.self_attn", "model.layers.{}.mlp"),
+    "qwen2": ("model.layers.{}.self_attn", "model.layers.{}.mlp"),
+    "qwen3": ("model.layers.{}.self_attn", "model.layers.{}.mlp"),
+    "gemma": ("model.layers.{}.self_attn", "model.layers.{}.mlp"),
+    "phi3": ("model.layers.{}.self_attn", "model.layers.{}.mlp"),
+    "gpt2": ("transformer.h.{}.attn", "transformer.h.{}.mlp"),
+    "gpt_neox": ("gpt_neox.layers.{}.attention", "gpt_neox.layers.{}.mlp"),
+}
+
+
+def _expected(arch: str, layers: int, prefix: str = "") -> list[str]:
+    attn, mlp = EXPECTED_BRANCHES[arch]
+    return [prefix + t.format(i) for i in range(layers) for t in (attn, mlp)]
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
+def test_finds_attention_and_mlp_of_every_layer(arch):
+    model = tiny_model(arch, layers=3)
+    ctl = dropbp.apply(model, 0.5)
+    assert [b.name for b in ctl.branches] == _expected(arch, 3)
+    assert [b.kind for b in ctl.branches] == ["attn", "mlp"] * 3
+    assert ctl.rates == [0.5] * 6
+    assert all(b.rate == 0.5 and b.flops > 0 for b in ctl.branches)
+    loss_and_grads(model, batch())  # a training step runs
+    assert 0 < len(ctl.last_dropped) < 6
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gpt_neox"])
+def test_finds_branches_under_peft_lora(arch):
+    model = with_lora(tiny_model(arch, layers=2))
+    ctl = dropbp.apply(model, 0.5)
+    assert [b.name for b in ctl.branches] == _expected(arch, 2, prefix="base_model.model.")
+    plain = dropbp.apply(tiny_model(arch, layers=2), 0.5)
+    assert [b.flops for b in ctl.branches] == [b.flops for b in plain.branches]  # adapters not counted
+
+
+def test_flops_follow_mission_formulas():
+    model = tiny_model("llama", layers=1)  # h=32, 4 q heads, 2 kv heads, d=8, I=64
+    ctl = dropbp.apply(model, 0.5, seq_len=100)
+    h, nq, nkv, d, inter, s = 32, 4, 2, 8, 64, 100
+    attn = 2 * (h * (nq + 2 * nkv) * d + nq * d * h) + 4 * s * nq * d
+    assert [b.flops for b in ctl.branches] == [attn, 2 * 3 * h * inter]
+    gpt2 = dropbp.apply(tiny_model("gpt2", layers=1), 0.5, seq_len=100)
+    assert [b.flops for b in gpt2.branches] == [2 * (32 * 96 + 32 * 32) + 4 * 100 * 32, 2 * 2 * 32 * 128]
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_model_contracts_unchanged(method, tmp_path):
+    base = tiny_model("llama", layers=2)
+    model = with_lora(base) if method == "lora" else base
+    keys = list(model.state_dict())
+    classes = {n: type(m) for n, m in model.named_modules()}
+    model.save_pretrained(tmp_path / "before")
+    ctl = dropbp.apply(model, 0.5)
+    loss_and_grads(model, batch())
+    assert list(model.state_dict()) == keys
+    assert {n: type(m) for n, m in model.named_modules()} == classes
+    if method == "lora":
+        assert (
+            model.peft_config["default"].target_modules
+            == with_lora(tiny_model("llama", 2)).peft_config["default"].target_modules
+        )
+    model.save_pretrained(tmp_path / "after")
+    before = sorted(p.relative_to(tmp_path / "before") for p in (tmp_path / "before").rglob("*"))
+    after = sorted(p.relative_to(tmp_path / "after") for p in (tmp_path / "after").rglob("*"))
+    assert before == after
+    for rel in before:
+        a, b = tmp_path / "before" / rel, tmp_path / "after" / rel
+        if a.is_file():
+            assert a.read_bytes() == b.read_bytes(), rel
+    ctl.remove()
+
+
+def test_state_dict_round_trip_continues_the_same_patterns():
+    model = tiny_model("llama", layers=4)
+    ctl = dropbp.apply(model, 0.5, seed=9)
+    ctl.set_rates([0.1, 0.7, 0.2, 0.6, 0.3, 0.5, 0.4, 0.8])
+    for step in range(3):
+        loss_and_grads(model, batch(step))
+    state = copy.deepcopy(ctl.state_dict())
+    continued = []
+    for step in range(3, 8):
+        loss_and_grads(model, batch(step))
+        continued.append(ctl.last_dropped)
+
+    fresh = tiny_model("llama", layers=4)
+    resumed = dropbp.apply(fresh, 0.5, seed=0)
+    resumed.load_state_dict(state)
+    assert resumed.rates == ctl.rates and resumed.seed == 9 and resumed.step == 3
+    again = []
+    for step in range(3, 8):
+        loss_and_grads(fresh, batch(step))
+        again.append(resumed.last_dropped)
+    assert again == continued
+
+
+def test_two_controllers_with_one_seed_agree_every_step():
+    a = dropbp.apply(tiny_model("gpt2"), 0.5, seed=4)
+    b = dropbp.apply(tiny_model("gpt2"), 0.5, seed=4)
+    assert [a.dropped_at(s) for s in range(30)] == [b.dropped_at(s) for s in range(30)]
+
+
+def test_no_grad_training_forward_does_not_draw():
+    model = tiny_model("llama")
+    ctl = dropbp.apply(model, 0.5)
+    with torch.no_grad():
+        model(input_ids=batch())
+    assert ctl.step == 0
+
+
+def test_max_patterns_bounds_patterns_through_apply():
+    model = tiny_model("llama", layers=4)
+    ctl = dropbp.apply(model, 0.5, max_patterns=3)
+    seen = set()
+    for step in range(12):
+        loss_and_grads(model, batch(step))
+        seen.add(ctl.last_dropped)
+    assert 1 <= len(seen) <= 3
+
+
+def test_unknown_architecture_with_branch_like_children_warns(caplog):
+    model = tiny_model("llama", layers=2)
+    model.config.model_type = "my_llama_fork"
+    with caplog.at_level(logging.WARNING, logger="dropbp"):
+        ctl = dropbp.apply(model, 0.5)
+    assert len(ctl.branches) == 4
+    assert "not among the tested architectures" in caplog.text
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "rate, error, match",
+    [
+        (1.0, ValueError, r"drop_rate must be in \[0, 1\), got 1.0"),
+        (-0.5, ValueError, r"drop_rate must be in \[0, 1\)"),
+        (math.nan, ValueError, r"drop_rate must be in \[0, 1\), got nan"),
+        ("0.5", TypeError, "drop_rate must be a number"),
+        (True, TypeError, "drop_rate must be a number"),
+        (None, TypeError, "drop_rate must be a number"),
+    ],
+)
+def test_bad_drop_rate(rate, error, match):
+    with pytest.raises(error, match=match):
+        dropbp.apply(tiny_model("llama"), rate)
+
+
+def test_rate_that_would_drop_everything_is_refused():
+    with pytest.raises(ValueError, match="drop every branch.*at most 0.75"):
+        dropbp.apply(tiny_model("llama", layers=2), 0.875)
+
+
+def test_non_module_is_refused():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got dict"):
+        dropbp.apply({}, 0.5)
+
+
+def test_model_without_branches_explains_branches_argument():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    with pytest.raises(ValueError, match=r"looked for.*self_attn.*mlp.*branches=\["):
+        dropbp.apply(model, 0.5)
+
+
+@pytest.mark.parametrize(
+    "branches, error, match",
+    [
+        (["model.layers.0.nope"], ValueError, r"does not have: \['model.layers.0.nope'\]"),
+        ([], ValueError, "branches is empty"),
+        ("model.layers.0.mlp", TypeError, "branches must be a list"),
+        ([3], TypeError, "module names"),
+        (["model.layers.0.mlp", "model.layers.0.mlp"], ValueError, "more than once"),
+    ],
+)
+def test_bad_branch_names(branches, error, match):
+    with pytest.raises(error, match=match):
+        dropbp.apply(tiny_model("llama"), 0.5, branches=branches)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"seed": -1}, ValueError, "seed must be an int >= 0"),
+        ({"seed": 1.5}, TypeError, "seed must be an int"),
+        ({"max_patterns": 0}, ValueError, "max_patterns must be an int >= 1"),
+        ({"seq_len": 0}, ValueError, "seq_len"),
+    ],
+)
+def test_bad_options(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        dropbp.apply(tiny_model("llama"), 0.5, **kwargs)
+
+
+def test_bad_rates_and_state():
+    ctl = dropbp.apply(tiny_model("llama", layers=2), 0.5)
+    with pytest.raises(ValueError, match="expected 4, got 3"):
+        ctl.set_rates([0.1, 0.2, 0.3])
+    with pytest.raises(ValueError, match=r"rates\[0\] must be in \[0, 1\)"):
+        ctl.set_rates([1.2, 0.2, 0.3, 0.1])
+    other = dropbp.apply(tiny_model("llama", layers=3), 0.5).state_dict()
+    with pytest.raises(ValueError, match="saved for different branches"):
+        ctl.load_state_dict(other)
+    with pytest.raises(ValueError, match="missing keys"):
+        ctl.load_state_dict({"rates": [0.1] * 4})
+
+
+def test_applying_twice_is_refused_and_removed_controller_is_inert():
+    model = tiny_model("llama")
+    ctl = dropbp.apply(model, 0.5)
+    with pytest.raises(RuntimeError, match="already attached"):
+        dropbp.apply(model, 0.5)
+    ctl.remove()
+    ctl.remove()  # idempotent
+    with pytest.raises(RuntimeError, match="was removed"):
+        ctl.set_rates([0.1] * 6)

@@ -1,0 +1,89 @@
+"""Sampler properties, checked statistically with fixed seeds."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+
+from dropbp.sampler import PatternSampler, check_rates
+
+STEPS = 20000
+
+
+def _rates(n: int, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    rates = [rng.choice([0.0, 0.1, 0.3, 0.5, 0.7, 0.9]) for _ in range(n)]
+    while sum(rates) > n - 1:
+        rates[rates.index(max(rates))] = 0.5
+    return rates
+
+
+@pytest.mark.parametrize("n, seed", [(8, 0), (24, 1), (3, 2)])
+def test_marginals_count_and_never_all(n, seed):
+    rates = _rates(n, seed)
+    sampler = PatternSampler(rates, seed=seed)
+    total = sum(rates)
+    hits = Counter()
+    for step in range(STEPS):
+        pattern = sampler.pattern(step)
+        assert len(pattern) in {math.floor(total), math.ceil(total)}
+        assert len(pattern) < n
+        hits.update(pattern)
+    for i, r in enumerate(rates):
+        sigma = math.sqrt(r * (1 - r) / STEPS)
+        assert abs(hits[i] / STEPS - r) <= 5 * sigma + 1e-12, (i, r, hits[i] / STEPS)
+
+
+def test_at_the_limit_every_step_keeps_exactly_one_branch():
+    n = 5
+    sampler = PatternSampler([(n - 1) / n] * n, seed=3)
+    assert all(len(sampler.pattern(s)) == n - 1 for s in range(2000))
+
+
+def test_pattern_is_a_pure_function_of_seed_and_step():
+    rates = _rates(16, 4)
+    a, b = PatternSampler(rates, seed=11), PatternSampler(rates, seed=11)
+    steps = [5, 0, 999, 5, 42]
+    assert [a.pattern(s) for s in steps] == [b.pattern(s) for s in steps]
+    assert a.pattern(5) == a.pattern(5)
+    other = PatternSampler(rates, seed=12)
+    assert [a.pattern(s) for s in range(50)] != [other.pattern(s) for s in range(50)]
+
+
+@pytest.mark.parametrize("k", [1, 4, 8, 37])
+def test_max_patterns_bounds_distinct_patterns_and_frequencies(k):
+    rates = _rates(12, 5)
+    sampler = PatternSampler(rates, seed=0, max_patterns=k)
+    cycles = 40
+    patterns = [sampler.pattern(s) for s in range(k * cycles)]
+    assert len(set(patterns)) <= k
+    assert sampler.distinct_patterns() == len(set(patterns))
+    hits = Counter(i for p in patterns for i in p)
+    for i, r in enumerate(rates):
+        assert abs(hits[i] / len(patterns) - r) <= 1 / k + 1e-12, (i, r)
+    assert all(len(p) < len(rates) for p in patterns)
+
+
+def test_zero_rates_never_drop():
+    sampler = PatternSampler([0.0] * 6, seed=0)
+    assert all(sampler.pattern(s) == frozenset() for s in range(100))
+
+
+@pytest.mark.parametrize(
+    "rates, error, match",
+    [
+        ([0.5], ValueError, "one entry per branch: expected 2"),
+        ([0.5, 1.0], ValueError, r"rates\[1\] must be in \[0, 1\)"),
+        ([0.5, -0.1], ValueError, r"rates\[1\]"),
+        ([0.5, float("nan")], ValueError, r"rates\[1\]"),
+        ([0.5, "a"], TypeError, r"rates\[1\] must be a number"),
+        ([0.9, 0.9], ValueError, "must be at most 1"),
+        (0.5, TypeError, "sequence"),
+    ],
+)
+def test_bad_rates_are_named(rates, error, match):
+    with pytest.raises(error, match=match):
+        check_rates(rates, 2)
