@@ -1,35 +1,99 @@
-"""Device backends: ``dropbp.backends.get(name=None)`` picks one by name, ``DROPBP_BACKEND``, or
-detection. Each backend is one short module; device libraries are imported only when used."""
+"""Device backends: ``dropbp.backends.get(name=None)`` picks one by name, ``DROPBP_BACKEND``, or detection.
+
+Each backend is one short module; device libraries are imported only when a backend is asked whether
+it is available or is used, never when this package is imported. Other packages add backends through
+the entry-point group ``dropbp.backends`` (the entry point names a :class:`Backend` subclass), e.g. in
+their ``pyproject.toml``::
+
+    [project.entry-points."dropbp.backends"]
+    npu = "my_package.dropbp_npu:NPUBackend"
+
+Built-in names cannot be taken over by a plugin, and plugins are used only when named (argument or
+``DROPBP_BACKEND``): auto-detection stays with the built-in devices, so installing a plugin never
+changes what an unconfigured script runs on.
+"""
 
 from __future__ import annotations
 
 import os
+from importlib.metadata import EntryPoint, entry_points
 
-from .base import Backend, BackendUnavailable
+from .base import Backend, BackendUnavailable, UnknownBackend, describe
 from .cpu import CPUBackend
+from .cuda import CUDABackend
+from .hpu import HPUBackend
+from .xpu import XPUBackend
 
-__all__ = ["Backend", "BackendUnavailable", "available", "get"]
+__all__ = ["ENTRY_POINT_GROUP", "Backend", "BackendUnavailable", "UnknownBackend", "available", "get"]
 
-_REGISTRY: dict[str, type[Backend]] = {"cpu": CPUBackend}
-_DETECTION_ORDER = ("cpu",)
+ENTRY_POINT_GROUP = "dropbp.backends"
+ENV_VAR = "DROPBP_BACKEND"
+
+_BUILTIN: dict[str, type[Backend]] = {
+    "cpu": CPUBackend,
+    "cuda": CUDABackend,
+    "hpu": HPUBackend,
+    "xpu": XPUBackend,
+}
+#: Auto-detection order: accelerators first (Gaudi, then NVIDIA, then Intel GPU), the CPU last.
+_DETECTION_ORDER = ("hpu", "cuda", "xpu", "cpu")
+
+
+def _plugins() -> dict[str, EntryPoint]:
+    found = {ep.name.strip().lower(): ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    return {name: ep for name, ep in found.items() if name not in _BUILTIN}
 
 
 def available() -> list[str]:
-    """Names of the registered backends."""
-    return sorted(_REGISTRY)
+    """Names of the registered backends (built-in and plugins), whether or not their device is here."""
+    return sorted({*_BUILTIN, *_plugins()})
+
+
+def _load_plugin(name: str, ep: EntryPoint) -> type[Backend]:
+    dist = f" from {ep.dist.name} {ep.dist.version}" if ep.dist is not None else ""
+    where = f"dropbp backend {name!r} (entry point {ep.value!r}{dist})"
+    try:
+        cls = ep.load()
+    except Exception as exc:  # any failure inside a third-party import becomes one clear line
+        raise BackendUnavailable(
+            f"{where} failed to import ({describe(exc)}); reinstall the package that provides it"
+        ) from None
+    if not (isinstance(cls, type) and issubclass(cls, Backend)):
+        raise BackendUnavailable(
+            f"{where} is not a dropbp.backends.Backend subclass; fix or remove that package"
+        ) from None  # every registry error is one line, even when raised while another is handled
+    return cls
+
+
+def _lookup(name: str, source: str) -> type[Backend]:
+    if name in _BUILTIN:
+        return _BUILTIN[name]
+    plugins = _plugins()
+    if name in plugins:
+        return _load_plugin(name, plugins[name])
+    raise UnknownBackend(
+        f"unknown dropbp backend {name!r}{source}; valid names: {', '.join([*available(), 'auto'])} "
+        f"(other packages add backends through the entry-point group {ENTRY_POINT_GROUP!r})"
+    ) from None
 
 
 def get(name: str | None = None) -> Backend:
-    """The backend called ``name``, else ``$DROPBP_BACKEND``, else the first available one."""
-    requested = name if name is not None else os.environ.get("DROPBP_BACKEND", "auto")
+    """The backend called ``name``, else ``$DROPBP_BACKEND``, else the first available of hpu, cuda, xpu, cpu.
+
+    Raises :class:`UnknownBackend` for a name nobody registered and :class:`BackendUnavailable` when
+    the named device or its stack is missing; both messages are one line that says what to do.
+    """
+    if name is None:
+        requested, source = os.environ.get(ENV_VAR, "auto"), f" (from {ENV_VAR})"
+    elif isinstance(name, str):
+        requested, source = name, ""
+    else:
+        raise TypeError(f"backend name must be a str or None, got {type(name).__name__}")
     requested = requested.strip().lower() or "auto"
-    if requested == "auto":
-        for candidate in _DETECTION_ORDER:
-            if _REGISTRY[candidate].is_available():
-                return _REGISTRY[candidate]()
-    if requested not in _REGISTRY:
-        raise ValueError(f"unknown dropbp backend {requested!r}; valid names: {', '.join(available())}, auto")
-    cls = _REGISTRY[requested]
-    if not cls.is_available():
-        raise BackendUnavailable(f"dropbp backend {requested!r} is not available in this process")
+    if requested == "auto":  # the CPU is always available, so detection always ends with a backend
+        return next(_BUILTIN[n]() for n in _DETECTION_ORDER if _BUILTIN[n].is_available())
+    cls = _lookup(requested, source)
+    reason = cls.unavailable_reason()
+    if reason is not None:
+        raise BackendUnavailable(f"dropbp backend {requested!r}{source} is unavailable: {reason}") from None
     return cls()

@@ -1,16 +1,37 @@
-"""The device interface: what the core needs from a device, and nothing about drop policy."""
+"""The device interface: what a training loop needs from a device, and nothing about drop policy.
+
+Dropped branches need no per-device code: the core (``dropbp/execution.py``) runs them under
+``torch.no_grad()``, so they record no autograd graph and their intermediate tensors are freed as soon
+as the branch returns, on every device. What differs per device is listed here: where tensors live,
+how to wait for queued work, memory figures, autocast, the collective library, and the step
+boundaries a lazily compiled device needs (graph breaks) together with a bound on distinct drop
+patterns where every pattern is its own compiled graph.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
 import torch
+from torch import nn
 
-__all__ = ["Backend", "BackendUnavailable"]
+from .timing import EventTimer, HostTimer
+
+__all__ = ["Backend", "BackendUnavailable", "UnknownBackend", "describe"]
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: first line of the message``: enough to say why a device stack failed, in one line."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 class BackendUnavailable(RuntimeError):
-    """The requested device stack is missing; the message says what to install."""
+    """The requested device or its software stack is missing; the one-line message says what to do."""
+
+
+class UnknownBackend(BackendUnavailable, ValueError):
+    """No backend has the requested name (also a ``ValueError``: the name itself is wrong)."""
 
 
 class Backend(ABC):
@@ -24,8 +45,16 @@ class Backend(ABC):
 
     @classmethod
     @abstractmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why this backend cannot run in this process (what is missing, how to install it); None if it can.
+
+        Device stacks are imported here, lazily, never when ``dropbp.backends`` is imported.
+        """
+
+    @classmethod
     def is_available(cls) -> bool:
         """Whether this device and its software stack can be used in this process."""
+        return cls.unavailable_reason() is None
 
     @property
     @abstractmethod
@@ -35,8 +64,25 @@ class Backend(ABC):
     @abstractmethod
     def autocast_dtype(self) -> torch.dtype: ...
 
+    def autocast(self) -> torch.autocast:
+        """Mixed-precision context for the forward pass on this device."""
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def prepare(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """Put ``model`` on this device, with any device-specific optimisation; call before ``dropbp.apply``.
+
+        The optimizer stays valid: ``Module.to`` moves parameters in place.
+        """
+        return model.to(self.device), optimizer
+
     def synchronize(self) -> None:
         """Wait until queued device work is done (before reading a clock)."""
+
+    def timer(self) -> HostTimer | EventTimer:
+        """A context manager whose ``.seconds`` is the time the block took on this device."""
+        return HostTimer(self.synchronize)
 
     def memory_allocated(self) -> int:
         """Bytes held by tensors now; 0 where the device has no allocator statistics."""
@@ -49,11 +95,20 @@ class Backend(ABC):
     def reset_peak_memory(self) -> None:
         """Start a new peak-memory window."""
 
+    def graph_compilations(self) -> int | None:
+        """Graphs compiled so far where the device compiles graphs and reports it; None otherwise."""
+        return None
+
+    def graph_break(self) -> None:
+        """Cut the pending lazy graph here (compile or fetch it, and run it); nothing on eager devices."""
+
     def after_backward(self) -> None:
-        """Step boundary after ``loss.backward()`` (a graph break on lazy-mode devices)."""
+        """Step boundary after ``loss.backward()``: the backward graph ends here on lazy devices."""
+        self.graph_break()
 
     def after_optimizer_step(self) -> None:
-        """Step boundary after ``optimizer.step()``."""
+        """Step boundary after ``optimizer.step()``: the update graph ends here on lazy devices."""
+        self.graph_break()
 
     def __repr__(self) -> str:
         return f"<dropbp backend {self.name!r} on {self.device}>"

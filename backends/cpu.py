@@ -1,10 +1,73 @@
-"""CPU: plain PyTorch, bf16 autocast, gloo. Nothing to break, nothing to compile per pattern."""
+"""CPU: plain PyTorch or, when it fits the installed torch, Intel Extension for PyTorch; bf16; gloo.
+
+Nothing is compiled per drop pattern and nothing needs a graph break. A dropped branch runs under
+``torch.no_grad()`` (the core) and its intermediate tensors return to the allocator when it ends;
+there is no device cache to manage.
+
+IPEX pins one torch minor version per release and, imported next to any other torch, prints an
+error and ends the process; its development stopped after 2.8. So its version is read from the
+package metadata *before* it is imported, and it is used only on an exact major.minor match.
+Otherwise the backend stays on plain PyTorch and says so in one log line.
+"""
 
 from __future__ import annotations
 
-import torch
+import functools
+import importlib
+import importlib.metadata
+import logging
+import sys
+from types import ModuleType
 
-from .base import Backend
+import torch
+from torch import nn
+
+from .base import Backend, describe
+
+logger = logging.getLogger("dropbp")
+
+_IPEX = "intel_extension_for_pytorch"
+
+
+def _major_minor(version: str) -> tuple[str, ...]:
+    return tuple(version.split("+")[0].split(".")[:2])
+
+
+def _installed_ipex_version() -> str | None:
+    """IPEX's version without importing it (an already imported module answers for itself)."""
+    if _IPEX in sys.modules:
+        module = sys.modules[_IPEX]
+        return None if module is None else str(getattr(module, "__version__", "unknown"))
+    try:
+        return importlib.metadata.version(_IPEX)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@functools.cache
+def ipex() -> ModuleType | None:
+    """The IPEX module when it is installed and matches torch; else None. Logs the outcome once."""
+    version = _installed_ipex_version()
+    if version is None:
+        logger.info("cpu backend: %s is not installed; using plain PyTorch", _IPEX)
+        return None
+    if _major_minor(version) != _major_minor(torch.__version__):
+        logger.warning(
+            "cpu backend: %s %s does not match torch %s (needs the same major.minor); using plain PyTorch",
+            _IPEX,
+            version,
+            torch.__version__,
+        )
+        return None
+    try:
+        module = importlib.import_module(_IPEX)
+    except Exception as exc:  # a broken install must not stop CPU training: fall back, say why
+        logger.warning(
+            "cpu backend: %s %s failed to import (%s); using plain PyTorch", _IPEX, version, describe(exc)
+        )
+        return None
+    logger.info("cpu backend: using %s %s (ipex.optimize)", _IPEX, version)
+    return module
 
 
 class CPUBackend(Backend):
@@ -12,8 +75,8 @@ class CPUBackend(Backend):
     distributed_backend = "gloo"
 
     @classmethod
-    def is_available(cls) -> bool:
-        return True
+    def unavailable_reason(cls) -> str | None:
+        return None
 
     @property
     def device(self) -> torch.device:
@@ -22,3 +85,15 @@ class CPUBackend(Backend):
     @property
     def autocast_dtype(self) -> torch.dtype:
         return torch.bfloat16
+
+    def prepare(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """``ipex.optimize`` (bf16) when IPEX fits this torch; plain PyTorch otherwise."""
+        model, optimizer = super().prepare(model, optimizer)
+        module = ipex()
+        if module is None:
+            return model, optimizer
+        if optimizer is None:
+            return module.optimize(model, dtype=self.autocast_dtype), None
+        return module.optimize(model, optimizer=optimizer, dtype=self.autocast_dtype)

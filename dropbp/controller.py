@@ -8,19 +8,27 @@ consults that decision when it is called.
 
 from __future__ import annotations
 
+import logging
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
+from . import sensitivity
 from .adapters import Branch, find_branches
+from .allocation import allocate_rates
+from .backends import Backend
+from .backends import get as get_backend
 from .execution import attach_no_grad_hooks
 from .sampler import PatternSampler, check_rates, max_total_rate
 
 __all__ = ["DropBPController", "apply"]
+
+log = logging.getLogger("dropbp")
 
 # Modules (models and branch modules) that already carry a controller: applying twice would stack
 # hooks and make two samplers fight over one model.
@@ -56,15 +64,21 @@ class DropBPController:
         drop_rate: float,
         seed: int,
         max_patterns: int | None,
+        backend: Backend,
     ) -> None:
         self._model = model
         self._branches = branches
+        #: The device backend whose step boundaries :meth:`backward` and :meth:`optimizer_step` place.
+        self.backend = backend
         self.drop_rate = drop_rate
         self.seed = seed
         self.max_patterns = max_patterns
         self._step = 0
         self._dropped: frozenset[int] = frozenset()
+        self._forced: frozenset[int] | None = None
         self._last_dropped: tuple[str, ...] = ()
+        self._branch_params = [list(b.module.parameters()) for b in branches]
+        self._tally = [0, 0, 0.0]  # forwards, branches dropped, branch FLOPs dropped (since last read)
         self._sampler = PatternSampler([drop_rate] * len(branches), seed, max_patterns)
         for b in branches:
             b.rate = drop_rate
@@ -80,11 +94,45 @@ class DropBPController:
         return lambda: index in self._dropped
 
     def _on_model_forward(self, model: nn.Module, args: tuple) -> None:
+        if self._forced is not None:
+            self._dropped = self._forced  # calibration passes: a given pattern, no step taken
+            return
         if not (model.training and torch.is_grad_enabled()):
             return  # eval or no-grad forwards drop nothing and leave the step's decision alone
-        self._dropped = self._sampler.pattern(self._step)
+        self._dropped = self._pattern(self._step)
         self._step += 1
         self._last_dropped = tuple(self._branches[i].name for i in sorted(self._dropped))
+        self._tally[0] += 1
+        self._tally[1] += len(self._dropped)
+        self._tally[2] += sum(self._branches[i].flops for i in self._dropped)
+
+    def _pattern(self, step: int) -> frozenset[int]:
+        return self._keep_a_trainable_branch(self._sampler.pattern(step))
+
+    def _keep_a_trainable_branch(self, pattern: frozenset[int]) -> frozenset[int]:
+        """Never drop every branch that holds trainable parameters when nothing else is trainable
+        (LoRA on attention only, say): the loss would have no gradient and ``backward()`` would raise.
+        In such a step the trainable branch with the lowest rate (then the first) is kept; this is
+        rare (every trainable branch drawn at once) and stays a pure function of (seed, step)."""
+        if not pattern:
+            return pattern
+        trainable = [i for i, ps in enumerate(self._branch_params) if any(p.requires_grad for p in ps)]
+        if not trainable or not pattern.issuperset(trainable):
+            return pattern
+        inside = {id(p) for ps in self._branch_params for p in ps}
+        if any(p.requires_grad and id(p) not in inside for p in self._model.parameters()):
+            return pattern  # e.g. embeddings or a head still receive a gradient
+        return pattern - {min(trainable, key=lambda i: (self._branches[i].rate, i))}
+
+    @contextmanager
+    def _force(self, pattern: frozenset[int]) -> Iterator[None]:
+        previous = self._dropped
+        self._forced = pattern
+        try:
+            yield
+        finally:
+            self._forced = None
+            self._dropped = previous
 
     # -- public contract -------------------------------------------------------------------------
     @property
@@ -117,7 +165,78 @@ class DropBPController:
     def dropped_at(self, step: int) -> tuple[str, ...]:
         """Names of the branches that drop at ``step`` (a pure function of seed, step and rates)."""
         _check_int("step", step, 0)
-        return tuple(self._branches[i].name for i in sorted(self._sampler.pattern(step)))
+        return tuple(self._branches[i].name for i in sorted(self._pattern(step)))
+
+    def calibrate(
+        self,
+        closure: Callable[[], torch.Tensor],
+        *,
+        gradnorm: bool = True,
+        method: str = "one-pass",
+        min_rate: float = 0.0,
+        max_rate: float = 0.9,
+    ) -> list[float]:
+        """Measure each branch's sensitivity and set the rates by :func:`dropbp.allocate_rates`.
+
+        ``closure()`` runs a forward on one fixed batch and returns the scalar loss (no backward).
+        Returns the sensitivities in branch order. ``method="one-pass"`` (default) gets them from a
+        single forward; ``"exact-recompute"`` is the research code's N + 1 passes, reseeded alike
+        (used instead, with a logged warning, under re-entrant activation checkpointing, which
+        rebuilds layer graphs only inside backward).
+        Nothing drops during calibration and the step counter does not move. The model's ``.grad``
+        are left exactly as they were (gradients are computed with ``torch.autograd.grad``) and its
+        train/eval modes are restored. With ``torch.distributed`` initialised, the sensitivities
+        are averaged over ranks, so every rank ends with identical rates.
+        """
+        self._check_attached()
+        if not callable(closure):
+            raise TypeError(f"closure must be callable and return the loss, got {type(closure).__name__}")
+        if method not in sensitivity.CALIBRATION_METHODS:
+            raise ValueError(f"method must be one of {sensitivity.CALIBRATION_METHODS}, got {method!r}")
+        params = [p for p in self._model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("calibrate: the model has no trainable parameters (requires_grad=True)")
+        boundary = self.backend.graph_break  # lazy devices: one graph per pass, not one for all
+        modes = {m: m.training for m in self._model.modules()}
+        self._model.train()
+        try:
+            sens = None
+            if method == "one-pass":
+                modules = [b.module for b in self._branches]
+                try:
+                    sens = sensitivity.one_pass(closure, params, modules, self._force, gradnorm, boundary)
+                except sensitivity.OnePassUnavailable as why:
+                    log.warning("dropbp: calibrate falls back to exact-recompute (N + 1 passes): %s", why)
+            if sens is None:
+                n = len(self._branches)
+                sens = sensitivity.exact_recompute(closure, params, n, self._force, gradnorm, boundary)
+        finally:
+            for module, training in modes.items():
+                module.training = training
+        sens = sensitivity.average_across_ranks(sens, params[0].device)
+        flops = [b.flops for b in self._branches]
+        rates = allocate_rates(sens, flops, self.drop_rate, min_rate=min_rate, max_rate=max_rate)
+        try:
+            self.set_rates(rates)
+        except ValueError as err:
+            raise ValueError(
+                f"calibrate: the allocated rates cannot be used ({err}); lower max_rate"
+            ) from err
+        return sens
+
+    def drop_stats(self, reset: bool = True) -> dict[str, float]:
+        """What was dropped over the training forwards since the last reset: their number, the mean
+        number of branches dropped per forward, and the mean fraction of branch FLOPs dropped."""
+        forwards, dropped, flops = self._tally
+        total_flops = sum(b.flops for b in self._branches)
+        stats = {
+            "forwards": float(forwards),
+            "dropped_branches": dropped / forwards if forwards else 0.0,
+            "dropped_flops_fraction": flops / (forwards * total_flops) if forwards else 0.0,
+        }
+        if reset:
+            self._tally = [0, 0, 0.0]
+        return stats
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue with the same patterns: rates, seed, step counter."""
@@ -155,6 +274,30 @@ class DropBPController:
         self.set_rates(state["rates"])
         self._step = _check_int("step", state["step"], 0)
 
+    def backward(self, loss: torch.Tensor) -> bool:
+        """``loss.backward()`` then the backend's step boundary (a graph break on lazy devices).
+
+        Returns False, without raising, when ``loss`` needs no gradient (no trainable parameter took
+        part in the forward, e.g. a frozen model or a loss made under ``torch.no_grad``), where
+        ``loss.backward()`` would raise. The boundary is placed either way, so a lazy device still
+        runs the forward it recorded. For hand-written loops: trainers that already place their own
+        breaks (Hugging Face ``Trainer``, optimum-habana ``GaudiTrainer``) need neither this nor
+        :meth:`optimizer_step`, and the controller never places a break by itself, so none is doubled.
+        """
+        needs_grad = loss.requires_grad
+        if needs_grad:
+            loss.backward()
+        self.backend.after_backward()
+        return needs_grad
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.step()`` then the backend's step boundary; ``zero_grad`` stays with the caller.
+
+        (Named so because :attr:`step` is the step counter.)
+        """
+        optimizer.step()
+        self.backend.after_optimizer_step()
+
     def remove(self) -> None:
         """Detach from the model: every hook is removed and the model is exactly as before."""
         if self._removed:
@@ -189,6 +332,7 @@ def apply(
     branches: Sequence[str] | None = None,
     max_patterns: int | None = None,
     seq_len: int = 512,
+    backend: str | Backend | None = None,
 ) -> DropBPController:
     """Attach DropBP to ``model``: each training step drops the backward of random residual branches.
 
@@ -196,7 +340,11 @@ def apply(
     make them differ). ``seed`` fixes the patterns: they are a function of (seed, step), identical on
     every process. ``branches`` names the branch modules of a model that is not a recognised Hugging
     Face architecture. ``max_patterns`` bounds how many distinct patterns ever occur (for compiled
-    graphs). ``seq_len`` is the typical sequence length, used only to weigh attention FLOPs.
+    graphs); left ``None``, the backend's default applies (a bound on lazily compiled devices).
+    ``seq_len`` is the typical sequence length, used only to weigh attention FLOPs. ``backend`` is a
+    backend name or instance (default :func:`dropbp.backends.get`: ``DROPBP_BACKEND``, else detected);
+    it is ``ctl.backend``, whose step boundaries :meth:`DropBPController.backward` and
+    :meth:`DropBPController.optimizer_step` place.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -205,6 +353,12 @@ def apply(
     if max_patterns is not None:
         max_patterns = _check_int("max_patterns", max_patterns, 1)
     seq_len = _check_int("seq_len", seq_len, 1)
+    if backend is None or isinstance(backend, str):
+        backend = get_backend(backend)
+    elif not isinstance(backend, Backend):
+        raise TypeError(f"backend must be a name, a Backend or None, got {type(backend).__name__}")
+    if max_patterns is None:
+        max_patterns = backend.default_max_patterns
     if branches is not None and not isinstance(branches, (list, tuple)):
         raise TypeError(f"branches must be a list of module names, got {type(branches).__name__}")
     found = find_branches(model, None if branches is None else list(branches), seq_len)
@@ -221,4 +375,4 @@ def apply(
             f"drop_rate={drop_rate} with {n} branches would drop every branch in some steps, leaving "
             f"nothing to train; with {n} branches drop_rate must be at most {largest}"
         )
-    return DropBPController(model, found, p, seed, max_patterns)
+    return DropBPController(model, found, p, seed, max_patterns, backend)

@@ -9,7 +9,10 @@ every branch.
 
 With ``max_patterns=K`` the sampler draws from a pool of ``K`` patterns instead, built with one order
 and the stratified offsets ``(k + v) / K``: across the pool branch ``i`` drops in
-``floor(K * r_i)`` or ``ceil(K * r_i)`` patterns, so cycling through the pool (shuffled every ``K``
+``floor(K * r_i)`` or ``ceil(K * r_i)`` patterns and each pattern drops ``floor(R)`` or ``ceil(R)``
+branches. That layout alone repeats few patterns (at uniform rates, every other branch of the one
+order), so random swaps that keep every row and column count (pattern a drops i but not j, pattern
+b drops j but not i: exchange) then mix the pool. Cycling through the pool (shuffled every ``K``
 steps) keeps each branch's frequency within ``1 / K`` of its rate. Compiled-graph backends need this
 bound: each distinct pattern is a distinct graph.
 
@@ -23,6 +26,10 @@ import random
 from collections.abc import Sequence
 
 __all__ = ["PatternSampler", "check_rates", "max_total_rate"]
+
+
+# Swap attempts per pool cell: enough for the pool to look random (the chain mixes in O(cells) swaps).
+_SWAPS_PER_CELL = 8
 
 
 def max_total_rate(num_branches: int) -> int:
@@ -65,7 +72,15 @@ class PatternSampler:
         order = list(range(len(self.rates)))
         rng.shuffle(order)
         v = rng.random()
-        return tuple(_systematic(self.rates, order, (j + v) / k) for j in range(k))
+        pool = [set(_systematic(self.rates, order, (j + v) / k)) for j in range(k)]
+        n = len(self.rates)
+        for _ in range(_SWAPS_PER_CELL * k * n):
+            a, b = rng.randrange(k), rng.randrange(k)
+            i, j = rng.randrange(n), rng.randrange(n)
+            if i in pool[a] and j not in pool[a] and j in pool[b] and i not in pool[b]:
+                pool[a] ^= {i, j}
+                pool[b] ^= {i, j}
+        return tuple(frozenset(p) for p in pool)
 
     def pattern(self, step: int) -> frozenset[int]:
         """Indices of the branches dropped at ``step``."""

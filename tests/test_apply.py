@@ -230,3 +230,21 @@ def test_applying_twice_is_refused_and_removed_controller_is_inert():
     ctl.remove()  # idempotent
     with pytest.raises(RuntimeError, match="was removed"):
         ctl.set_rates([0.1] * 6)
+
+
+def test_never_drops_every_trainable_branch():
+    peft = pytest.importorskip("peft")
+    base = tiny_model("llama", layers=2)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).train()
+    ctl = dropbp.apply(model, 0.5, seed=1)
+    attention = {b.name for b in ctl.branches if b.kind == "attn"}
+    raw_all_attention = 0
+    for step in range(200):
+        if attention <= {ctl.branches[i].name for i in ctl._sampler.pattern(step)}:
+            raw_all_attention += 1
+        ids = batch(step % 5)
+        loss = model(input_ids=ids, labels=ids).loss
+        assert loss.requires_grad, f"step {step}: every trainable branch dropped"
+        assert not attention <= set(ctl.last_dropped)
+        model.zero_grad()
+    assert raw_all_attention > 10  # the guard was needed, not just lucky

@@ -87,3 +87,9 @@ def test_zero_rates_never_drop():
 def test_bad_rates_are_named(rates, error, match):
     with pytest.raises(error, match=match):
         check_rates(rates, 2)
+
+
+def test_pattern_pool_is_diverse():
+    """The pool uses its bound: not just the two alternating patterns of one systematic layout."""
+    for rates in ([0.5] * 16, [0.875] * 16, [0.3, 0.7] * 8):
+        assert PatternSampler(rates, seed=0, max_patterns=16).distinct_patterns() >= 12

@@ -1,0 +1,60 @@
+"""XPU (Intel GPUs) through upstream ``torch.xpu`` (PyTorch >= 2.5); no IPEX: its development stopped.
+
+Eager kernels, like CUDA: no pattern bound, no graph breaks, and a dropped branch's temporaries go
+back to the XPU caching allocator when it returns (the core runs it under ``torch.no_grad()``).
+Collectives use ``xccl`` (upstream since PyTorch 2.7).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Backend
+from .timing import EventTimer
+
+_INSTALL = (
+    "install the XPU build of PyTorch (pip install torch --index-url https://download.pytorch.org/whl/xpu) "
+    "and the Intel GPU driver"
+)
+
+
+class XPUBackend(Backend):
+    name = "xpu"
+    distributed_backend = "xccl"
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        xpu = getattr(torch, "xpu", None)
+        if xpu is None:
+            return f"this PyTorch ({torch.__version__}) has no torch.xpu; {_INSTALL}"
+        if not xpu._is_compiled():
+            return f"this PyTorch ({torch.__version__}) was built without XPU support; {_INSTALL}"
+        if not xpu.is_available():
+            return (
+                f"PyTorch {torch.__version__} has XPU support but sees no Intel GPU "
+                "(torch.xpu.is_available() is False); check the Intel GPU driver (xpu-smi)"
+            )
+        return None
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("xpu", torch.xpu.current_device())
+
+    @property
+    def autocast_dtype(self) -> torch.dtype:
+        return torch.bfloat16
+
+    def synchronize(self) -> None:
+        torch.xpu.synchronize()
+
+    def timer(self) -> EventTimer:
+        return EventTimer(torch.xpu)
+
+    def memory_allocated(self) -> int:
+        return torch.xpu.memory_allocated()
+
+    def max_memory_allocated(self) -> int:
+        return torch.xpu.max_memory_allocated()
+
+    def reset_peak_memory(self) -> None:
+        torch.xpu.reset_peak_memory_stats()

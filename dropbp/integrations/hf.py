@@ -1,0 +1,152 @@
+"""DropBP for a Hugging Face ``transformers.Trainer`` (and ``trl.SFTTrainer``, a Trainer subclass).
+
+    from dropbp.integrations.hf import attach
+    trainer = SFTTrainer(model=model, args=args, train_dataset=data)
+    attach(trainer, drop_rate=0.5)      # before trainer.train()
+    trainer.train()
+
+``attach`` applies DropBP to ``trainer.model`` and adds a callback that
+- calibrates once, at ``calibrate_at`` of training (default 10%), on the first batch of the training
+  data with the trainer's own ``compute_loss`` (one forward; see ``DropBPController.calibrate``),
+- logs the calibrated rates and, at every logging step, the drop figures since the last log
+  (``dropbp/dropped_branches`` per forward, ``dropbp/dropped_flops_fraction``) through
+  ``trainer.log``, so they reach the console, ``log_history`` and every report integration,
+- saves the controller state (rates, seed, step counter, whether calibrated) as
+  ``dropbp_state.json`` in each checkpoint folder and restores it when training resumes (from
+  ``output_dir/checkpoint-<step>`` or ``args.resume_from_checkpoint``), so a resumed run continues
+  with exactly the patterns of an uninterrupted one.
+
+Gradient accumulation: a new pattern is drawn for every micro-batch (each training forward), not
+once per optimizer step, so the accumulated gradient averages over several sub-networks.
+No step can fail because every trainable branch dropped (``DropBPController`` guarantees it).
+The trainer places its own step boundaries; nothing here adds graph breaks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from .. import apply
+from ..controller import DropBPController
+
+__all__ = ["STATE_FILE", "DropBPCallback", "attach"]
+
+log = logging.getLogger("dropbp")
+
+STATE_FILE = "dropbp_state.json"
+
+
+class DropBPCallback(TrainerCallback):
+    """Calibration, logging and checkpointing of a :class:`DropBPController` inside a Trainer."""
+
+    def __init__(self, trainer: Trainer, controller: DropBPController, calibrate_at: float | None) -> None:
+        self.trainer = trainer
+        self.controller = controller
+        self.calibrate_at = calibrate_at
+        self.calibrated = False
+
+    def _calibration_step(self, state: TrainerState) -> int | None:
+        if self.calibrate_at is None or self.calibrated:
+            return None
+        return int(self.calibrate_at * state.max_steps)
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ):
+        if state.global_step == 0:
+            return
+        folders = [os.path.join(args.output_dir, f"checkpoint-{state.global_step}")]
+        if isinstance(args.resume_from_checkpoint, str):
+            folders.insert(0, args.resume_from_checkpoint)
+        path = next((p for p in (os.path.join(d, STATE_FILE) for d in folders) if os.path.isfile(p)), None)
+        if path is None:
+            log.warning(
+                "dropbp: resuming at step %d but no %s in %s; drop patterns restart from this "
+                "controller's state and will differ from an uninterrupted run",
+                state.global_step,
+                STATE_FILE,
+                " or ".join(folders),
+            )
+            return
+        with open(path) as f:
+            saved = json.load(f)
+        self.controller.load_state_dict(saved["controller"])
+        self.calibrated = saved["calibrated"]
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any):
+        if state.global_step != self._calibration_step(state):
+            return
+        batch = next(iter(self.trainer.get_train_dataloader()))
+        inputs = self.trainer._prepare_inputs(batch)
+        model = self.trainer.model
+        self.controller.calibrate(lambda: self.trainer.compute_loss(model, inputs))
+        self.calibrated = True
+        rates = self.controller.rates
+        log.info("dropbp: calibrated at step %d; rates %s", state.global_step, [round(r, 2) for r in rates])
+        self.trainer.log(
+            {
+                "dropbp/rate_mean": sum(rates) / len(rates),
+                "dropbp/rate_min": min(rates),
+                "dropbp/rate_max": max(rates),
+                **{f"dropbp/rate/{i}": r for i, r in enumerate(rates)},
+            }
+        )
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any):
+        if control.should_log:
+            stats = self.controller.drop_stats(reset=True)
+            self.trainer.log(
+                {
+                    "dropbp/dropped_branches": stats["dropped_branches"],
+                    "dropbp/dropped_flops_fraction": stats["dropped_flops_fraction"],
+                }
+            )
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any):
+        if not state.is_world_process_zero:
+            return
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, STATE_FILE), "w") as f:
+            json.dump({"controller": self.controller.state_dict(), "calibrated": self.calibrated}, f)
+
+
+def attach(
+    trainer: Trainer,
+    drop_rate: float = 0.5,
+    *,
+    calibrate_at: float | None = 0.1,
+    seed: int | None = None,
+    branches: Sequence[str] | None = None,
+    max_patterns: int | None = None,
+) -> DropBPCallback:
+    """Attach DropBP to ``trainer.model`` and register its callback; call before ``trainer.train()``.
+
+    ``calibrate_at``: fraction of the training steps at which sensitivities are measured and the
+    rates allocated (``None``: keep uniform rates). ``seed`` defaults to ``trainer.args.seed``.
+    Returns the callback; its ``controller`` is the :class:`DropBPController`.
+    """
+    if not isinstance(trainer, Trainer):
+        raise TypeError(f"trainer must be a transformers.Trainer, got {type(trainer).__name__}")
+    if calibrate_at is not None and (
+        isinstance(calibrate_at, bool)
+        or not isinstance(calibrate_at, (int, float))
+        or not 0 <= calibrate_at < 1
+    ):
+        raise ValueError(f"calibrate_at must be a fraction in [0, 1) or None, got {calibrate_at!r}")
+    controller = apply(
+        trainer.model,
+        drop_rate,
+        seed=trainer.args.seed if seed is None else seed,
+        branches=branches,
+        max_patterns=max_patterns,
+    )
+    callback = DropBPCallback(trainer, controller, calibrate_at)
+    trainer.add_callback(callback)
+    return callback

@@ -1,0 +1,260 @@
+"""Branch sensitivities (mission.md section 4), from ONE forward pass.
+
+S_i = sum over trainable parameters P of (||g_P|| - ||g_P^(i)||)^2, where g is the gradient with
+nothing dropped and g^(i) the gradient with only branch i dropped (``gradnorm=False``: the squared
+norm of the whole difference, sum ||g_P - g_P^(i)||^2).
+
+The research code runs N + 1 forward+backward passes. For a fixed forward the backward is linear in
+the incoming gradient, and dropping branch i changes only one thing: the gradient ``d_i`` arriving at
+the branch output ``y_i`` is no longer propagated into the branch. Everything downstream of ``y_i``
+is untouched, so
+
+    g^(i) = g - c^(i),    c^(i) = vector-Jacobian product of y_i with d_i, w.r.t. the parameters,
+
+and ``c^(i)`` is a backward pass that starts at ``y_i`` and only covers the graph upstream of it.
+One forward, one full backward, and N partial backwards: no forward is ever repeated, the
+randomness (dropout) is the same for every branch by construction, and ``.grad`` is never touched.
+The brute-force method is kept (``exact_recompute``) to check against.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+__all__ = ["CALIBRATION_METHODS", "OnePassUnavailable", "average_across_ranks", "exact_recompute", "one_pass"]
+
+Closure = Callable[[], torch.Tensor]
+ForcePattern = Callable[[frozenset[int]], object]  # context manager factory: drop exactly these
+Boundary = Callable[[], None]  # the backend's graph break (lazy devices); called after each backward
+
+CALIBRATION_METHODS = ("one-pass", "exact-recompute")
+
+
+def _draw_seed() -> int:
+    return int(torch.randint(0, 2**62, ()).item())
+
+
+def _reseed(seed: int) -> None:
+    """Seed torch (every device's generator) and Python's ``random``: dropout masks, and anything
+    else random in the closure, come out the same in every pass that starts here."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+
+
+def _checked_loss(closure: Closure) -> torch.Tensor:
+    loss = closure()
+    if not torch.is_tensor(loss) or loss.numel() != 1:
+        got = type(loss).__name__
+        raise TypeError(f"the calibration closure must return a scalar loss tensor, got {got}")
+    if not loss.requires_grad:
+        raise ValueError("the calibration loss does not require grad: the model has no trainable parameters")
+    return loss
+
+
+class _Tap(torch.autograd.Function):
+    """Identity that records the gradient arriving from OUTSIDE a branch: the adjoint ``d_i``.
+
+    (The gradient w.r.t. the branch's own output tensor would also count uses inside the branch:
+    attention returns its weights, from which its output was computed.) The output is a copy, so
+    later in-place ops on it cannot reach back into the branch.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, slot: list) -> torch.Tensor:
+        ctx.slot = slot
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.slot[0] = grad if ctx.slot[0] is None else ctx.slot[0] + grad
+        return grad, None
+
+
+class _BranchOutput:
+    """A branch output tensor and the gradient that reached it from downstream."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.slot: list[torch.Tensor | None] = [None]
+
+    def tapped(self) -> torch.Tensor:
+        return _Tap.apply(self.tensor, self.slot)
+
+
+class OnePassUnavailable(RuntimeError):
+    """A branch ran without autograd during the calibration forward (re-entrant activation
+    checkpointing runs layers under no_grad and rebuilds their graph only inside backward), so its
+    output graph cannot be reused; the brute-force method still works."""
+
+
+class _Capture:
+    def __init__(self, num_branches: int) -> None:
+        self.outputs: list[list[_BranchOutput]] = [[] for _ in range(num_branches)]
+        self.ran_without_grad = False
+
+
+def _tap_outputs(capture: _Capture, index: int):
+    store = capture.outputs[index]
+
+    def hook(module: nn.Module, args: tuple, output: object) -> object:
+        if not torch.is_grad_enabled():
+            capture.ran_without_grad = True
+            return None
+        items = output if isinstance(output, tuple) else (output,)
+        new = []
+        for item in items:
+            if torch.is_tensor(item) and item.requires_grad:
+                store.append(_BranchOutput(item))
+                item = store[-1].tapped()
+            new.append(item)
+        return tuple(new) if isinstance(output, tuple) else new[0]
+
+    return hook
+
+
+def _norm(t: torch.Tensor) -> torch.Tensor:
+    """L2 norm accumulated in at least float32 (bf16/fp16 gradients would lose the differences)."""
+    return torch.linalg.vector_norm(t, dtype=torch.promote_types(t.dtype, torch.float32))
+
+
+class _FullGradient:
+    """The gradient with nothing dropped, with its per-parameter norms computed once."""
+
+    def __init__(self, grads: Sequence[torch.Tensor | None]) -> None:
+        self.grads = grads
+        self.norms = [None if g is None else _norm(g) for g in grads]
+
+    def sensitivity(self, change: Sequence[torch.Tensor | None], gradnorm: bool) -> float:
+        """S for one branch, from the change ``c = g - g^(i)`` (None: the parameter is unaffected).
+
+        Terms stay on the device and are summed once, so a GPU synchronises once per branch."""
+        terms = []
+        for g, g_norm, c in zip(self.grads, self.norms, change, strict=True):
+            if c is None or g is None:
+                continue
+            # c is this pass's own buffer: ||g - c|| = ||c - g||, computed in place (no new tensor)
+            terms.append((g_norm - _norm(c.sub_(g))).square() if gradnorm else _norm(c).square())
+        return float(torch.stack([t.double().cpu() for t in terms]).sum()) if terms else 0.0
+
+
+@contextmanager
+def _capture_outputs(modules: Sequence[nn.Module]) -> Iterator[_Capture]:
+    capture = _Capture(len(modules))
+    handles = [m.register_forward_hook(_tap_outputs(capture, i)) for i, m in enumerate(modules)]
+    try:
+        yield capture
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextmanager
+def _stashed_grads(params: Sequence[nn.Parameter]) -> Iterator[None]:
+    """Set ``.grad`` aside for the duration and put it back exactly afterwards."""
+    saved = [p.grad for p in params]
+    try:
+        yield
+    finally:
+        for p, g in zip(params, saved, strict=True):
+            p.grad = g
+
+
+def _gradient(
+    outputs: Sequence[torch.Tensor],
+    grad_outputs: Sequence[torch.Tensor] | None,
+    params: Sequence[nn.Parameter],
+    retain_graph: bool,
+    boundary: Boundary,
+) -> list[torch.Tensor | None]:
+    """Parameter gradients of one backward pass, read from ``.grad`` (inside ``_stashed_grads``).
+
+    ``.backward()`` rather than ``torch.autograd.grad``: re-entrant activation checkpointing (a
+    common Hugging Face setting) supports only the former.
+    """
+    for p in params:
+        p.grad = None
+    torch.autograd.backward(outputs, grad_outputs, retain_graph=retain_graph)
+    boundary()
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    return grads
+
+
+def one_pass(
+    closure: Closure,
+    params: Sequence[nn.Parameter],
+    branch_modules: Sequence[nn.Module],
+    force: ForcePattern,
+    gradnorm: bool,
+    boundary: Boundary,
+) -> list[float]:
+    """Sensitivities of every branch from one forward (see the module docstring)."""
+    _reseed(_draw_seed())  # the same randomness as the first pass of exact_recompute
+    # The pattern stays forced through the backward passes too: activation checkpointing re-runs
+    # branch forwards there, and they must see the same (empty) pattern as the forward did.
+    with _stashed_grads(params), force(frozenset()):
+        with _capture_outputs(branch_modules) as capture:
+            loss = _checked_loss(closure)
+        if capture.ran_without_grad:
+            raise OnePassUnavailable("a branch ran under no_grad (re-entrant activation checkpointing?)")
+        full = _FullGradient(_gradient([loss], None, params, retain_graph=True, boundary=boundary))
+        result = []
+        for outs in capture.outputs:
+            reached = [o for o in outs if o.slot[0] is not None]
+            if not reached:
+                result.append(0.0)  # the branch's output does not reach the loss
+                continue
+            tensors, incoming = [o.tensor for o in reached], [o.slot[0] for o in reached]
+            change = _gradient(tensors, incoming, params, retain_graph=True, boundary=boundary)
+            result.append(full.sensitivity(change, gradnorm))
+    return result
+
+
+def exact_recompute(
+    closure: Closure,
+    params: Sequence[nn.Parameter],
+    num_branches: int,
+    force: ForcePattern,
+    gradnorm: bool,
+    boundary: Boundary,
+) -> list[float]:
+    """The research code's method: N + 1 forward/backward passes, reseeded identically each time."""
+    seed = _draw_seed()
+
+    def gradient(pattern: frozenset[int]) -> list[torch.Tensor | None]:
+        _reseed(seed)
+        with force(pattern):  # forward and backward: checkpointing recomputes under the pattern
+            loss = _checked_loss(closure)
+            return _gradient([loss], None, params, retain_graph=False, boundary=boundary)
+
+    with _stashed_grads(params):
+        full = _FullGradient(gradient(frozenset()))
+        result = []
+        for i in range(num_branches):
+            dropped = gradient(frozenset({i}))
+            change = [
+                None if g is None else (g.clone() if d is None else g - d)
+                for g, d in zip(full.grads, dropped, strict=True)
+            ]
+            result.append(full.sensitivity(change, gradnorm))
+    return result
+
+
+def average_across_ranks(values: list[float], device: torch.device) -> list[float]:
+    """The mean over ``torch.distributed`` ranks, identical on every rank (rank 0's copy is
+    broadcast, so no rank can differ by a rounding); unchanged without an initialised group."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return values
+    dist = torch.distributed
+    where = torch.device("cpu") if dist.get_backend() == "gloo" else device
+    t = torch.tensor(values, dtype=torch.float64, device=where)
+    dist.all_reduce(t)
+    t /= dist.get_world_size()
+    dist.broadcast(t, src=0)
+    return t.tolist()

@@ -1,0 +1,168 @@
+"""dropbp.integrations.hf with a real transformers.Trainer and trl.SFTTrainer (tiny llama + LoRA)."""
+
+from __future__ import annotations
+
+import pydoc_data.topics
+
+import pytest
+import torch
+from conftest import VOCAB, tiny_model, with_lora
+
+transformers = pytest.importorskip("transformers")
+from dropbp.integrations.hf import STATE_FILE, attach  # noqa: E402
+
+SEQ = 32
+
+
+def _token_ids(n: int) -> list[list[int]]:
+    """Byte-level ids of Python's own documentation, in the tiny vocabulary."""
+    text = "".join(pydoc_data.topics.topics.values()).encode()
+    ids = [3 + b % (VOCAB - 3) for b in text[: n * SEQ]]
+    return [ids[i * SEQ : (i + 1) * SEQ] for i in range(n)]
+
+
+def _dataset(n: int = 64) -> list[dict]:
+    return [{"input_ids": torch.tensor(x), "labels": torch.tensor(x)} for x in _token_ids(n)]
+
+
+def _args(tmp_path, **kw) -> transformers.TrainingArguments:
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=2,
+        max_steps=20,
+        learning_rate=1e-3,
+        logging_steps=5,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+    )
+    base.update(kw)
+    return transformers.TrainingArguments(**base)
+
+
+def _trainer(tmp_path, **kw) -> transformers.Trainer:
+    return transformers.Trainer(
+        model=with_lora(tiny_model("llama", layers=4)),
+        args=_args(tmp_path, **kw),
+        train_dataset=_dataset(),
+        data_collator=transformers.default_data_collator,
+    )
+
+
+def _count_calibrations(callback) -> list[int]:
+    calls: list[int] = []
+    original = callback.controller.calibrate
+
+    def counted(*a, **k):
+        calls.append(callback.controller.step)
+        return original(*a, **k)
+
+    callback.controller.calibrate = counted
+    return calls
+
+
+def _check_logs(history: list[dict]) -> None:
+    rates = [h for h in history if "dropbp/rate_mean" in h]
+    drops = [h for h in history if "dropbp/dropped_branches" in h]
+    assert len(rates) == 1 and rates[0]["step"] == 2  # 10% of 20 steps
+    assert len(drops) == 4  # every logging step (5, 10, 15, 20)
+    assert all(0 < h["dropbp/dropped_branches"] < 8 for h in drops)
+    assert all(0 < h["dropbp/dropped_flops_fraction"] < 1 for h in drops)
+
+
+def test_trainer_calibrates_once_and_logs(tmp_path):
+    trainer = _trainer(tmp_path)
+    callback = attach(trainer, drop_rate=0.5)
+    calls = _count_calibrations(callback)
+    trainer.train()
+    assert len(calls) == 1 and callback.calibrated
+    assert callback.controller.step == 20  # one pattern per training forward
+    _check_logs(trainer.state.log_history)
+
+
+def test_sft_trainer_calibrates_once_and_logs(tmp_path):
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {f"<{i}>": i for i in range(VOCAB)}
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<3>")),
+        pad_token="<0>",
+        eos_token="<2>",
+    )
+    data = datasets.Dataset.from_dict({"input_ids": _token_ids(64)})
+    config = trl.SFTConfig(**_args(tmp_path).to_dict() | {"max_length": SEQ, "packing": False})
+    trainer = trl.SFTTrainer(
+        model=with_lora(tiny_model("llama", layers=4)), args=config, train_dataset=data, processing_class=tok
+    )
+    callback = attach(trainer, drop_rate=0.5)
+    calls = _count_calibrations(callback)
+    trainer.train()
+    assert len(calls) == 1
+    _check_logs(trainer.state.log_history)
+
+
+def _record_patterns(callback) -> list[tuple[str, ...]]:
+    seen: list[tuple[str, ...]] = []
+    model = callback.trainer.model
+
+    def record(module, args, output):
+        if module.training and torch.is_grad_enabled() and callback.controller._forced is None:
+            seen.append(callback.controller.last_dropped)
+
+    model.register_forward_hook(record)
+    return seen
+
+
+def test_resume_continues_the_same_patterns(tmp_path):
+    kw = dict(save_strategy="steps", save_steps=10, output_dir=str(tmp_path / "run"))
+    full = _trainer(tmp_path, **kw)
+    full_cb = attach(full, drop_rate=0.5)
+    full_patterns = _record_patterns(full_cb)
+    full.train()
+    assert (tmp_path / "run" / "checkpoint-10" / STATE_FILE).is_file()
+
+    resumed = _trainer(tmp_path, **kw)
+    resumed_cb = attach(resumed, drop_rate=0.5, seed=123)  # the saved seed must win
+    resumed_patterns = _record_patterns(resumed_cb)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-10"))
+    assert len(full_patterns) == 20 and len(resumed_patterns) == 10
+    assert resumed_patterns == full_patterns[10:]
+    assert resumed_cb.controller.rates == full_cb.controller.rates
+    assert resumed_cb.controller.seed == 0
+
+
+def test_gradient_accumulation_draws_per_micro_batch(tmp_path):
+    trainer = _trainer(tmp_path, gradient_accumulation_steps=2, max_steps=5)
+    callback = attach(trainer, drop_rate=0.5, calibrate_at=None)
+    patterns = _record_patterns(callback)
+    trainer.train()
+    assert callback.controller.step == 10 and len(patterns) == 10
+    assert callback.controller.rates == [0.5] * 8  # no calibration asked for
+
+
+def test_lora_on_attention_only_never_crashes(tmp_path):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(
+        tiny_model("llama", layers=2), peft.LoraConfig(r=4, target_modules=["q_proj"])
+    )
+    trainer = transformers.Trainer(
+        model=model,
+        args=_args(tmp_path, max_steps=40),
+        train_dataset=_dataset(),
+        data_collator=transformers.default_data_collator,
+    )
+    attach(trainer, drop_rate=0.5, calibrate_at=None)
+    trainer.train()  # one step in six would drop both attention branches without the guard
+    assert trainer.state.global_step == 40
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(TypeError, match="trainer must be a transformers.Trainer, got object"):
+        attach(object())
+    with pytest.raises(ValueError, match="calibrate_at must be a fraction in"):
+        attach(_trainer(tmp_path), calibrate_at=2)
+    with pytest.raises(ValueError, match="drop_rate must be in"):
+        attach(_trainer(tmp_path), drop_rate=1.5)
