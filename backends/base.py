@@ -10,6 +10,7 @@ patterns where every pattern is its own compiled graph.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 
 import torch
@@ -76,6 +77,16 @@ class Backend(ABC):
         The optimizer stays valid: ``Module.to`` moves parameters in place.
         """
         return model.to(self.device), optimizer
+
+    def init_distributed(self) -> int:
+        """Join the job ``torchrun`` started: this process's device, then ``init_process_group`` with
+        :attr:`distributed_backend`; returns the rank. Call first (before building the model)."""
+        self._use_local_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.distributed.init_process_group(self.distributed_backend)
+        return torch.distributed.get_rank()
+
+    def _use_local_device(self, local_rank: int) -> None:
+        """Make device ``local_rank`` this process's device, where a host has several per process group."""
 
     def synchronize(self) -> None:
         """Wait until queued device work is done (before reading a clock)."""

@@ -37,6 +37,9 @@ class CUDABackend(Backend):
     def device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
 
+    def _use_local_device(self, local_rank: int) -> None:
+        torch.cuda.set_device(local_rank)
+
     @property
     def autocast_dtype(self) -> torch.dtype:
         """bf16 where the GPU has it (Ampere and later), else fp16."""

@@ -82,6 +82,11 @@ class HPUBackend(Backend):
     def device(self) -> torch.device:
         return torch.device("hpu")
 
+    def init_distributed(self) -> int:
+        """Registers the ``hccl`` collective backend (an import) before joining the job."""
+        importlib.import_module("habana_frameworks.torch.distributed.hccl")
+        return super().init_distributed()
+
     @property
     def autocast_dtype(self) -> torch.dtype:
         return torch.bfloat16

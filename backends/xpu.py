@@ -40,6 +40,9 @@ class XPUBackend(Backend):
     def device(self) -> torch.device:
         return torch.device("xpu", torch.xpu.current_device())
 
+    def _use_local_device(self, local_rank: int) -> None:
+        torch.xpu.set_device(local_rank)
+
     @property
     def autocast_dtype(self) -> torch.dtype:
         return torch.bfloat16

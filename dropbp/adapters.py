@@ -89,9 +89,7 @@ def branch_flops(module: nn.Module, kind: str, seq_len: int, attention_width: in
     for path, sub in module.named_modules():
         if next(sub.children(), None) is not None or _is_adapter_path(path):
             continue
-        if isinstance(getattr(sub, "in_features", None), int) and isinstance(
-            getattr(sub, "out_features", None), int
-        ):
+        if isinstance(getattr(sub, "in_features", None), int) and isinstance(getattr(sub, "out_features", None), int):
             weights += sub.in_features * sub.out_features
         elif type(sub).__name__ == "Conv1D" and getattr(sub, "weight", None) is not None:
             weights += sub.weight.numel()  # GPT-2's transposed linear

@@ -73,9 +73,7 @@ def allocate_rates(
     if not sens:
         raise ValueError("sensitivities is empty: there must be at least one branch")
     if len(sens) != len(fl):
-        raise ValueError(
-            f"sensitivities and flops must have one entry per branch, got {len(sens)} and {len(fl)}"
-        )
+        raise ValueError(f"sensitivities and flops must have one entry per branch, got {len(sens)} and {len(fl)}")
     drop_rate = _check_rate("drop_rate", drop_rate, 0.0, 1.0, high_inclusive=False)
     min_rate = _check_rate("min_rate", min_rate, 0.0, 1.0, high_inclusive=False)
     max_rate = _check_rate("max_rate", max_rate, min_rate, 1.0, high_inclusive=False)

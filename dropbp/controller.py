@@ -3,7 +3,9 @@
 The controller decides the drop pattern once per training-mode forward of the model it was applied
 to (a forward pre-hook on that model, before any branch runs) and keeps it until the next one, so
 activation-checkpointing recomputation during backward sees the same decision. Each branch module
-consults that decision when it is called.
+consults that decision when it is called; a dropped one inside a checkpointed region is not run again
+by the recomputation (:mod:`dropbp.recompute`). All these hooks run outside ``torch.compile`` graphs
+(:mod:`dropbp.compile`); a DDP wrapper is checked and unwrapped (:mod:`dropbp.distributed`).
 """
 
 from __future__ import annotations
@@ -23,8 +25,12 @@ from .adapters import Branch, find_branches
 from .allocation import allocate_rates
 from .backends import Backend
 from .backends import get as get_backend
+from .compile import outside_graphs
+from .distributed import check_ddp, check_running_ddp, check_running_ddp_checkpointing, unwrap
 from .execution import attach_no_grad_hooks
+from .recompute import RecomputeCache, in_backward
 from .sampler import PatternSampler, check_rates, max_total_rate
+from .scaling import attach_gradient_scaling
 
 __all__ = ["DropBPController", "apply"]
 
@@ -65,6 +71,7 @@ class DropBPController:
         seed: int,
         max_patterns: int | None,
         backend: Backend,
+        unbiased: bool = False,
     ) -> None:
         self._model = model
         self._branches = branches
@@ -73,6 +80,8 @@ class DropBPController:
         self.drop_rate = drop_rate
         self.seed = seed
         self.max_patterns = max_patterns
+        #: Scale the gradient entering each kept branch by 1 / (1 - rate) (see dropbp/scaling.py).
+        self.unbiased = unbiased
         self._step = 0
         self._dropped: frozenset[int] = frozenset()
         self._forced: frozenset[int] | None = None
@@ -82,9 +91,15 @@ class DropBPController:
         self._sampler = PatternSampler([drop_rate] * len(branches), seed, max_patterns)
         for b in branches:
             b.rate = drop_rate
-        self._handles = [model.register_forward_pre_hook(self._on_model_forward)]
+        self._recompute = RecomputeCache([b.module for b in branches])
+        self._handles = [
+            model.register_forward_pre_hook(self._on_model_forward),
+            model.register_forward_hook(self._after_model_forward, always_call=True),
+        ]
         for index, branch in enumerate(branches):
-            self._handles += attach_no_grad_hooks(branch.module, self._dropped_test(index))
+            cache = self._recompute.branches[index]
+            self._handles += attach_no_grad_hooks(branch.module, self._dropped_test(index), cache)
+            self._handles.append(attach_gradient_scaling(branch.module, self._scale_for(index)))
         for module in (model, *(b.module for b in branches)):
             _ATTACHED[module] = self
         self._removed = False
@@ -93,18 +108,41 @@ class DropBPController:
     def _dropped_test(self, index: int):
         return lambda: index in self._dropped
 
+    def _scale_for(self, index: int):
+        def scale(module: nn.Module) -> float:
+            if not self.unbiased or self._forced is not None or not module.training:
+                return 1.0  # calibration measures the plain gradients
+            if index in self._dropped:
+                return 1.0
+            return 1.0 / (1.0 - self._branches[index].rate)
+
+        return scale
+
+    @outside_graphs
     def _on_model_forward(self, model: nn.Module, args: tuple) -> None:
+        if in_backward():
+            return  # checkpointing recomputes the whole model: the step's decision stands
         if self._forced is not None:
             self._dropped = self._forced  # calibration passes: a given pattern, no step taken
+            self._recompute.begin_forward()
             return
         if not (model.training and torch.is_grad_enabled()):
             return  # eval or no-grad forwards drop nothing and leave the step's decision alone
         self._dropped = self._pattern(self._step)
+        if self._dropped:
+            check_running_ddp()  # a DDP wrapper added after apply() must cope with unused parameters
+        self._recompute.begin_forward()
         self._step += 1
         self._last_dropped = tuple(self._branches[i].name for i in sorted(self._dropped))
         self._tally[0] += 1
         self._tally[1] += len(self._dropped)
         self._tally[2] += sum(self._branches[i].flops for i in self._dropped)
+
+    @outside_graphs
+    def _after_model_forward(self, model: nn.Module, args: tuple, output: object) -> None:
+        self._recompute.end_forward()
+        if self._recompute.reentrant:
+            check_running_ddp_checkpointing()
 
     def _pattern(self, step: int) -> frozenset[int]:
         return self._keep_a_trainable_branch(self._sampler.pattern(step))
@@ -116,13 +154,20 @@ class DropBPController:
         rare (every trainable branch drawn at once) and stays a pure function of (seed, step)."""
         if not pattern:
             return pattern
-        trainable = [i for i, ps in enumerate(self._branch_params) if any(p.requires_grad for p in ps)]
-        if not trainable or not pattern.issuperset(trainable):
+
+        # Parameters are read at use: FSDP2 ``fully_shard`` after ``apply`` replaces them.
+        def trainable(i: int) -> bool:
+            return any(p.requires_grad for p in self._branches[i].module.parameters())
+
+        if any(trainable(i) for i in range(len(self._branches)) if i not in pattern):
             return pattern
-        inside = {id(p) for ps in self._branch_params for p in ps}
+        dropped = [i for i in pattern if trainable(i)]
+        if not dropped:
+            return pattern
+        inside = {id(p) for b in self._branches for p in b.module.parameters()}
         if any(p.requires_grad and id(p) not in inside for p in self._model.parameters()):
             return pattern  # e.g. embeddings or a head still receive a gradient
-        return pattern - {min(trainable, key=lambda i: (self._branches[i].rate, i))}
+        return pattern - {min(dropped, key=lambda i: (self._branches[i].rate, i))}
 
     @contextmanager
     def _force(self, pattern: frozenset[int]) -> Iterator[None]:
@@ -133,6 +178,7 @@ class DropBPController:
         finally:
             self._forced = None
             self._dropped = previous
+            self._recompute.clear()  # outputs held under the forced pattern are not the step's
 
     # -- public contract -------------------------------------------------------------------------
     @property
@@ -208,20 +254,15 @@ class DropBPController:
                 except sensitivity.OnePassUnavailable as why:
                     log.warning("dropbp: calibrate falls back to exact-recompute (N + 1 passes): %s", why)
             if sens is None:
-                n = len(self._branches)
-                sens = sensitivity.exact_recompute(closure, params, n, self._force, gradnorm, boundary)
+                modules = [b.module for b in self._branches]
+                sens = sensitivity.exact_recompute(closure, params, modules, self._force, gradnorm, boundary)
         finally:
             for module, training in modes.items():
                 module.training = training
         sens = sensitivity.average_across_ranks(sens, params[0].device)
         flops = [b.flops for b in self._branches]
         rates = allocate_rates(sens, flops, self.drop_rate, min_rate=min_rate, max_rate=max_rate)
-        try:
-            self.set_rates(rates)
-        except ValueError as err:
-            raise ValueError(
-                f"calibrate: the allocated rates cannot be used ({err}); lower max_rate"
-            ) from err
+        self.set_rates(self._keep_one_branch_per_step(rates, min_rate))
         return sens
 
     def drop_stats(self, reset: bool = True) -> dict[str, float]:
@@ -237,6 +278,76 @@ class DropBPController:
         if reset:
             self._tally = [0, 0, 0.0]
         return stats
+
+    def param_groups(self, lr: float, **options: Any) -> list[dict[str, Any]]:
+        """Optimizer parameter groups with learning-rate compensation for rarely updated branches.
+
+        A branch dropped with rate ``r`` updates its parameters in only ``1 - r`` of the steps, so its
+        trainable parameters get ``lr / (1 - r)``; every other trainable parameter gets ``lr``.
+        ``options`` (weight_decay, betas, ...) go into every group. After the rates change
+        (``calibrate``, ``set_rates``) call :meth:`update_param_groups` on the optimizer.
+        """
+        seen: set[int] = set()
+        groups = []
+        for index, params in enumerate(self._branch_params):
+            own = [p for p in params if p.requires_grad and id(p) not in seen]
+            seen.update(id(p) for p in own)
+            if own:
+                factor = 1.0 / (1.0 - self._branches[index].rate)
+                groups.append(
+                    {
+                        "params": own,
+                        "lr": lr * factor,
+                        "dropbp_branch": index,
+                        "dropbp_factor": factor,
+                        **options,
+                    }
+                )
+        rest = [p for p in self._model.parameters() if p.requires_grad and id(p) not in seen]
+        if rest:
+            groups.insert(0, {"params": rest, "lr": lr, "dropbp_branch": None, **options})
+        return groups
+
+    def _keep_one_branch_per_step(self, rates: list[float], min_rate: float, step: float = 0.1) -> list[float]:
+        """With few branches a FLOP-weighted allocation can give rates summing to more than N - 1
+        (cheap branches at 0.9); then some steps would drop every branch. Lower the highest rates a
+        step at a time until the sum fits, and say what drop rate that leaves."""
+        limit = max_total_rate(len(rates))
+        if sum(rates) <= limit + 1e-9:
+            return rates
+        rates = list(rates)
+        while sum(rates) > limit + 1e-9:
+            i = max(range(len(rates)), key=lambda j: (rates[j], j))
+            rates[i] = max(min_rate, round(rates[i] - step, 12))
+        flops = [b.flops for b in self._branches]
+        achieved = sum(r * f for r, f in zip(rates, flops, strict=True)) / sum(flops)
+        log.warning(
+            "dropbp: with %d branches the allocated rates would drop every branch in some steps; the highest "
+            "were lowered, giving a FLOP-weighted drop rate of %.3f instead of %.3f",
+            len(rates),
+            achieved,
+            self.drop_rate,
+        )
+        return rates
+
+    def update_param_groups(
+        self, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    ) -> None:
+        """Rescale the learning rates of groups from :meth:`param_groups` to the current rates: each
+        group's ``lr`` and ``initial_lr``, and, given the learning-rate scheduler, its ``base_lrs``
+        (schedulers recompute ``lr`` from those at every step)."""
+        for position, group in enumerate(optimizer.param_groups):
+            index = group.get("dropbp_branch")
+            if index is None:
+                continue
+            factor = 1.0 / (1.0 - self._branches[index].rate)
+            ratio = factor / group["dropbp_factor"]
+            group["lr"] *= ratio
+            if "initial_lr" in group:
+                group["initial_lr"] *= ratio
+            if scheduler is not None:
+                scheduler.base_lrs[position] *= ratio
+            group["dropbp_factor"] = factor
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue with the same patterns: rates, seed, step counter."""
@@ -308,6 +419,7 @@ class DropBPController:
         for module in (self._model, *(b.module for b in self._branches)):
             if _ATTACHED.get(module) is self:
                 del _ATTACHED[module]
+        self._recompute.clear()
         self._dropped = frozenset()
         self._removed = True
 
@@ -333,6 +445,7 @@ def apply(
     max_patterns: int | None = None,
     seq_len: int = 512,
     backend: str | Backend | None = None,
+    unbiased: bool = False,
 ) -> DropBPController:
     """Attach DropBP to ``model``: each training step drops the backward of random residual branches.
 
@@ -344,10 +457,19 @@ def apply(
     ``seq_len`` is the typical sequence length, used only to weigh attention FLOPs. ``backend`` is a
     backend name or instance (default :func:`dropbp.backends.get`: ``DROPBP_BACKEND``, else detected);
     it is ``ctl.backend``, whose step boundaries :meth:`DropBPController.backward` and
-    :meth:`DropBPController.optimizer_step` place.
+    :meth:`DropBPController.optimizer_step` place. ``unbiased=True`` multiplies the gradient entering
+    each kept branch by ``1 / (1 - rate)`` (forward unchanged), so every parameter's expected gradient
+    is the full-backprop gradient; it is also ``ctl.unbiased``, settable at any time.
+
+    ``model`` may be wrapped in ``DistributedDataParallel`` (which must have
+    ``find_unused_parameters=True``): the branches are found in its ``.module`` and named as there.
+    Wrapping after ``apply`` works the same; so does FSDP2 ``fully_shard`` before or after.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    model, ddp = unwrap(model)
+    if ddp is not None:
+        check_ddp(ddp)
     p = _check_drop_rate(drop_rate)
     seed = _check_int("seed", seed, 0)
     if max_patterns is not None:
@@ -375,4 +497,6 @@ def apply(
             f"drop_rate={drop_rate} with {n} branches would drop every branch in some steps, leaving "
             f"nothing to train; with {n} branches drop_rate must be at most {largest}"
         )
-    return DropBPController(model, found, p, seed, max_patterns, backend)
+    if not isinstance(unbiased, bool):
+        raise TypeError(f"unbiased must be True or False, got {type(unbiased).__name__}")
+    return DropBPController(model, found, p, seed, max_patterns, backend, unbiased)

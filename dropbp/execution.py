@@ -6,6 +6,9 @@ saved until the step ends. Switching grad mode off around the branch's own call 
 values and gradients (nothing upstream can receive a gradient through a detached output) while
 saving that memory and the bookkeeping. The model's modules are not replaced: two hooks per branch
 module toggle grad mode, so state-dict keys, ``isinstance`` and PEFT target names are unchanged.
+The hooks also feed the branch's :class:`~dropbp.recompute.BranchCache` (activation checkpointing
+skips recomputing dropped branches), and they run outside ``torch.compile`` graphs
+(:mod:`dropbp.compile`).
 """
 
 from __future__ import annotations
@@ -16,26 +19,40 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .compile import outside_graphs
+from .recompute import BranchCache
+
 __all__ = ["attach_no_grad_hooks"]
 
 
-def attach_no_grad_hooks(module: nn.Module, is_dropped: Callable[[], bool]) -> list[RemovableHandle]:
+def attach_no_grad_hooks(
+    module: nn.Module, is_dropped: Callable[[], bool], cache: BranchCache | None = None
+) -> list[RemovableHandle]:
     """Make ``module`` run without autograd whenever ``is_dropped()`` is true at call time.
 
     Grad mode is switched off only while the module is in training mode with grad enabled, and
     restored after the call even if it raises (``always_call``). Re-entrant calls nest correctly.
+    With a ``cache``, the output of a dropped call inside a checkpointed region is held for the
+    recomputation.
     """
-    switched: list[bool] = []
+    calls: list[tuple[bool, bool]] = []  # per call under way: (grad switched off here, output to hold)
 
+    @outside_graphs
     def before(mod: nn.Module, args: tuple) -> None:
-        drop = mod.training and torch.is_grad_enabled() and is_dropped()
-        if drop:
+        dropped = mod.training and is_dropped()
+        hold = cache is not None and cache.on_call(dropped)
+        switch = dropped and torch.is_grad_enabled()
+        if switch:
             torch.set_grad_enabled(False)
-        switched.append(drop)
+        calls.append((switch, hold))
 
+    @outside_graphs
     def after(mod: nn.Module, args: tuple, output: object) -> None:
-        if switched.pop():
+        switch, hold = calls.pop()
+        if switch:
             torch.set_grad_enabled(True)
+        if hold and output is not None:  # None: the call raised (always_call)
+            cache.hold(output)
 
     return [
         module.register_forward_pre_hook(before),

@@ -71,9 +71,7 @@ class DropBPHandler:
     ) -> tuple[list[float], list[float]]:
         """Measure sensitivities with ``backprop`` and set rates by :func:`allocate_rates`."""
         sensitivities = self.compute_sensitivity(backprop, gradnorm=gradnorm)
-        drop_rates = allocate_rates(
-            sensitivities, self.extract_flops(), target_probability, min_rate=min_rate
-        )
+        drop_rates = allocate_rates(sensitivities, self.extract_flops(), target_probability, min_rate=min_rate)
         self.drop_rates = drop_rates
         print(drop_rates)
         self.set_diverse_drop_rate(drop_rates)

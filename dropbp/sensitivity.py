@@ -98,12 +98,14 @@ class _Capture:
         self.ran_without_grad = False
 
 
-def _tap_outputs(capture: _Capture, index: int):
+def _tap_outputs(capture: _Capture, index: int, keep: bool):
     store = capture.outputs[index]
 
     def hook(module: nn.Module, args: tuple, output: object) -> object:
         if not torch.is_grad_enabled():
             capture.ran_without_grad = True
+            return None
+        if not keep:
             return None
         items = output if isinstance(output, tuple) else (output,)
         new = []
@@ -137,15 +139,16 @@ class _FullGradient:
         for g, g_norm, c in zip(self.grads, self.norms, change, strict=True):
             if c is None or g is None:
                 continue
-            # c is this pass's own buffer: ||g - c|| = ||c - g||, computed in place (no new tensor)
-            terms.append((g_norm - _norm(c.sub_(g))).square() if gradnorm else _norm(c).square())
+            # not in place: torch.autograd.grad may hand back one tensor for several parameters
+            terms.append((g_norm - _norm(c - g)).square() if gradnorm else _norm(c).square())
         return float(torch.stack([t.double().cpu() for t in terms]).sum()) if terms else 0.0
 
 
 @contextmanager
-def _capture_outputs(modules: Sequence[nn.Module]) -> Iterator[_Capture]:
+def _capture_outputs(modules: Sequence[nn.Module], keep: bool = True) -> Iterator[_Capture]:
+    """Tap the branch outputs (``keep``) and note whether a branch ran without autograd."""
     capture = _Capture(len(modules))
-    handles = [m.register_forward_hook(_tap_outputs(capture, i)) for i, m in enumerate(modules)]
+    handles = [m.register_forward_hook(_tap_outputs(capture, i, keep)) for i, m in enumerate(modules)]
     try:
         yield capture
     finally:
@@ -170,12 +173,19 @@ def _gradient(
     params: Sequence[nn.Parameter],
     retain_graph: bool,
     boundary: Boundary,
+    accumulate: bool = False,
 ) -> list[torch.Tensor | None]:
-    """Parameter gradients of one backward pass, read from ``.grad`` (inside ``_stashed_grads``).
+    """Parameter gradients of one backward pass.
 
-    ``.backward()`` rather than ``torch.autograd.grad``: re-entrant activation checkpointing (a
-    common Hugging Face setting) supports only the former.
+    ``torch.autograd.grad`` by default: it never runs the parameters' gradient-accumulation hooks,
+    through which DDP would count the parameters as used in its next step. Re-entrant activation
+    checkpointing supports only ``.backward()``: with ``accumulate`` the gradients are read from
+    ``.grad`` (inside ``_stashed_grads``).
     """
+    if not accumulate:
+        grads = torch.autograd.grad(outputs, params, grad_outputs, retain_graph=retain_graph, allow_unused=True)
+        boundary()
+        return list(grads)
     for p in params:
         p.grad = None
     torch.autograd.backward(outputs, grad_outputs, retain_graph=retain_graph)
@@ -219,7 +229,7 @@ def one_pass(
 def exact_recompute(
     closure: Closure,
     params: Sequence[nn.Parameter],
-    num_branches: int,
+    branch_modules: Sequence[nn.Module],
     force: ForcePattern,
     gradnorm: bool,
     boundary: Boundary,
@@ -230,13 +240,14 @@ def exact_recompute(
     def gradient(pattern: frozenset[int]) -> list[torch.Tensor | None]:
         _reseed(seed)
         with force(pattern):  # forward and backward: checkpointing recomputes under the pattern
-            loss = _checked_loss(closure)
-            return _gradient([loss], None, params, retain_graph=False, boundary=boundary)
+            with _capture_outputs(branch_modules, keep=False) as capture:
+                loss = _checked_loss(closure)
+            return _gradient([loss], None, params, False, boundary, accumulate=capture.ran_without_grad)
 
     with _stashed_grads(params):
         full = _FullGradient(gradient(frozenset()))
         result = []
-        for i in range(num_branches):
+        for i in range(len(branch_modules)):
             dropped = gradient(frozenset({i}))
             change = [
                 None if g is None else (g.clone() if d is None else g - d)

@@ -248,3 +248,21 @@ def test_never_drops_every_trainable_branch():
         assert not attention <= set(ctl.last_dropped)
         model.zero_grad()
     assert raw_all_attention > 10  # the guard was needed, not just lucky
+
+
+def test_param_groups_compensate_learning_rates():
+    model = tiny_model("llama", layers=2)
+    ctl = dropbp.apply(model, 0.5)
+    groups = ctl.param_groups(1e-3, weight_decay=0.0)
+    assert groups[0]["dropbp_branch"] is None and groups[0]["lr"] == 1e-3
+    assert [g["dropbp_branch"] for g in groups[1:]] == [0, 1, 2, 3]
+    assert all(g["lr"] == pytest.approx(2e-3) and g["weight_decay"] == 0.0 for g in groups[1:])
+    covered = [id(p) for g in groups for p in g["params"]]
+    assert sorted(covered) == sorted(id(p) for p in model.parameters()) and len(set(covered)) == len(covered)
+    opt = torch.optim.AdamW(groups)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)
+    ctl.set_rates([0.0, 0.75, 0.5, 0.25])
+    ctl.update_param_groups(opt, sched)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([5e-4, 5e-4, 2e-3, 1e-3, 2e-3 / 3])
+    sched.step()  # schedulers recompute from the rescaled base_lrs
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([5e-4, 5e-4, 2e-3, 1e-3, 2e-3 / 3])

@@ -172,3 +172,39 @@ def test_custom_model_with_explicit_branches():
         for h in handles:
             h.remove()
         assert_same_grads(got, {n: p.grad for n, p in reference.named_parameters()})
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_unbiased_scaling_equals_scaled_reference(method):
+    """unbiased=True: kept branches' incoming gradient times 1 / (1 - rate); dropped ones detached."""
+    model = _model("llama", method)
+    reference = copy.deepcopy(model)
+    ctl = dropbp.apply(model, 0.5, seed=3, unbiased=True)
+    ctl.set_rates([0.2, 0.6, 0.5, 0.4, 0.3, 0.7])
+    rates = {b.name: b.rate for b in ctl.branches}
+    modules = dict(reference.named_modules())
+    for step in range(3):
+        ids = batch(step)
+        loss, grads = loss_and_grads(model, ids)
+        dropped = ctl.last_dropped
+        handles = detach_outputs(reference, dropped)
+        for name in set(rates) - set(dropped):
+
+            def scale(module, args, output, factor=1 / (1 - rates[name])):
+                first = output[0] if isinstance(output, tuple) else output
+                first.register_hook(lambda g: g * factor)
+
+            handles.append(modules[name].register_forward_hook(scale))
+        ref_loss, ref_grads = loss_and_grads(reference, ids)
+        for h in handles:
+            h.remove()
+        assert torch.equal(loss, ref_loss)
+        assert_same_grads(grads, ref_grads, atol=1e-5)
+    ctl.unbiased = False  # and calibration always measures plain gradients
+    plain = dropbp.apply(copy.deepcopy(reference), 0.5)
+    ids = batch(9)
+    torch.manual_seed(0)
+    a = ctl.calibrate(lambda: model(input_ids=ids, labels=ids).loss)
+    torch.manual_seed(0)
+    b = plain.calibrate(lambda: plain._model(input_ids=ids, labels=ids).loss)
+    assert a == pytest.approx(b, rel=1e-4)

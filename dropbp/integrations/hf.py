@@ -20,6 +20,10 @@ Gradient accumulation: a new pattern is drawn for every micro-batch (each traini
 once per optimizer step, so the accumulated gradient averages over several sub-networks.
 No step can fail because every trainable branch dropped (``DropBPController`` guarantees it).
 The trainer places its own step boundaries; nothing here adds graph breaks.
+
+Multi-process (``torchrun`` / ``accelerate launch``): every rank draws the same patterns. DDP must
+accept parameters left without a gradient, so when ``ddp_find_unused_parameters`` is left unset
+(the Trainer would turn it off under activation checkpointing) ``attach`` sets it to True.
 """
 
 from __future__ import annotations
@@ -56,9 +60,7 @@ class DropBPCallback(TrainerCallback):
             return None
         return int(self.calibrate_at * state.max_steps)
 
-    def on_train_begin(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
-    ):
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any):
         if state.global_step == 0:
             return
         folders = [os.path.join(args.output_dir, f"checkpoint-{state.global_step}")]
@@ -135,9 +137,7 @@ def attach(
     if not isinstance(trainer, Trainer):
         raise TypeError(f"trainer must be a transformers.Trainer, got {type(trainer).__name__}")
     if calibrate_at is not None and (
-        isinstance(calibrate_at, bool)
-        or not isinstance(calibrate_at, (int, float))
-        or not 0 <= calibrate_at < 1
+        isinstance(calibrate_at, bool) or not isinstance(calibrate_at, (int, float)) or not 0 <= calibrate_at < 1
     ):
         raise ValueError(f"calibrate_at must be a fraction in [0, 1) or None, got {calibrate_at!r}")
     controller = apply(
@@ -147,6 +147,22 @@ def attach(
         branches=branches,
         max_patterns=max_patterns,
     )
+    _let_ddp_skip_unused_parameters(trainer)
     callback = DropBPCallback(trainer, controller, calibrate_at)
     trainer.add_callback(callback)
     return callback
+
+
+def _let_ddp_skip_unused_parameters(trainer: Trainer) -> None:
+    """``find_unused_parameters=True`` for the DDP wrapper the trainer will build, unless the user chose.
+
+    The Trainer builds its Accelerator's DDP settings in ``__init__``, so the Accelerator's handler is
+    updated along with the argument. An explicit False is left alone: DropBP then stops at the first
+    training forward with a message saying what to set (:mod:`dropbp.distributed`).
+    """
+    if trainer.args.ddp_find_unused_parameters is not None:
+        return
+    trainer.args.ddp_find_unused_parameters = True
+    handler = getattr(getattr(trainer, "accelerator", None), "ddp_handler", None)
+    if handler is not None:
+        handler.find_unused_parameters = True

@@ -1,0 +1,141 @@
+"""Does DropBP reach the same validation loss sooner? SmolLM2-135M (real, pretrained), CPU.
+
+Fine-tunes SmolLM2-135M-Instruct on Python's help text (``pydoc_data.topics``; every tenth topic
+held out for validation) with full backprop and with DropBP variants, all in lockstep in one process
+(see ``dropbp/compare.py``): same starting weights, batches and learning rate (chosen for the
+baseline: 2e-4 for LoRA, the value the issue's reference measurements used), per-run timing.
+Reports per-step speedup and time-to-target: the training wall time each run needs to reach the
+baseline's final validation loss, as a ratio to the baseline's.
+
+    python benchmarks/convergence.py --grid levers      # the levers at drop rate 0.5, LoRA
+    python benchmarks/convergence.py --grid rates       # 0.5 and 0.875 with the shipped default
+Writes benchmarks/results/convergence_<grid>_<method>.json, .md and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from datetime import date
+from pathlib import Path
+
+import torch
+import transformers
+
+from dropbp import backends
+from dropbp.compare import Run, compare, summarise
+from dropbp.pretrained import DEFAULT_MODEL, load_causal_lm
+from dropbp.report import plot_curves
+from dropbp.textdata import pydoc_topics
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+GRIDS = {
+    "levers": [
+        Run("full backprop"),
+        Run("uniform 0.5", 0.5),
+        Run("uniform 0.5 + lr comp.", 0.5, lr_compensation=True),
+        Run("uniform 0.5 + unbiased", 0.5, unbiased=True),
+        Run("calibrated 0.5 + unbiased", 0.5, calibrate=True, unbiased=True),
+    ],
+    "rates": [
+        Run("full backprop"),
+        Run("calibrated 0.5 + unbiased", 0.5, calibrate=True, unbiased=True),
+        Run("calibrated 0.875 + unbiased", 0.875, calibrate=True, unbiased=True),
+    ],
+}
+
+
+def with_lora(model: torch.nn.Module) -> torch.nn.Module:
+    import peft
+
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0)
+    return peft.get_peft_model(model, config)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--grid", choices=sorted(GRIDS), default="levers")
+    parser.add_argument("--method", choices=["lora", "full"], default="lora")
+    parser.add_argument("--steps", type=int, default=60, help="baseline steps")
+    parser.add_argument("--dropbp-steps", type=int, default=90, help="DropBP runs' steps (budget)")
+    parser.add_argument("--lr", type=float, default=None, help="default: 2e-4 (LoRA), 2e-5 (full)")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    transformers.logging.set_verbosity_error()
+    lr = args.lr if args.lr is not None else (2e-4 if args.method == "lora" else 2e-5)
+    model, tokenizer = load_causal_lm(args.model)
+    if args.method == "lora":
+        model = with_lora(model)
+    data = pydoc_topics(tokenizer, args.seq_len, max_val_windows=16)
+    backend = backends.get()
+    runs = GRIDS[args.grid]
+
+    def progress(step: int, latest: dict[str, float]) -> None:
+        losses = " | ".join(f"{k}: {v:.3f}" for k, v in latest.items())
+        print(f"step {step}  val {losses}", file=sys.stderr, flush=True)
+
+    results = compare(
+        model,
+        runs,
+        data,
+        steps=args.steps,
+        lr=lr,
+        batch_size=args.batch_size,
+        backend=backend,
+        eval_every=args.eval_every,
+        dropbp_steps=args.dropbp_steps,
+        progress=progress,
+    )
+    rows = summarise(results, args.steps)
+    stem = f"convergence_{args.grid}_{args.method}"
+    record = {
+        "benchmark": stem,
+        "date": date.today().isoformat(),
+        "model": args.model,
+        "method": args.method,
+        "lr": lr,
+        "steps": args.steps,
+        "dropbp_steps": args.dropbp_steps,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "device": str(backend.device),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "summary": rows,
+        "runs": [r.to_dict() for r in results],
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
+    lines = [
+        f"{args.model}, {args.method}, lr {lr}, batch {args.batch_size} x {args.seq_len}, "
+        f"{args.steps} baseline steps ({args.dropbp_steps} for DropBP), {backend.device} "
+        f"({record['date']}); "
+        "target = the baseline's final validation loss "
+        f"{results[0].val_loss[-1]:.3f}.",
+        "",
+        f"| run | step (s) | step speedup | val loss @ {args.steps} | final val loss | time to target (s) "
+        "| time-to-target speedup |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ttt = "not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.0f}"
+        sp = "-" if r["time_to_target_speedup"] is None else f"{r['time_to_target_speedup']:.2f}x"
+        lines.append(
+            f"| {r['run']} | {r['step_s']:.2f} | {r['step_speedup']:.2f}x | {r['val_loss_at_equal_steps']:.3f} | "
+            f"{r['final_val_loss']:.3f} | {ttt} | {sp} |"
+        )
+    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    plot_curves(results, args.out / f"{stem}.png", title=f"{args.model} {args.method} on pydoc topics")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

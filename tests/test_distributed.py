@@ -1,0 +1,248 @@
+"""Two CPU processes (gloo): DDP and FSDP2 drop the same branches on every rank, keep every rank's
+parameters identical, and give the gradients of one process on the concatenated batch; DDP set-ups
+that cannot work fail with a clear message; the Trainer and the torchrun examples run. Every job has a
+time limit: a hang fails the test."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import assert_same_grads, batch, detach_outputs, tiny_model, with_lora
+from torch.nn.parallel import DistributedDataParallel
+
+import dropbp
+
+ROOT = Path(__file__).resolve().parent.parent
+WORLD = 2
+STEPS = 10
+JOB_TIMEOUT = 150  # seconds for one two-process job, start-up included
+
+
+def _run_ranks(target, *args) -> None:
+    """Run ``target(rank, *args)`` in WORLD spawned processes; fail on a non-zero exit or a hang."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(rank, *args)) for rank in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=JOB_TIMEOUT)
+    hung = [p.is_alive() for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not any(hung), f"ranks {hung} did not finish within {JOB_TIMEOUT} s (a hang)"
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def _ids(step: int, rank: int) -> torch.Tensor:
+    return batch(seed=100 + WORLD * step + rank, size=2)
+
+
+def _full(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A plain CPU copy of a parameter or gradient, gathered when FSDP2 shards it (a collective)."""
+    if t is None:
+        return None
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return t.detach().cpu().clone()
+
+
+def _wrap(model: torch.nn.Module, mode: str, order: str) -> tuple[torch.nn.Module, dropbp.DropBPController]:
+    """DropBP and DDP / FSDP2 in either order; returns the model to call and the controller."""
+    if order == "apply-first":
+        ctl = dropbp.apply(model, 0.5, seed=0)
+    if mode == "ddp":
+        wrapped = DistributedDataParallel(model, find_unused_parameters=True)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        wrapped = fully_shard(model)
+    if order == "wrap-first":
+        ctl = dropbp.apply(wrapped, 0.5, seed=0)
+    return wrapped, ctl
+
+
+def _train(mode: str, order: str) -> list[dict]:
+    model = tiny_model("llama", layers=3)
+    wrapped, ctl = _wrap(model, mode, order)
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    names = [n for n, _ in model.named_parameters()]  # FSDP2 keeps the names; DDP's inner module
+    rank = dist.get_rank()
+    record = []
+    for step in range(STEPS):
+        before = [_full(p) for p in model.parameters()]
+        ids = _ids(step, rank)
+        wrapped(input_ids=ids, labels=ids).loss.backward()
+        grads = [_full(p.grad) for p in model.parameters()]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        record.append(
+            {
+                "dropped": ctl.last_dropped,
+                "before": dict(zip(names, before, strict=True)),
+                "grads": dict(zip(names, grads, strict=True)),
+                "after": {n: _full(p) for n, p in zip(names, model.parameters(), strict=True)},
+            }
+        )
+    return record
+
+
+def _clear_errors() -> dict[str, str]:
+    """What DropBP says about DDP set-ups that cannot work, raised on every rank alike."""
+    errors = {}
+    cases = {
+        "apply to DDP without find_unused_parameters": lambda m: dropbp.apply(DistributedDataParallel(m), 0.5),
+        "DDP without find_unused_parameters after apply": lambda m: (
+            dropbp.apply(m, 0.5),
+            DistributedDataParallel(m)(input_ids=_ids(0, 0), labels=_ids(0, 0)),
+        ),
+        "re-entrant checkpointing under DDP": lambda m: (
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True}),
+            dropbp.apply(m, 0.5),
+            DistributedDataParallel(m, find_unused_parameters=True)(input_ids=_ids(0, 0), labels=_ids(0, 0)),
+        ),
+    }
+    for case, run in cases.items():
+        try:
+            run(tiny_model("llama", layers=2))
+        except ValueError as err:
+            errors[case] = str(err)
+    return errors
+
+
+def _rank_main(rank: int, init_file: str, out_dir: str, mode: str) -> None:
+    torch.set_num_threads(1)  # as torchrun does: two processes share the cores
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        result = {order: _train(mode, order) for order in ("apply-first", "wrap-first")}
+        if mode == "ddp":
+            result["errors"] = _clear_errors()
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _single_process_grads(reference: torch.nn.Module, record: dict, step: int) -> dict:
+    """Gradients of one process on both ranks' batches, from the same parameters and pattern."""
+    reference.load_state_dict(record["before"])
+    reference.zero_grad(set_to_none=True)
+    handles = detach_outputs(reference, record["dropped"])
+    ids = torch.cat([_ids(step, rank) for rank in range(WORLD)])
+    reference(input_ids=ids, labels=ids).loss.backward()
+    for h in handles:
+        h.remove()
+    return {n: None if p.grad is None else p.grad.clone() for n, p in reference.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_two_ranks_train_as_one(mode):
+    with tempfile.TemporaryDirectory() as tmp:
+        _run_ranks(_rank_main, os.path.join(tmp, "init"), tmp, mode)
+        ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
+    reference = tiny_model("llama", layers=3)
+    for order in ("apply-first", "wrap-first"):
+        records = [r[order] for r in ranks]
+        assert [s["dropped"] for s in records[0]] == [s["dropped"] for s in ranks[0]["apply-first"]]
+        for step in range(STEPS):
+            a, b = records[0][step], records[1][step]
+            assert a["dropped"] == b["dropped"] and 0 < len(a["dropped"]) < 6, (order, step)
+            for name in a["after"]:
+                assert torch.equal(a["after"][name], b["after"][name]), (order, step, name)
+                if a["grads"][name] is None:  # no gradient: AdamW leaves the parameter exactly alone
+                    assert torch.equal(a["after"][name], a["before"][name]), (order, step, name)
+            assert_same_grads(a["grads"], _single_process_grads(reference, a, step), atol=1e-5)
+    if mode == "ddp":
+        for errors in (r["errors"] for r in ranks):
+            assert len(errors) == 3, errors
+            assert all("find_unused_parameters=True" in e for e in errors.values())
+            assert "use_reentrant" in errors["re-entrant checkpointing under DDP"]
+
+
+def _train_with_trainer(out_dir: Path) -> dict:
+    import transformers
+    from test_hf_integration import _args, _dataset
+
+    from dropbp.integrations.hf import attach
+
+    args = _args(
+        out_dir,
+        max_steps=10,
+        gradient_checkpointing=True,  # the Trainer would turn find_unused_parameters off
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+    )
+    trainer = transformers.Trainer(
+        model=with_lora(tiny_model("llama", layers=4)),
+        args=args,
+        train_dataset=_dataset(),
+        data_collator=transformers.default_data_collator,
+    )
+    callback = attach(trainer, drop_rate=0.5)  # calibrates at step 1 of 10
+    patterns: list[tuple[str, ...]] = []
+
+    def record(module, inputs, output):
+        if module.training and torch.is_grad_enabled() and callback.controller._forced is None:
+            patterns.append(callback.controller.last_dropped)
+
+    trainer.model.register_forward_hook(record)
+    trainer.train()
+    return {
+        "world": dist.get_world_size(),
+        "wrapper": type(trainer.model_wrapped).__name__,
+        "patterns": patterns,
+        "rates": callback.controller.rates,
+        "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad},
+    }
+
+
+def _trainer_rank_main(rank: int, init_file: str, out_dir: str) -> None:
+    """One process of a two-process Hugging Face Trainer job, set up as torchrun would (the process
+    group is opened here through a file, which Accelerate then uses: no network port to race for)."""
+    torch.set_num_threads(1)
+    env = dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=WORLD, LOCAL_WORLD_SIZE=WORLD, OMP_NUM_THREADS=1)
+    os.environ.update({k: str(v) for k, v in env.items()})
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:  # the trainer and its DDP wrapper are gone before the process group
+        result = _train_with_trainer(Path(out_dir) / f"rank{rank}")
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_trainer_on_two_processes(tmp_path):
+    _run_ranks(_trainer_rank_main, str(tmp_path / "init"), str(tmp_path))
+    a, b = (torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD))
+    assert a["world"] == WORLD and a["wrapper"] == "DistributedDataParallel"
+    assert len(a["patterns"]) == 10 and a["patterns"] == b["patterns"]
+    assert a["rates"] == b["rates"] and a["rates"] != [0.5] * 8  # calibrated alike on both ranks
+    assert a["params"].keys() == b["params"].keys()
+    assert all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_torchrun_example(mode):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}"]
+    command += ["examples/distributed.py", "--mode", mode, "--steps", "3"]
+    try:
+        done = subprocess.run(
+            command,
+            cwd=ROOT,
+            env={**os.environ, "DROPBP_BACKEND": "cpu"},
+            capture_output=True,
+            text=True,
+            timeout=JOB_TIMEOUT,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"torchrun {mode} did not finish within {JOB_TIMEOUT} s (a hang)")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "same drop patterns on every rank: True" in done.stdout
+    assert mode == "fsdp2" or "same parameters on every rank: True" in done.stdout
