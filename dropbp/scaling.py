@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .compile import outside_graphs
+
 __all__ = ["attach_gradient_scaling"]
 
 
@@ -42,6 +44,7 @@ def attach_gradient_scaling(module: nn.Module, scale: Callable[[nn.Module], floa
     """After ``module`` runs with autograd, multiply the gradient arriving at its output from the rest
     of the model by ``scale(module)`` (evaluated at forward time; 1.0 means leave it alone)."""
 
+    @outside_graphs  # reads the step's pattern: compiled branches must not guard on it
     def after(mod: nn.Module, args: tuple, output: object) -> object:
         if not torch.is_grad_enabled():
             return None
