@@ -28,24 +28,34 @@ from dropbp import backends
 from dropbp.compare import Run, compare, summarise
 from dropbp.pretrained import DEFAULT_MODEL, load_causal_lm
 from dropbp.report import plot_curves
-from dropbp.textdata import pydoc_topics
+from dropbp.textdata import CORPORA
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 GRIDS = {
+    # Each lever on and off at drop rate 0.5.
     "levers": [
         Run("full backprop"),
-        Run("uniform 0.5", 0.5),
+        Run("uniform 0.5 (paper)", 0.5),
         Run("uniform 0.5 + lr comp.", 0.5, lr_compensation=True),
         Run("uniform 0.5 + unbiased", 0.5, unbiased=True),
-        Run("calibrated 0.5 + unbiased", 0.5, calibrate=True, unbiased=True),
+        Run("uniform 0.5 + zero grads", 0.5, dropped_grads="zero"),
+        Run("uniform 0.5 + reuse grads", 0.5, dropped_grads="reuse"),
+        Run("calibrated 0.5", 0.5, calibrate=True),
+        Run("uniform 0.5 + reuse + warm-up", 0.5, dropped_grads="reuse", schedule="warmup"),
+        Run("uniform 0.5 + reuse + anneal", 0.5, dropped_grads="reuse", schedule="anneal"),
     ],
+    # The shipped default at 0.5 and 0.875.
     "rates": [
         Run("full backprop"),
-        Run("calibrated 0.5 + unbiased", 0.5, calibrate=True, unbiased=True),
-        Run("calibrated 0.875 + unbiased", 0.875, calibrate=True, unbiased=True),
+        Run("DropBP 0.5", 0.5, dropped_grads="reuse"),
+        Run("DropBP 0.875", 0.875, dropped_grads="reuse"),
     ],
 }
+
+
+# The baseline's learning rate is chosen first (lowest validation loss after --steps), then fixed.
+LR_CANDIDATES = {"lora": (1e-4, 2e-4, 5e-4, 1e-3), "full": (1e-5, 2e-5, 5e-5, 1e-4)}
 
 
 def with_lora(model: torch.nn.Module) -> torch.nn.Module:
@@ -57,7 +67,9 @@ def with_lora(model: torch.nn.Module) -> torch.nn.Module:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--grid", choices=sorted(GRIDS), default="levers")
+    parser.add_argument("--grid", choices=[*sorted(GRIDS), "lr"], default="levers")
+    parser.add_argument("--lrs", type=float, nargs="+", help="--grid lr: these learning rates instead")
+    parser.add_argument("--corpus", choices=sorted(CORPORA), default="pydoc")
     parser.add_argument("--method", choices=["lora", "full"], default="lora")
     parser.add_argument("--steps", type=int, default=60, help="baseline steps")
     parser.add_argument("--dropbp-steps", type=int, default=90, help="DropBP runs' steps (budget)")
@@ -73,9 +85,12 @@ def main() -> None:
     model, tokenizer = load_causal_lm(args.model)
     if args.method == "lora":
         model = with_lora(model)
-    data = pydoc_topics(tokenizer, args.seq_len, max_val_windows=16)
+    data = CORPORA[args.corpus](tokenizer, args.seq_len, max_val_windows=16)
     backend = backends.get()
-    runs = GRIDS[args.grid]
+    if args.grid == "lr":
+        runs = [Run(f"full backprop, lr {x:g}", lr=x) for x in args.lrs or LR_CANDIDATES[args.method]]
+    else:
+        runs = GRIDS[args.grid]
 
     def progress(step: int, latest: dict[str, float]) -> None:
         losses = " | ".join(f"{k}: {v:.3f}" for k, v in latest.items())
@@ -94,12 +109,15 @@ def main() -> None:
         progress=progress,
     )
     rows = summarise(results, args.steps)
-    stem = f"convergence_{args.grid}_{args.method}"
+    stem = f"convergence_{args.grid}_{args.method}_{args.corpus}"
+    if args.grid == "lr" and args.lrs:
+        stem += "_" + "_".join(f"{x:g}" for x in args.lrs)
     record = {
         "benchmark": stem,
         "date": date.today().isoformat(),
         "model": args.model,
         "method": args.method,
+        "corpus": args.corpus,
         "lr": lr,
         "steps": args.steps,
         "dropbp_steps": args.dropbp_steps,
@@ -114,12 +132,31 @@ def main() -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
+    lines = _lr_sweep_table(args, rows) if args.grid == "lr" else _comparison_table(args, lr, rows, record)
+    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    plot_curves(results, args.out / f"{stem}.png", title=f"{args.model} {args.method} on {args.corpus}")
+    print("\n".join(lines))
+
+
+def _setting(args: argparse.Namespace) -> str:
+    return f"{args.model}, {args.method} on {args.corpus}, batch {args.batch_size} x {args.seq_len}"
+
+
+def _lr_sweep_table(args: argparse.Namespace, rows: list[dict]) -> list[str]:
     lines = [
-        f"{args.model}, {args.method}, lr {lr}, batch {args.batch_size} x {args.seq_len}, "
-        f"{args.steps} baseline steps ({args.dropbp_steps} for DropBP), {backend.device} "
-        f"({record['date']}); "
-        "target = the baseline's final validation loss "
-        f"{results[0].val_loss[-1]:.3f}.",
+        f"Learning-rate sweep of the baseline: {_setting(args)}, {args.steps} steps ({date.today().isoformat()}).",
+        "",
+        f"| run | step (s) | val loss @ {args.steps} |",
+        "|---|---|---|",
+    ]
+    return lines + [f"| {r['run']} | {r['step_s']:.2f} | {r['final_val_loss']:.3f} |" for r in rows]
+
+
+def _comparison_table(args: argparse.Namespace, lr: float, rows: list[dict], record: dict) -> list[str]:
+    lines = [
+        f"{_setting(args)}, lr {lr:g}, {args.steps} baseline steps ({args.dropbp_steps} for DropBP), "
+        f"{record['device']} ({record['date']}); target = the baseline's final validation loss "
+        f"{rows[0]['final_val_loss']:.3f}.",
         "",
         f"| run | step (s) | step speedup | val loss @ {args.steps} | final val loss | time to target (s) "
         "| time-to-target speedup |",
@@ -132,9 +169,7 @@ def main() -> None:
             f"| {r['run']} | {r['step_s']:.2f} | {r['step_speedup']:.2f}x | {r['val_loss_at_equal_steps']:.3f} | "
             f"{r['final_val_loss']:.3f} | {ttt} | {sp} |"
         )
-    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    plot_curves(results, args.out / f"{stem}.png", title=f"{args.model} {args.method} on pydoc topics")
-    print("\n".join(lines))
+    return lines
 
 
 if __name__ == "__main__":

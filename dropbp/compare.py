@@ -38,6 +38,9 @@ class Run:
     calibrate: bool = False  # sensitivity-based rates at ``calibrate_at`` of training
     unbiased: bool = False  # scale kept branches' incoming gradient by 1 / (1 - rate)
     lr_compensation: bool = False  # branch parameters get lr / (1 - rate)
+    dropped_grads: str = "skip"  # what the optimizer sees for dropped branches (dropbp.apply)
+    schedule: str | None = None  # "warmup" or "anneal" (see _schedule_factor)
+    lr: float | None = None  # overrides compare()'s lr (a learning-rate sweep of the baseline)
 
 
 @dataclass
@@ -69,12 +72,20 @@ class _Trainee:
 
     def __init__(self, run: Run, model: nn.Module, lr: float, backend: Backend, seed: int, seq_len: int):
         self.run = run
+        lr = run.lr if run.lr is not None else lr
         self.model = model
         self.backend = backend
         self.ctl: DropBPController | None = None
         if run.drop_rate is not None:
-            self.ctl = apply(model, run.drop_rate, seed=seed, seq_len=seq_len, backend=backend)
-            self.ctl.unbiased = run.unbiased
+            self.ctl = apply(
+                model,
+                run.drop_rate,
+                seed=seed,
+                seq_len=seq_len,
+                backend=backend,
+                unbiased=run.unbiased,
+                dropped_grads=run.dropped_grads,
+            )
         if self.ctl is not None and run.lr_compensation:
             groups = self.ctl.param_groups(lr)
         else:
@@ -82,10 +93,14 @@ class _Trainee:
         self.opt = torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
         self.result = RunResult(run)
         self.elapsed = 0.0
+        self.base_rates = self.ctl.rates if self.ctl is not None else []
 
-    def train_step(self, ids: torch.Tensor) -> None:
+    def train_step(self, ids: torch.Tensor, step: int, steps: int, limit: int) -> None:
         self.backend.synchronize()
         start = time.perf_counter()
+        if self.run.schedule is not None:
+            factor = _schedule_factor(self.run.schedule, step, steps, limit)
+            self.ctl.set_rates([r * factor for r in self.base_rates])
         # Accelerators train in their autocast dtype; the CPU stays in float32 (bf16 is slower there).
         with self.backend.autocast() if self.backend.device.type != "cpu" else nullcontext():
             loss = self.model(input_ids=ids, labels=ids).loss
@@ -104,7 +119,10 @@ class _Trainee:
     def calibrate(self, ids: torch.Tensor) -> None:
         self.backend.synchronize()
         start = time.perf_counter()
+        if self.run.schedule is not None:
+            self.ctl.set_rates(self.base_rates)  # calibrate at the full drop rate
         self.ctl.calibrate(lambda: self.model(input_ids=ids, labels=ids).loss)
+        self.base_rates = self.ctl.rates
         if self.run.lr_compensation:
             self.ctl.update_param_groups(self.opt)
         self.backend.synchronize()
@@ -161,15 +179,25 @@ def compare(
         for t in active[shift:] + active[:shift]:
             if t.run.calibrate and step == calibration_step:
                 t.calibrate(ids)
-            t.train_step(ids)
+            t.train_step(ids, step, steps, limit[t.run.name])
         for t in active:
             if (step + 1) % eval_every == 0 or step + 1 in (steps, limit[t.run.name]):
                 latest[t.run.name] = t.evaluate(step + 1, val)
         if progress is not None:
             progress(step + 1, latest)
     for t in trainees:
-        t.result.rates = t.ctl.rates if t.ctl is not None else []
+        t.result.rates = t.base_rates  # before any schedule scaled them
     return [t.result for t in trainees]
+
+
+def _schedule_factor(schedule: str, step: int, steps: int, limit: int) -> float:
+    """Multiplier of the drop rates at ``step``: "warmup" rises linearly from 0 over the first 20% of
+    the baseline's ``steps``; "anneal" falls linearly to 0 over the last 20% of the run's ``limit``."""
+    if schedule == "warmup":
+        return min(1.0, step / (0.2 * steps))
+    if schedule == "anneal":
+        return min(1.0, (limit - step) / (0.2 * limit))
+    raise ValueError(f"schedule must be 'warmup' or 'anneal', got {schedule!r}")
 
 
 def time_to_target(result: RunResult, target: float) -> float | None:

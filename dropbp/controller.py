@@ -27,6 +27,7 @@ from .backends import Backend
 from .backends import get as get_backend
 from .compile import outside_graphs
 from .distributed import check_ddp, check_running_ddp, check_running_ddp_checkpointing, unwrap
+from .dropped_grads import DEFAULT_DROPPED_GRADS, DROPPED_GRADS, DroppedGrads
 from .execution import attach_no_grad_hooks
 from .recompute import RecomputeCache, in_backward
 from .sampler import PatternSampler, check_rates, max_total_rate
@@ -72,6 +73,7 @@ class DropBPController:
         max_patterns: int | None,
         backend: Backend,
         unbiased: bool = False,
+        dropped_grads: str = "skip",
     ) -> None:
         self._model = model
         self._branches = branches
@@ -92,6 +94,7 @@ class DropBPController:
         for b in branches:
             b.rate = drop_rate
         self._recompute = RecomputeCache([b.module for b in branches])
+        self._fill = DroppedGrads(dropped_grads, [b.module for b in branches])
         self._handles = [
             model.register_forward_pre_hook(self._on_model_forward),
             model.register_forward_hook(self._after_model_forward, always_call=True),
@@ -132,6 +135,7 @@ class DropBPController:
         if self._dropped:
             check_running_ddp()  # a DDP wrapper added after apply() must cope with unused parameters
         self._recompute.begin_forward()
+        self._fill.note_dropped(self._dropped)
         self._step += 1
         self._last_dropped = tuple(self._branches[i].name for i in sorted(self._dropped))
         self._tally[0] += 1
@@ -197,6 +201,11 @@ class DropBPController:
         for b, r in zip(self._branches, values, strict=True):
             b.rate = r
         self._sampler = PatternSampler(values, self.seed, self.max_patterns)
+
+    @property
+    def dropped_grads(self) -> str:
+        """What the optimizer sees for dropped branches: "skip", "zero" or "reuse" (see apply)."""
+        return self._fill.mode
 
     @property
     def last_dropped(self) -> tuple[str, ...]:
@@ -420,6 +429,7 @@ class DropBPController:
             if _ATTACHED.get(module) is self:
                 del _ATTACHED[module]
         self._recompute.clear()
+        self._fill.remove()
         self._dropped = frozenset()
         self._removed = True
 
@@ -446,6 +456,7 @@ def apply(
     seq_len: int = 512,
     backend: str | Backend | None = None,
     unbiased: bool = False,
+    dropped_grads: str = DEFAULT_DROPPED_GRADS,
 ) -> DropBPController:
     """Attach DropBP to ``model``: each training step drops the backward of random residual branches.
 
@@ -460,6 +471,9 @@ def apply(
     :meth:`DropBPController.optimizer_step` place. ``unbiased=True`` multiplies the gradient entering
     each kept branch by ``1 / (1 - rate)`` (forward unchanged), so every parameter's expected gradient
     is the full-backprop gradient; it is also ``ctl.unbiased``, settable at any time.
+    ``dropped_grads`` is what the optimizer sees for a dropped branch's parameters: ``"skip"`` (no
+    gradient, so no update: the paper), ``"zero"`` (a zero gradient: momentum optimizers keep moving
+    them) or ``"reuse"`` (their last computed gradient); see :mod:`dropbp.dropped_grads`.
 
     ``model`` may be wrapped in ``DistributedDataParallel`` (which must have
     ``find_unused_parameters=True``): the branches are found in its ``.module`` and named as there.
@@ -499,4 +513,6 @@ def apply(
         )
     if not isinstance(unbiased, bool):
         raise TypeError(f"unbiased must be True or False, got {type(unbiased).__name__}")
-    return DropBPController(model, found, p, seed, max_patterns, backend, unbiased)
+    if dropped_grads not in DROPPED_GRADS:
+        raise ValueError(f"dropped_grads must be one of {DROPPED_GRADS}, got {dropped_grads!r}")
+    return DropBPController(model, found, p, seed, max_patterns, backend, unbiased, dropped_grads)

@@ -166,3 +166,23 @@ def test_bad_arguments(tmp_path):
         attach(_trainer(tmp_path), calibrate_at=2)
     with pytest.raises(ValueError, match="drop_rate must be in"):
         attach(_trainer(tmp_path), drop_rate=1.5)
+
+
+def test_trainer_optimizer_sees_filled_gradients_of_dropped_branches(tmp_path):
+    """With dropped_grads="zero" the Trainer's optimizer (after clipping) gets a zero gradient for
+    every trainable parameter of a dropped branch instead of none."""
+    trainer = _trainer(tmp_path, max_steps=6, max_grad_norm=1.0)
+    callback = attach(trainer, drop_rate=0.5, calibrate_at=None, dropped_grads="zero")
+    ctl = callback.controller
+    seen: list[tuple[tuple[str, ...], list[bool]]] = []
+
+    class Watch(transformers.TrainerCallback):
+        def on_optimizer_step(self, args, state, control, **kw):
+            for b in ctl.branches:
+                if b.name in ctl.last_dropped:
+                    grads = [p.grad for p in b.module.parameters() if p.requires_grad]
+                    seen.append((b.name, [g is not None and not g.any() for g in grads]))
+
+    trainer.add_callback(Watch())
+    trainer.train()
+    assert len(seen) >= 6 and all(all(zeros) and zeros for _, zeros in seen)

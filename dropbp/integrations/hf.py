@@ -38,6 +38,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 
 from .. import apply
 from ..controller import DropBPController
+from ..dropped_grads import DEFAULT_DROPPED_GRADS
 
 __all__ = ["STATE_FILE", "DropBPCallback", "attach"]
 
@@ -127,11 +128,15 @@ def attach(
     seed: int | None = None,
     branches: Sequence[str] | None = None,
     max_patterns: int | None = None,
+    unbiased: bool = False,
+    dropped_grads: str = DEFAULT_DROPPED_GRADS,
 ) -> DropBPCallback:
     """Attach DropBP to ``trainer.model`` and register its callback; call before ``trainer.train()``.
 
     ``calibrate_at``: fraction of the training steps at which sensitivities are measured and the
     rates allocated (``None``: keep uniform rates). ``seed`` defaults to ``trainer.args.seed``.
+    ``unbiased`` and ``dropped_grads`` are :func:`dropbp.apply`'s; the dropped gradients are filled
+    in an optimizer pre-step hook, after the Trainer's gradient clipping.
     Returns the callback; its ``controller`` is the :class:`DropBPController`.
     """
     if not isinstance(trainer, Trainer):
@@ -146,6 +151,8 @@ def attach(
         seed=trainer.args.seed if seed is None else seed,
         branches=branches,
         max_patterns=max_patterns,
+        unbiased=unbiased,
+        dropped_grads=dropped_grads,
     )
     _let_ddp_skip_unused_parameters(trainer)
     callback = DropBPCallback(trainer, controller, calibrate_at)

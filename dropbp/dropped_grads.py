@@ -1,0 +1,90 @@
+"""What the optimizer sees for a branch whose backward was dropped.
+
+A dropped branch's parameters get no gradient, so their ``.grad`` stays ``None`` and PyTorch's
+optimizers skip them: a branch dropped with rate ``r`` is updated in only ``1 - r`` of the steps
+(``"skip"``, the paper's behaviour). Under Adam(W) that loss of updates, not the noisier gradient,
+is most of what slows convergence per step. Two alternatives keep every branch moving every step:
+
+- ``"zero"``: the dropped parameters get a zero gradient, so a momentum optimizer still steps them
+  along their momentum (Adam: ``m`` and ``v`` decay, the update keeps its direction). Costs nothing
+  beyond the zero tensors, which full backprop would have allocated as gradients anyway.
+- ``"reuse"``: the dropped parameters get their most recent computed gradient (a stale gradient,
+  as in asynchronous SGD). Costs one stored gradient per trainable branch parameter: negligible for
+  LoRA, one gradient copy of the branches for full fine-tuning. The store starts empty after a
+  resume; until a branch has been kept once, it is skipped.
+
+The fill runs in a global optimizer step pre-hook (``torch.optim.optimizer.
+register_optimizer_step_pre_hook``), so it works with any training loop: a hand-written
+``optimizer.step()``, Hugging Face ``Trainer`` (after gradient clipping), or a ``GradScaler`` (after
+unscaling). Only parameters the stepping optimizer holds, of branches dropped since the previous
+step, with ``.grad is None``, are filled.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+__all__ = ["DEFAULT_DROPPED_GRADS", "DROPPED_GRADS", "DroppedGrads"]
+
+DROPPED_GRADS = ("skip", "zero", "reuse")
+#: Chosen by measurement (benchmarks/convergence.py; README "When does DropBP pay off?").
+DEFAULT_DROPPED_GRADS = "skip"
+
+
+class DroppedGrads:
+    """Fills dropped branches' gradients before each optimizer step, per ``mode``."""
+
+    def __init__(self, mode: str, modules: list[nn.Module]) -> None:
+        if mode not in DROPPED_GRADS:
+            raise ValueError(f"dropped_grads must be one of {DROPPED_GRADS}, got {mode!r}")
+        self.mode = mode
+        self._modules = modules
+        self._pending: set[int] = set()  # branches dropped in some forward since the last step
+        self._stored: dict[tuple[int, str], torch.Tensor] = {}  # "reuse": last computed gradients
+        self._handle = None
+        if mode != "skip":
+            this = weakref.ref(self)
+
+            def hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+                fill = this()
+                if fill is not None:
+                    fill.before_step(optimizer)
+
+            self._handle = register_optimizer_step_pre_hook(hook)
+
+    def note_dropped(self, indices: Iterable[int]) -> None:
+        """Record the branches a training forward dropped (called once per forward)."""
+        self._pending.update(indices)
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        pending, self._pending = self._pending, set()
+        for index, module in enumerate(self._modules):
+            for name, p in self._trainable(module, held):
+                if p.grad is not None:
+                    if self.mode == "reuse":
+                        self._stored[index, name] = p.grad.detach().clone()
+                elif index in pending:
+                    p.grad = self._substitute(index, name, p)
+
+    def _substitute(self, index: int, name: str, p: nn.Parameter) -> torch.Tensor | None:
+        if self.mode == "zero":
+            return torch.zeros_like(p)
+        stored = self._stored.get((index, name))
+        return None if stored is None else stored.clone()  # a copy: zero_grad may zero it in place
+
+    @staticmethod
+    def _trainable(module: nn.Module, held: set[int]) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in module.named_parameters() if p.requires_grad and id(p) in held]
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        self._stored.clear()
+        self._pending.clear()

@@ -1,0 +1,105 @@
+"""``dropped_grads``: what the optimizer sees for a dropped branch ("skip", "zero", "reuse")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import batch, tiny_model
+
+import dropbp
+
+
+def _grads(ctl: dropbp.DropBPController) -> dict[str, list[torch.Tensor | None]]:
+    return {b.name: [None if p.grad is None else p.grad.clone() for p in b.module.parameters()] for b in ctl.branches}
+
+
+def _train(mode: str, optimizer: str = "sgd", steps: int = 8):
+    """Train a tiny llama (4 branches at rate 0.5) and record, per step, what each branch's
+    parameters held as gradient right after the optimizer step, and how far they moved."""
+    model = tiny_model("llama", layers=2)
+    ctl = dropbp.apply(model, 0.5, seed=3, backend="cpu", dropped_grads=mode)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=1.0) if optimizer == "sgd" else torch.optim.AdamW(params, lr=1e-2)
+    history = []
+    for step in range(steps):
+        model(input_ids=batch(step), labels=batch(step)).loss.backward()
+        computed = _grads(ctl)
+        before = {b.name: [p.detach().clone() for p in b.module.parameters()] for b in ctl.branches}
+        opt.step()
+        seen = _grads(ctl)
+        moved = {  # (before, after) per parameter
+            b.name: [(q, p.detach().clone()) for p, q in zip(b.module.parameters(), before[b.name], strict=True)]
+            for b in ctl.branches
+        }
+        history.append((set(ctl.last_dropped), computed, seen, moved))
+        opt.zero_grad(set_to_none=True)
+    return ctl, history
+
+
+def test_skip_leaves_dropped_branches_without_gradient_or_update():
+    _, history = _train("skip")
+    for dropped, _, seen, moved in history:
+        for name in dropped:
+            assert all(g is None for g in seen[name])
+            assert all(torch.equal(a, b) for a, b in moved[name])
+
+
+def test_reuse_gives_the_last_computed_gradient_and_sgd_applies_it():
+    _, history = _train("reuse")
+    last: dict[str, list[torch.Tensor]] = {}
+    reused = 0
+    for dropped, computed, seen, moved in history:
+        for name, grads in seen.items():
+            if name in dropped:
+                assert all(g is None for g in computed[name])  # the backward really was dropped
+                if name not in last:
+                    assert all(g is None for g in grads)  # never kept yet: nothing to reuse, skipped
+                    continue
+                reused += 1
+                for g, ref, (before, after) in zip(grads, last[name], moved[name], strict=True):
+                    assert torch.equal(g, ref)
+                    assert torch.equal(after, before - ref)  # SGD, lr 1: the update is the reused gradient
+            else:
+                for g, ref in zip(grads, computed[name], strict=True):
+                    assert torch.equal(g, ref)  # kept branches: untouched
+                last[name] = grads
+    assert reused >= 4
+
+
+def test_zero_lets_adam_momentum_move_dropped_branches():
+    _, history = _train("zero", optimizer="adamw")
+    kept_before: set[str] = set()
+    moved_while_dropped = 0
+    for dropped, _, seen, moved in history:
+        for name in dropped:
+            assert all(torch.equal(g, torch.zeros_like(g)) for g in seen[name])
+            if name in kept_before:
+                moved_while_dropped += all(not torch.equal(a, b) for a, b in moved[name])
+        kept_before |= set(seen) - dropped
+    assert moved_while_dropped >= 2
+
+
+def test_only_parameters_of_the_stepping_optimizer_are_filled_and_remove_stops_filling():
+    model = tiny_model("llama", layers=2)
+    ctl = dropbp.apply(model, 0.5, seed=3, backend="cpu", dropped_grads="zero")
+    first = ctl.branches[0].module
+    others = [p for p in model.parameters() if all(p is not q for q in first.parameters())]
+    opt = torch.optim.SGD(others, lr=0.1)
+    for step in range(6):
+        model(input_ids=batch(step), labels=batch(step)).loss.backward()
+        dropped = set(ctl.last_dropped)
+        opt.step()
+        if ctl.branches[0].name in dropped:
+            assert all(p.grad is None for p in first.parameters())  # not this optimizer's
+        opt.zero_grad(set_to_none=True)
+        for p in first.parameters():
+            p.grad = None
+    ctl.remove()
+    model(input_ids=batch(9), labels=batch(9)).loss.backward()
+    opt.step()  # no hook left: nothing filled, nothing raised
+    assert ctl.dropped_grads == "zero"
+
+
+def test_bad_mode_is_rejected_with_the_choices():
+    with pytest.raises(ValueError, match=r"dropped_grads must be one of \('skip', 'zero', 'reuse'\), got 'stale'"):
+        dropbp.apply(tiny_model("llama", layers=2), 0.5, backend="cpu", dropped_grads="stale")
