@@ -36,26 +36,47 @@ GRIDS = {
     # Each lever on and off at drop rate 0.5.
     "levers": [
         Run("full backprop"),
-        Run("uniform 0.5 (paper)", 0.5),
-        Run("uniform 0.5 + lr comp.", 0.5, lr_compensation=True),
-        Run("uniform 0.5 + unbiased", 0.5, unbiased=True),
+        Run("uniform 0.5 (paper)", 0.5, dropped_grads="skip"),
+        Run("uniform 0.5 + lr comp.", 0.5, dropped_grads="skip", lr_compensation=True),
+        Run("uniform 0.5 + unbiased", 0.5, dropped_grads="skip", unbiased=True),
         Run("uniform 0.5 + zero grads", 0.5, dropped_grads="zero"),
         Run("uniform 0.5 + reuse grads", 0.5, dropped_grads="reuse"),
-        Run("calibrated 0.5", 0.5, calibrate=True),
+        Run("calibrated 0.5", 0.5, dropped_grads="skip", calibrate=True),
         Run("uniform 0.5 + reuse + warm-up", 0.5, dropped_grads="reuse", schedule="warmup"),
         Run("uniform 0.5 + reuse + anneal", 0.5, dropped_grads="reuse", schedule="anneal"),
     ],
-    # The shipped default at 0.5 and 0.875.
+    # The shipped default at 0.5 and 0.875, and 0.875 with calibrated rates.
     "rates": [
         Run("full backprop"),
-        Run("DropBP 0.5", 0.5, dropped_grads="reuse"),
-        Run("DropBP 0.875", 0.875, dropped_grads="reuse"),
+        Run("DropBP 0.5", 0.5),
+        Run("DropBP 0.875", 0.875),
+        Run("DropBP 0.875 + calibration", 0.875, calibrate=True),
+    ],
+    # Drop-rate schedules at 0.5: warm-up from 0 (first 20% of the baseline's steps), annealing to 0
+    # (last 20% of the run).
+    "schedules": [
+        Run("full backprop"),
+        Run("0.5 + warm-up", 0.5, schedule="warmup"),
+        Run("0.5 + anneal", 0.5, schedule="anneal"),
     ],
 }
 
 
 # The baseline's learning rate is chosen first (lowest validation loss after --steps), then fixed.
-LR_CANDIDATES = {"lora": (1e-4, 2e-4, 5e-4, 1e-3), "full": (1e-5, 2e-5, 5e-5, 1e-4)}
+LR_CANDIDATES = {"lora": (1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 4e-3), "full": (1e-5, 3e-5, 1e-4, 3e-4)}
+
+
+def swept_lr(results: Path, method: str) -> float:
+    """The baseline's learning rate: the lowest final validation loss over every recorded
+    ``--grid lr`` run for ``method`` on pydoc (the sweep may have been extended in several calls)."""
+    rows = [
+        (run["val_loss"][-1], run["config"]["lr"])
+        for path in sorted(results.glob(f"convergence_lr_{method}_pydoc*.json"))
+        for run in json.loads(path.read_text())["runs"]
+    ]
+    if not rows:
+        raise SystemExit(f"no learning-rate sweep for {method} in {results}: run --grid lr --method {method} first")
+    return min(rows)[1]
 
 
 def with_lora(model: torch.nn.Module) -> torch.nn.Module:
@@ -73,7 +94,8 @@ def main() -> None:
     parser.add_argument("--method", choices=["lora", "full"], default="lora")
     parser.add_argument("--steps", type=int, default=60, help="baseline steps")
     parser.add_argument("--dropbp-steps", type=int, default=90, help="DropBP runs' steps (budget)")
-    parser.add_argument("--lr", type=float, default=None, help="default: 2e-4 (LoRA), 2e-5 (full)")
+    parser.add_argument("--lr", type=float, default=None, help="default: the best of --grid lr on pydoc")
+    parser.add_argument("--tag", default="", help="appended to the output file names")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--eval-every", type=int, default=10)
@@ -81,9 +103,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
-    lr = args.lr if args.lr is not None else (2e-4 if args.method == "lora" else 2e-5)
+    lr = args.lr if args.lr is not None else swept_lr(args.out, args.method)
     model, tokenizer = load_causal_lm(args.model)
     if args.method == "lora":
+        torch.manual_seed(0)  # LoRA's A matrices start random: the same start in every invocation
         model = with_lora(model)
     data = CORPORA[args.corpus](tokenizer, args.seq_len, max_val_windows=16)
     backend = backends.get()
@@ -112,6 +135,8 @@ def main() -> None:
     stem = f"convergence_{args.grid}_{args.method}_{args.corpus}"
     if args.grid == "lr" and args.lrs:
         stem += "_" + "_".join(f"{x:g}" for x in args.lrs)
+    if args.tag:
+        stem += f"_{args.tag}"
     record = {
         "benchmark": stem,
         "date": date.today().isoformat(),
@@ -158,16 +183,17 @@ def _comparison_table(args: argparse.Namespace, lr: float, rows: list[dict], rec
         f"{record['device']} ({record['date']}); target = the baseline's final validation loss "
         f"{rows[0]['final_val_loss']:.3f}.",
         "",
-        f"| run | step (s) | step speedup | val loss @ {args.steps} | final val loss | time to target (s) "
-        "| time-to-target speedup |",
-        "|---|---|---|---|---|---|---|",
+        f"| run | step (s) | step speedup | val loss @ step {args.steps} | val loss @ equal time | final val loss "
+        "| time to target (s) | time-to-target speedup |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ttt = "not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.0f}"
         sp = "-" if r["time_to_target_speedup"] is None else f"{r['time_to_target_speedup']:.2f}x"
+        at_time = r.get("val_loss_at_equal_time")
         lines.append(
             f"| {r['run']} | {r['step_s']:.2f} | {r['step_speedup']:.2f}x | {r['val_loss_at_equal_steps']:.3f} | "
-            f"{r['final_val_loss']:.3f} | {ttt} | {sp} |"
+            f"{'-' if at_time is None else f'{at_time:.3f}'} | {r['final_val_loss']:.3f} | {ttt} | {sp} |"
         )
     return lines
 

@@ -24,9 +24,10 @@ from torch import nn
 from . import apply
 from .backends import Backend
 from .controller import DropBPController
+from .dropped_grads import DEFAULT_DROPPED_GRADS
 from .textdata import TokenData
 
-__all__ = ["Run", "RunResult", "compare", "summarise", "time_to_target"]
+__all__ = ["Run", "RunResult", "compare", "loss_at_time", "summarise", "time_to_target"]
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class Run:
     calibrate: bool = False  # sensitivity-based rates at ``calibrate_at`` of training
     unbiased: bool = False  # scale kept branches' incoming gradient by 1 / (1 - rate)
     lr_compensation: bool = False  # branch parameters get lr / (1 - rate)
-    dropped_grads: str = "skip"  # what the optimizer sees for dropped branches (dropbp.apply)
+    dropped_grads: str = DEFAULT_DROPPED_GRADS  # what the optimizer sees for dropped branches (dropbp.apply)
     schedule: str | None = None  # "warmup" or "anneal" (see _schedule_factor)
     lr: float | None = None  # overrides compare()'s lr (a learning-rate sweep of the baseline)
 
@@ -214,13 +215,24 @@ def time_to_target(result: RunResult, target: float) -> float | None:
     return None
 
 
+def loss_at_time(result: RunResult, seconds: float) -> float | None:
+    """Validation loss after ``seconds`` of training (linear between evaluations), or None if the run
+    trained for less time than that."""
+    points = list(zip(result.eval_seconds, result.val_loss, strict=True))
+    for (t0, l0), (t1, l1) in pairwise(points):
+        if t0 <= seconds <= t1:
+            return l0 if t1 == t0 else l0 + (l1 - l0) * (seconds - t0) / (t1 - t0)
+    return None
+
+
 def _loss_at(result: RunResult, step: int) -> float | None:
     return dict(zip(result.eval_steps, result.val_loss, strict=True)).get(step)
 
 
 def summarise(results: list[RunResult], steps: int) -> list[dict]:
     """Per run: median step time, step speedup, validation loss at the baseline's last step
-    (``steps``), and the time to reach the baseline's final loss (``results[0]`` is the baseline)."""
+    (``steps``) and at the baseline's training time, and the time to reach the baseline's final loss
+    (``results[0]`` is the baseline)."""
     base = results[0]
     target = base.val_loss[-1]
     base_step = sorted(base.step_seconds)[len(base.step_seconds) // 2]
@@ -234,6 +246,7 @@ def summarise(results: list[RunResult], steps: int) -> list[dict]:
                 "step_s": step,
                 "step_speedup": base_step / step,
                 "val_loss_at_equal_steps": _loss_at(r, steps),
+                "val_loss_at_equal_time": loss_at_time(r, base.eval_seconds[-1]),
                 "final_val_loss": r.val_loss[-1],
                 "time_to_target_s": reached,
                 "time_to_target_speedup": None if reached is None else base.eval_seconds[-1] / reached,

@@ -45,6 +45,7 @@ class DroppedGrads:
         self.mode = mode
         self._modules = modules
         self._pending: set[int] = set()  # branches dropped in some forward since the last step
+        self._stepped = False  # an optimizer stepped since the last forward
         self._stored: dict[tuple[int, str], torch.Tensor] = {}  # "reuse": last computed gradients
         self._handle = None
         if mode != "skip":
@@ -58,18 +59,22 @@ class DroppedGrads:
             self._handle = register_optimizer_step_pre_hook(hook)
 
     def note_dropped(self, indices: Iterable[int]) -> None:
-        """Record the branches a training forward dropped (called once per forward)."""
+        """Record the branches a training forward dropped (called once per forward). The record
+        covers every forward since the last optimizer step (gradient accumulation), and stays until
+        the next forward, so several optimizers stepping in turn all see it."""
+        if self._stepped:
+            self._pending, self._stepped = set(), False
         self._pending.update(indices)
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self._stepped = True
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        pending, self._pending = self._pending, set()
         for index, module in enumerate(self._modules):
             for name, p in self._trainable(module, held):
                 if p.grad is not None:
                     if self.mode == "reuse":
                         self._stored[index, name] = p.grad.detach().clone()
-                elif index in pending:
+                elif index in self._pending:
                     p.grad = self._substitute(index, name, p)
 
     def _substitute(self, index: int, name: str, p: nn.Parameter) -> torch.Tensor | None:

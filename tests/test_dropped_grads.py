@@ -103,3 +103,19 @@ def test_only_parameters_of_the_stepping_optimizer_are_filled_and_remove_stops_f
 def test_bad_mode_is_rejected_with_the_choices():
     with pytest.raises(ValueError, match=r"dropped_grads must be one of \('skip', 'zero', 'reuse'\), got 'stale'"):
         dropbp.apply(tiny_model("llama", layers=2), 0.5, backend="cpu", dropped_grads="stale")
+
+
+def test_two_optimizers_stepping_in_turn_both_fill_their_parameters():
+    model = tiny_model("llama", layers=2)
+    ctl = dropbp.apply(model, 0.5, seed=3, backend="cpu", dropped_grads="zero")
+    params = [p for p in model.parameters() if p.requires_grad]
+    first, second = torch.optim.SGD(params[::2], lr=0.1), torch.optim.SGD(params[1::2], lr=0.1)
+    for step in range(4):
+        model(input_ids=batch(step), labels=batch(step)).loss.backward()
+        first.step()
+        second.step()
+        for b in ctl.branches:
+            if b.name in ctl.last_dropped:
+                assert all(p.grad is not None and not p.grad.any() for p in b.module.parameters())
+        first.zero_grad(set_to_none=True)
+        second.zero_grad(set_to_none=True)
