@@ -76,6 +76,7 @@ def run_demo(
         bar.update(1)
         bar.set_postfix({name.split(" +")[0]: f"{loss:.3f}" for name, loss in latest.items()})
 
+    torch.manual_seed(0)  # LoRA's A matrices start random: the same start every time
     results = compare(
         _lora(model),
         runs,

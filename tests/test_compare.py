@@ -1,0 +1,94 @@
+"""The lockstep comparison engine behind ``dropbp demo`` and ``benchmarks/convergence.py``, and the
+text corpora it trains on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from dropbp import backends
+from dropbp.compare import Run, RunResult, compare, loss_at_time, summarise, time_to_target
+from dropbp.textdata import CORPORA, TokenData, stdlib_docstrings
+
+
+def _result(seconds: list[float], losses: list[float]) -> RunResult:
+    r = RunResult(Run("r"))
+    r.eval_seconds, r.val_loss, r.eval_steps = seconds, losses, list(range(len(losses)))
+    return r
+
+
+def test_time_to_target_and_loss_at_time_interpolate_between_evaluations():
+    r = _result([0.0, 10.0, 20.0], [3.0, 2.0, 1.5])
+    assert time_to_target(r, 2.5) == pytest.approx(5.0)
+    assert time_to_target(r, 1.75) == pytest.approx(15.0)
+    assert time_to_target(r, 1.0) is None
+    assert loss_at_time(r, 15.0) == pytest.approx(1.75)
+    assert loss_at_time(r, 25.0) is None  # the run stopped before
+
+
+def _data(n: int = 48, seq: int = 12) -> TokenData:
+    g = torch.Generator().manual_seed(0)
+    return TokenData(torch.randint(3, 96, (n, seq), generator=g), torch.randint(3, 96, (8, seq), generator=g))
+
+
+def test_lockstep_runs_share_the_start_and_the_batches():
+    """Two identical baselines and a DropBP run at rate 0: identical curves (same weights, batches,
+    learning rate); schedules and budgets are honoured."""
+    runs = [
+        Run("full backprop"),
+        Run("again"),
+        Run("rate 0", 0.0),
+        Run("warm-up", 0.5, schedule="warmup"),
+        Run("anneal", 0.5, schedule="anneal", calibrate=True),
+    ]
+    results = compare(
+        tiny_model("llama", layers=4),
+        runs,
+        _data(),
+        steps=6,
+        lr=1e-3,
+        batch_size=4,
+        backend=backends.get("cpu"),
+        eval_every=3,
+        dropbp_steps=9,
+    )
+    base, again, zero, warm, anneal = results
+    assert base.val_loss == again.val_loss == zero.val_loss[: len(base.val_loss)]
+    assert len(base.step_seconds) == 6 and len(warm.step_seconds) == 9
+    assert warm.val_loss[1] != base.val_loss[1]  # warm-up has reached rate > 0 by step 3 of 6
+    assert anneal.calibration_seconds > 0 and len(anneal.rates) == 8
+    rows = summarise(results, 6)
+    assert rows[0]["step_speedup"] == 1.0 and rows[0]["time_to_target_speedup"] == 1.0
+    assert {"val_loss_at_equal_time", "val_loss_at_equal_steps"} <= set(rows[1])
+
+
+def test_bad_schedule_is_named():
+    with pytest.raises(ValueError, match="schedule must be 'warmup' or 'anneal', got 'cosine'"):
+        compare(
+            tiny_model("llama", layers=2),
+            [Run("x", 0.5, schedule="cosine")],
+            _data(),
+            steps=2,
+            lr=1e-3,
+            batch_size=2,
+            backend=backends.get("cpu"),
+            eval_every=1,
+        )
+
+
+class _Bytes:
+    """A stand-in tokenizer: one id per UTF-8 byte."""
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        return {"input_ids": list(text.encode())}
+
+
+def test_stdlib_docstrings_is_a_second_corpus_with_held_out_modules():
+    data = stdlib_docstrings(_Bytes(), 64, max_val_windows=8, max_chars=200_000)
+    assert data.train.shape[1] == 64 and len(data.train) > 1000 and data.val.shape == (8, 64)
+    text = bytes(data.train[:200].flatten().tolist()).decode(errors="replace")
+    assert "Return" in text or "return" in text  # docstring prose
+    assert set(CORPORA) == {"pydoc", "stdlib-docstrings"}
+    with pytest.raises(ValueError, match="longer than the text"):
+        stdlib_docstrings(_Bytes(), 10**6, max_chars=1000)
