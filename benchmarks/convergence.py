@@ -25,7 +25,7 @@ import torch
 import transformers
 
 from dropbp import backends
-from dropbp.compare import Run, compare, summarise
+from dropbp.compare import Run, RunResult, compare, summarise
 from dropbp.pretrained import DEFAULT_MODEL, load_causal_lm
 from dropbp.report import plot_curves
 from dropbp.textdata import CORPORA
@@ -96,12 +96,16 @@ def main() -> None:
     parser.add_argument("--dropbp-steps", type=int, default=90, help="DropBP runs' steps (budget)")
     parser.add_argument("--lr", type=float, default=None, help="default: the best of --grid lr on pydoc")
     parser.add_argument("--tag", default="", help="appended to the output file names")
+    parser.add_argument("--render", type=Path, help="only rewrite the summary, .md and .png of a recorded .json")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    if args.render is not None:
+        render(args.render)
+        return
     transformers.logging.set_verbosity_error()
     lr = args.lr if args.lr is not None else swept_lr(args.out, args.method)
     model, tokenizer = load_causal_lm(args.model)
@@ -131,7 +135,6 @@ def main() -> None:
         dropbp_steps=args.dropbp_steps,
         progress=progress,
     )
-    rows = summarise(results, args.steps)
     stem = f"convergence_{args.grid}_{args.method}_{args.corpus}"
     if args.grid == "lr" and args.lrs:
         stem += "_" + "_".join(f"{x:g}" for x in args.lrs)
@@ -139,6 +142,7 @@ def main() -> None:
         stem += f"_{args.tag}"
     record = {
         "benchmark": stem,
+        "grid": args.grid,
         "date": date.today().isoformat(),
         "model": args.model,
         "method": args.method,
@@ -152,38 +156,56 @@ def main() -> None:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
-        "summary": rows,
-        "runs": [r.to_dict() for r in results],
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
-    lines = _lr_sweep_table(args, rows) if args.grid == "lr" else _comparison_table(args, lr, rows, record)
-    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    plot_curves(results, args.out / f"{stem}.png", title=f"{args.model} {args.method} on {args.corpus}")
+    write(record, results, args.out)
+
+
+def write(record: dict, results: list[RunResult], out: Path) -> None:
+    """Summarise, then write ``<benchmark>.json``, ``.md`` and ``.png`` into ``out``."""
+    record["summary"] = summarise(results, record["steps"])
+    record["runs"] = [r.to_dict() for r in results]
+    stem = record["benchmark"]
+    (out / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
+    grid = record.get("grid") or stem.split("_")[1]  # records before "grid" was stored
+    lines = _lr_sweep_table(record) if grid == "lr" else _comparison_table(record)
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    title = f"{record['model']} {record['method']} on {record.get('corpus', 'pydoc')}"
+    plot_curves(results, out / f"{stem}.png", title=title)
     print("\n".join(lines))
 
 
-def _setting(args: argparse.Namespace) -> str:
-    return f"{args.model}, {args.method} on {args.corpus}, batch {args.batch_size} x {args.seq_len}"
+def render(path: Path) -> None:
+    """Rewrite a recorded run's summary and tables from its measurements (nothing is retrained)."""
+    record = json.loads(path.read_text())
+    write(record, [RunResult.from_dict(run) for run in record["runs"]], path.parent)
 
 
-def _lr_sweep_table(args: argparse.Namespace, rows: list[dict]) -> list[str]:
+def _setting(record: dict) -> str:
+    return (
+        f"{record['model']}, {record['method']} on {record.get('corpus', 'pydoc')}, "
+        f"batch {record['batch_size']} x {record['seq_len']}"
+    )
+
+
+def _lr_sweep_table(record: dict) -> list[str]:
     lines = [
-        f"Learning-rate sweep of the baseline: {_setting(args)}, {args.steps} steps ({date.today().isoformat()}).",
+        f"Learning-rate sweep of the baseline: {_setting(record)}, {record['steps']} steps ({record['date']}).",
         "",
-        f"| run | step (s) | val loss @ {args.steps} |",
+        f"| run | step (s) | val loss @ {record['steps']} |",
         "|---|---|---|",
     ]
-    return lines + [f"| {r['run']} | {r['step_s']:.2f} | {r['final_val_loss']:.3f} |" for r in rows]
+    return lines + [f"| {r['run']} | {r['step_s']:.2f} | {r['final_val_loss']:.3f} |" for r in record["summary"]]
 
 
-def _comparison_table(args: argparse.Namespace, lr: float, rows: list[dict], record: dict) -> list[str]:
+def _comparison_table(record: dict) -> list[str]:
+    rows, steps = record["summary"], record["steps"]
     lines = [
-        f"{_setting(args)}, lr {lr:g}, {args.steps} baseline steps ({args.dropbp_steps} for DropBP), "
+        f"{_setting(record)}, lr {record['lr']:g}, {steps} baseline steps ({record['dropbp_steps']} for DropBP), "
         f"{record['device']} ({record['date']}); target = the baseline's final validation loss "
         f"{rows[0]['final_val_loss']:.3f}.",
         "",
-        f"| run | step (s) | step speedup | val loss @ step {args.steps} | val loss @ equal time | final val loss "
+        f"| run | step (s) | step speedup | val loss @ step {steps} | val loss @ equal time | final val loss "
         "| time to target (s) | time-to-target speedup |",
         "|---|---|---|---|---|---|---|---|",
     ]

@@ -54,6 +54,12 @@ class RunResult:
     calibration_seconds: float = 0.0
     rates: list[float] = field(default_factory=list)
 
+    @classmethod
+    def from_dict(cls, data: dict) -> RunResult:
+        """The inverse of :meth:`to_dict` (for re-summarising recorded runs)."""
+        fields = ("step_seconds", "eval_steps", "eval_seconds", "val_loss", "calibration_seconds", "rates")
+        return cls(Run(**data["config"]), **{k: data[k] for k in fields if k in data})
+
     def to_dict(self) -> dict:
         return {
             "name": self.run.name,
@@ -232,10 +238,11 @@ def _loss_at(result: RunResult, step: int) -> float | None:
 def summarise(results: list[RunResult], steps: int) -> list[dict]:
     """Per run: median step time, step speedup, validation loss at the baseline's last step
     (``steps``) and at the baseline's training time, and the time to reach the baseline's final loss
-    (``results[0]`` is the baseline)."""
+    as a ratio to the time the baseline itself first reached it (``results[0]`` is the baseline)."""
     base = results[0]
     target = base.val_loss[-1]
     base_step = sorted(base.step_seconds)[len(base.step_seconds) // 2]
+    base_reached = time_to_target(base, target)  # may come before its last step if the curve dips
     rows = []
     for r in results:
         step = sorted(r.step_seconds)[len(r.step_seconds) // 2]
@@ -249,7 +256,7 @@ def summarise(results: list[RunResult], steps: int) -> list[dict]:
                 "val_loss_at_equal_time": loss_at_time(r, base.eval_seconds[-1]),
                 "final_val_loss": r.val_loss[-1],
                 "time_to_target_s": reached,
-                "time_to_target_speedup": None if reached is None else base.eval_seconds[-1] / reached,
+                "time_to_target_speedup": None if reached is None else base_reached / reached,
             }
         )
     return rows

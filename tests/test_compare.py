@@ -58,6 +58,7 @@ def test_lockstep_runs_share_the_start_and_the_batches():
     assert len(base.step_seconds) == 6 and len(warm.step_seconds) == 9
     assert warm.val_loss[1] != base.val_loss[1]  # warm-up has reached rate > 0 by step 3 of 6
     assert anneal.calibration_seconds > 0 and len(anneal.rates) == 8
+    assert RunResult.from_dict(anneal.to_dict()) == anneal  # recorded runs can be re-summarised
     rows = summarise(results, 6)
     assert rows[0]["step_speedup"] == 1.0 and rows[0]["time_to_target_speedup"] == 1.0
     assert {"val_loss_at_equal_time", "val_loss_at_equal_steps"} <= set(rows[1])
