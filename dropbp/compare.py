@@ -30,6 +30,10 @@ from .textdata import TokenData
 __all__ = ["Run", "RunResult", "compare", "loss_at_time", "summarise", "time_to_target"]
 
 
+WARMUP_FRACTION = 0.2
+ANNEAL_FRACTION = 0.2
+
+
 @dataclass(frozen=True)
 class Run:
     """One configuration. ``drop_rate=None`` is the baseline: the model without the library."""
@@ -40,7 +44,9 @@ class Run:
     unbiased: bool = False  # scale kept branches' incoming gradient by 1 / (1 - rate)
     lr_compensation: bool = False  # branch parameters get lr / (1 - rate)
     dropped_grads: str = DEFAULT_DROPPED_GRADS  # what the optimizer sees for dropped branches (dropbp.apply)
-    schedule: str | None = None  # "warmup" or "anneal" (see _schedule_factor)
+    # "warmup": rates rise from 0 over the first 20% of the baseline's steps (apply's warmup_steps);
+    # "anneal": they fall to 0 over the last 20% of the run's steps.
+    schedule: str | None = None
     lr: float | None = None  # overrides compare()'s lr (a learning-rate sweep of the baseline)
 
 
@@ -77,7 +83,9 @@ class RunResult:
 class _Trainee:
     """A run's model copy, optimizer and (for DropBP runs) controller."""
 
-    def __init__(self, run: Run, model: nn.Module, lr: float, backend: Backend, seed: int, seq_len: int):
+    def __init__(self, run: Run, model: nn.Module, lr: float, backend: Backend, seed: int, seq_len: int, steps: int):
+        if run.schedule not in (None, "warmup", "anneal"):
+            raise ValueError(f"schedule must be 'warmup' or 'anneal', got {run.schedule!r}")
         self.run = run
         lr = run.lr if run.lr is not None else lr
         self.model = model
@@ -92,6 +100,7 @@ class _Trainee:
                 backend=backend,
                 unbiased=run.unbiased,
                 dropped_grads=run.dropped_grads,
+                warmup_steps=round(WARMUP_FRACTION * steps) if run.schedule == "warmup" else 0,
             )
         if self.ctl is not None and run.lr_compensation:
             groups = self.ctl.param_groups(lr)
@@ -102,11 +111,11 @@ class _Trainee:
         self.elapsed = 0.0
         self.base_rates = self.ctl.rates if self.ctl is not None else []
 
-    def train_step(self, ids: torch.Tensor, step: int, steps: int, limit: int) -> None:
+    def train_step(self, ids: torch.Tensor, step: int, limit: int) -> None:
         self.backend.synchronize()
         start = time.perf_counter()
-        if self.run.schedule is not None:
-            factor = _schedule_factor(self.run.schedule, step, steps, limit)
+        if self.run.schedule == "anneal":
+            factor = min(1.0, (limit - step) / (ANNEAL_FRACTION * limit))
             self.ctl.set_rates([r * factor for r in self.base_rates])
         # Accelerators train in their autocast dtype; the CPU stays in float32 (bf16 is slower there).
         with self.backend.autocast() if self.backend.device.type != "cpu" else nullcontext():
@@ -126,7 +135,7 @@ class _Trainee:
     def calibrate(self, ids: torch.Tensor) -> None:
         self.backend.synchronize()
         start = time.perf_counter()
-        if self.run.schedule is not None:
+        if self.run.schedule == "anneal":
             self.ctl.set_rates(self.base_rates)  # calibrate at the full drop rate
         self.ctl.calibrate(lambda: self.model(input_ids=ids, labels=ids).loss)
         self.base_rates = self.ctl.rates
@@ -171,7 +180,9 @@ def compare(
     if not runs:
         raise ValueError("compare needs at least one run")
     seq_len = data.train.shape[1]
-    trainees = [_Trainee(r, copy.deepcopy(model).to(backend.device).train(), lr, backend, seed, seq_len) for r in runs]
+    trainees = [
+        _Trainee(r, copy.deepcopy(model).to(backend.device).train(), lr, backend, seed, seq_len, steps) for r in runs
+    ]
     val = [b.to(backend.device) for b in data.val_batches(batch_size)]
     limit = {t.run.name: steps if t.run.drop_rate is None else (dropbp_steps or steps) for t in trainees}
     total = max(limit.values())
@@ -186,7 +197,7 @@ def compare(
         for t in active[shift:] + active[:shift]:
             if t.run.calibrate and step == calibration_step:
                 t.calibrate(ids)
-            t.train_step(ids, step, steps, limit[t.run.name])
+            t.train_step(ids, step, limit[t.run.name])
         for t in active:
             if (step + 1) % eval_every == 0 or step + 1 in (steps, limit[t.run.name]):
                 latest[t.run.name] = t.evaluate(step + 1, val)
@@ -195,16 +206,6 @@ def compare(
     for t in trainees:
         t.result.rates = t.base_rates  # before any schedule scaled them
     return [t.result for t in trainees]
-
-
-def _schedule_factor(schedule: str, step: int, steps: int, limit: int) -> float:
-    """Multiplier of the drop rates at ``step``: "warmup" rises linearly from 0 over the first 20% of
-    the baseline's ``steps``; "anneal" falls linearly to 0 over the last 20% of the run's ``limit``."""
-    if schedule == "warmup":
-        return min(1.0, step / (0.2 * steps))
-    if schedule == "anneal":
-        return min(1.0, (limit - step) / (0.2 * limit))
-    raise ValueError(f"schedule must be 'warmup' or 'anneal', got {schedule!r}")
 
 
 def time_to_target(result: RunResult, target: float) -> float | None:

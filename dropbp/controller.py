@@ -42,6 +42,7 @@ log = logging.getLogger("dropbp")
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, DropBPController] = weakref.WeakKeyDictionary()
 
 _STATE_VERSION = 1
+_BOUNDED_WARMUP_LEVELS = 4
 
 
 def _check_drop_rate(drop_rate: object) -> float:
@@ -74,6 +75,7 @@ class DropBPController:
         backend: Backend,
         unbiased: bool = False,
         dropped_grads: str = "skip",
+        warmup_steps: int = 0,
     ) -> None:
         self._model = model
         self._branches = branches
@@ -84,6 +86,9 @@ class DropBPController:
         self.max_patterns = max_patterns
         #: Scale the gradient entering each kept branch by 1 / (1 - rate) (see dropbp/scaling.py).
         self.unbiased = unbiased
+        #: Training forwards over which every rate rises linearly from 0 to its value.
+        self.warmup_steps = warmup_steps
+        self._warmup_samplers: dict[float, PatternSampler] = {}
         self._step = 0
         self._dropped: frozenset[int] = frozenset()
         self._forced: frozenset[int] | None = None
@@ -149,7 +154,20 @@ class DropBPController:
             check_running_ddp_checkpointing()
 
     def _pattern(self, step: int) -> frozenset[int]:
-        return self._keep_a_trainable_branch(self._sampler.pattern(step))
+        return self._keep_a_trainable_branch(self._sampler_at(step).pattern(step))
+
+    def _sampler_at(self, step: int) -> PatternSampler:
+        """The sampler for ``step``: during warm-up, one for the rates scaled by the warm-up factor.
+        With bounded patterns the factor moves in quarters, so warm-up adds at most three pools."""
+        if step >= self.warmup_steps:
+            return self._sampler
+        levels = self.warmup_steps if self.max_patterns is None else _BOUNDED_WARMUP_LEVELS
+        factor = math.floor(levels * step / self.warmup_steps) / levels
+        sampler = self._warmup_samplers.get(factor)
+        if sampler is None:
+            sampler = PatternSampler([r * factor for r in self.rates], self.seed, self.max_patterns)
+            self._warmup_samplers[factor] = sampler
+        return sampler
 
     def _keep_a_trainable_branch(self, pattern: frozenset[int]) -> frozenset[int]:
         """Never drop every branch that holds trainable parameters when nothing else is trainable
@@ -201,6 +219,7 @@ class DropBPController:
         for b, r in zip(self._branches, values, strict=True):
             b.rate = r
         self._sampler = PatternSampler(values, self.seed, self.max_patterns)
+        self._warmup_samplers = {}
 
     @property
     def dropped_grads(self) -> str:
@@ -368,6 +387,7 @@ class DropBPController:
             "seed": self.seed,
             "step": self._step,
             "max_patterns": self.max_patterns,
+            "warmup_steps": self.warmup_steps,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -391,6 +411,7 @@ class DropBPController:
         self.seed = _check_int("seed", state["seed"], 0)
         mp = state["max_patterns"]
         self.max_patterns = None if mp is None else _check_int("max_patterns", mp, 1)
+        self.warmup_steps = _check_int("warmup_steps", state.get("warmup_steps", 0), 0)  # absent in older states
         self.set_rates(state["rates"])
         self._step = _check_int("step", state["step"], 0)
 
@@ -457,6 +478,7 @@ def apply(
     backend: str | Backend | None = None,
     unbiased: bool = False,
     dropped_grads: str = DEFAULT_DROPPED_GRADS,
+    warmup_steps: int = 0,
 ) -> DropBPController:
     """Attach DropBP to ``model``: each training step drops the backward of random residual branches.
 
@@ -474,6 +496,9 @@ def apply(
     ``dropped_grads`` is what the optimizer sees for a dropped branch's parameters: ``"skip"`` (no
     gradient, so no update: the paper), ``"zero"`` (a zero gradient: momentum optimizers keep moving
     them) or ``"reuse"`` (their last computed gradient); see :mod:`dropbp.dropped_grads`.
+    ``warmup_steps`` (training forwards) raises every rate linearly from 0: the first steps, where
+    a fine-tune learns fastest, run (nearly) full backprop. It is ``ctl.warmup_steps``, and saved in
+    ``state_dict``.
 
     ``model`` may be wrapped in ``DistributedDataParallel`` (which must have
     ``find_unused_parameters=True``): the branches are found in its ``.module`` and named as there.
@@ -515,4 +540,5 @@ def apply(
         raise TypeError(f"unbiased must be True or False, got {type(unbiased).__name__}")
     if dropped_grads not in DROPPED_GRADS:
         raise ValueError(f"dropped_grads must be one of {DROPPED_GRADS}, got {dropped_grads!r}")
-    return DropBPController(model, found, p, seed, max_patterns, backend, unbiased, dropped_grads)
+    warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
+    return DropBPController(model, found, p, seed, max_patterns, backend, unbiased, dropped_grads, warmup_steps)

@@ -186,3 +186,14 @@ def test_trainer_optimizer_sees_filled_gradients_of_dropped_branches(tmp_path):
     trainer.add_callback(Watch())
     trainer.train()
     assert len(seen) >= 6 and all(all(zeros) and zeros for _, zeros in seen)
+
+
+def test_warmup_fraction_becomes_training_forwards(tmp_path):
+    trainer = _trainer(tmp_path, max_steps=5, gradient_accumulation_steps=2)
+    callback = attach(trainer, drop_rate=0.5, calibrate_at=None, warmup=0.4)
+    patterns = _record_patterns(callback)
+    trainer.train()
+    assert callback.controller.warmup_steps == 4  # 0.4 x 5 steps x 2 micro-batches
+    assert patterns[0] == ()  # the first forward runs full backprop
+    with pytest.raises(ValueError, match=r"warmup must be a fraction of the training steps in \[0, 1\), got 1.5"):
+        attach(_trainer(tmp_path), warmup=1.5)

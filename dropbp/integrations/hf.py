@@ -50,10 +50,13 @@ STATE_FILE = "dropbp_state.json"
 class DropBPCallback(TrainerCallback):
     """Calibration, logging and checkpointing of a :class:`DropBPController` inside a Trainer."""
 
-    def __init__(self, trainer: Trainer, controller: DropBPController, calibrate_at: float | None) -> None:
+    def __init__(
+        self, trainer: Trainer, controller: DropBPController, calibrate_at: float | None, warmup: float = 0.0
+    ) -> None:
         self.trainer = trainer
         self.controller = controller
         self.calibrate_at = calibrate_at
+        self.warmup = warmup
         self.calibrated = False
 
     def _calibration_step(self, state: TrainerState) -> int | None:
@@ -62,6 +65,8 @@ class DropBPCallback(TrainerCallback):
         return int(self.calibrate_at * state.max_steps)
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any):
+        if self.warmup:  # the controller counts training forwards: micro-batches
+            self.controller.warmup_steps = round(self.warmup * state.max_steps * args.gradient_accumulation_steps)
         if state.global_step == 0:
             return
         folders = [os.path.join(args.output_dir, f"checkpoint-{state.global_step}")]
@@ -130,13 +135,15 @@ def attach(
     max_patterns: int | None = None,
     unbiased: bool = False,
     dropped_grads: str = DEFAULT_DROPPED_GRADS,
+    warmup: float = 0.0,
 ) -> DropBPCallback:
     """Attach DropBP to ``trainer.model`` and register its callback; call before ``trainer.train()``.
 
     ``calibrate_at``: fraction of the training steps at which sensitivities are measured and the
     rates allocated (``None``: keep uniform rates). ``seed`` defaults to ``trainer.args.seed``.
     ``unbiased`` and ``dropped_grads`` are :func:`dropbp.apply`'s; the dropped gradients are filled
-    in an optimizer pre-step hook, after the Trainer's gradient clipping.
+    in an optimizer pre-step hook, after the Trainer's gradient clipping. ``warmup``: fraction of the
+    training steps over which the rates rise from 0 (``dropbp.apply``'s ``warmup_steps``).
     Returns the callback; its ``controller`` is the :class:`DropBPController`.
     """
     if not isinstance(trainer, Trainer):
@@ -145,6 +152,8 @@ def attach(
         isinstance(calibrate_at, bool) or not isinstance(calibrate_at, (int, float)) or not 0 <= calibrate_at < 1
     ):
         raise ValueError(f"calibrate_at must be a fraction in [0, 1) or None, got {calibrate_at!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, (int, float)) or not 0 <= warmup < 1:
+        raise ValueError(f"warmup must be a fraction of the training steps in [0, 1), got {warmup!r}")
     controller = apply(
         trainer.model,
         drop_rate,
@@ -155,7 +164,7 @@ def attach(
         dropped_grads=dropped_grads,
     )
     _let_ddp_skip_unused_parameters(trainer)
-    callback = DropBPCallback(trainer, controller, calibrate_at)
+    callback = DropBPCallback(trainer, controller, calibrate_at, float(warmup))
     trainer.add_callback(callback)
     return callback
 

@@ -1,0 +1,49 @@
+"""``warmup_steps``: every rate rises linearly from 0 over the first training forwards."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import batch, tiny_model
+
+import dropbp
+from dropbp.sampler import PatternSampler
+
+
+def test_warmup_scales_the_rates_exactly_then_hands_over():
+    model = tiny_model("llama", layers=4)
+    ctl = dropbp.apply(model, 0.5, seed=7, backend="cpu", warmup_steps=10)
+    plain = PatternSampler([0.5] * 8, 7)
+    for step in range(30):
+        expected = PatternSampler([0.5 * step / 10] * 8, 7).pattern(step) if step < 10 else plain.pattern(step)
+        assert ctl.dropped_at(step) == tuple(ctl.branches[i].name for i in sorted(expected))
+    assert ctl.dropped_at(0) == ()
+    for step in range(12):  # the training forwards draw those very patterns
+        model(input_ids=batch(step), labels=batch(step)).loss.backward()
+        assert ctl.last_dropped == ctl.dropped_at(step)
+
+
+def test_bounded_patterns_warm_up_in_quarters():
+    ctl = dropbp.apply(tiny_model("llama", layers=4), 0.5, seed=1, backend="cpu", warmup_steps=20, max_patterns=4)
+    seen = {ctl.dropped_at(s) for s in range(200)}
+    assert len(seen) <= 1 + 3 * 4 + 4  # nothing dropped, three warm-up pools, the pool itself
+    assert ctl.dropped_at(4) == ()  # factor floor(4 * 4 / 20) / 4 = 0
+
+
+def test_warmup_is_saved_and_old_states_still_load():
+    ctl = dropbp.apply(tiny_model("llama", layers=2), 0.5, backend="cpu", warmup_steps=12)
+    state = ctl.state_dict()
+    assert state["warmup_steps"] == 12
+    other = dropbp.apply(tiny_model("llama", layers=2), 0.5, backend="cpu")
+    other.load_state_dict(state)
+    assert other.warmup_steps == 12 and [other.dropped_at(s) for s in range(20)] == [
+        ctl.dropped_at(s) for s in range(20)
+    ]
+    del state["warmup_steps"]  # saved before warm-up existed
+    other.load_state_dict(state)
+    assert other.warmup_steps == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, True])
+def test_bad_warmup_is_refused(bad):
+    with pytest.raises((TypeError, ValueError), match="warmup_steps must be an int >= 0"):
+        dropbp.apply(tiny_model("llama", layers=2), 0.5, backend="cpu", warmup_steps=bad)
