@@ -6,6 +6,7 @@
     trainer.train()
 
 ``attach`` applies DropBP to ``trainer.model`` and adds a callback that
+- warms the drop rates up from 0 over the first ``warmup`` of training (default 20%),
 - calibrates once, at ``calibrate_at`` of training (default 10%), on the first batch of the training
   data with the trainer's own ``compute_loss`` (one forward; see ``DropBPController.calibrate``),
 - logs the calibrated rates and, at every logging step, the drop figures since the last log
@@ -135,7 +136,7 @@ def attach(
     max_patterns: int | None = None,
     unbiased: bool = False,
     dropped_grads: str = DEFAULT_DROPPED_GRADS,
-    warmup: float = 0.0,
+    warmup: float = 0.2,
 ) -> DropBPCallback:
     """Attach DropBP to ``trainer.model`` and register its callback; call before ``trainer.train()``.
 
@@ -143,7 +144,8 @@ def attach(
     rates allocated (``None``: keep uniform rates). ``seed`` defaults to ``trainer.args.seed``.
     ``unbiased`` and ``dropped_grads`` are :func:`dropbp.apply`'s; the dropped gradients are filled
     in an optimizer pre-step hook, after the Trainer's gradient clipping. ``warmup``: fraction of the
-    training steps over which the rates rise from 0 (``dropbp.apply``'s ``warmup_steps``).
+    training steps over which the rates rise from 0 (``dropbp.apply``'s ``warmup_steps``); 0.2, the
+    best setting measured (README, "When does DropBP pay off?"), 0 to drop from the first step.
     Returns the callback; its ``controller`` is the :class:`DropBPController`.
     """
     if not isinstance(trainer, Trainer):
