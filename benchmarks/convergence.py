@@ -1,15 +1,19 @@
 """Does DropBP reach the same validation loss sooner? SmolLM2-135M (real, pretrained), CPU.
 
-Fine-tunes SmolLM2-135M-Instruct on Python's help text (``pydoc_data.topics``; every tenth topic
-held out for validation) with full backprop and with DropBP variants, all in lockstep in one process
-(see ``dropbp/compare.py``): same starting weights, batches and learning rate (chosen for the
-baseline: 2e-4 for LoRA, the value the issue's reference measurements used), per-run timing.
-Reports per-step speedup and time-to-target: the training wall time each run needs to reach the
-baseline's final validation loss, as a ratio to the baseline's.
+Fine-tunes SmolLM2-135M-Instruct (LoRA or full) on a documentation corpus that ships with Python
+(``--corpus pydoc``: its help text; ``stdlib-docstrings``: the standard library's docstrings; the
+validation text is held out by topic or module) with full backprop and with DropBP variants, all in
+lockstep in one process (see ``dropbp/compare.py``): same starting weights, batches and learning
+rate, per-run timing. The learning rate is the baseline's: ``--grid lr`` first, then every other grid
+takes the best one recorded (or ``--lr``). Reports per-step speedup, validation loss at equal steps
+and at equal wall time, and time-to-target: the training wall time a run needs to reach the
+baseline's final validation loss, as a ratio to the baseline's own.
 
-    python benchmarks/convergence.py --grid levers      # the levers at drop rate 0.5, LoRA
-    python benchmarks/convergence.py --grid rates       # 0.5 and 0.875 with the shipped default
-Writes benchmarks/results/convergence_<grid>_<method>.json, .md and .png.
+    python benchmarks/convergence.py --grid lr --method lora     # the baseline's learning rate
+    python benchmarks/convergence.py --grid levers               # each lever on and off at 0.5
+    python benchmarks/convergence.py --grid schedules            # warm-up and annealing at 0.5
+    python benchmarks/convergence.py --grid rates --method full  # 0.5 and 0.875
+Writes benchmarks/results/convergence_<grid>_<method>_<corpus>.json, .md and .png.
 """
 
 from __future__ import annotations
@@ -45,10 +49,11 @@ GRIDS = {
         Run("uniform 0.5 + reuse + warm-up", 0.5, dropped_grads="reuse", schedule="warmup"),
         Run("uniform 0.5 + reuse + anneal", 0.5, dropped_grads="reuse", schedule="anneal"),
     ],
-    # The shipped default at 0.5 and 0.875, and 0.875 with calibrated rates.
+    # apply()'s defaults at 0.5 and 0.875; with the warm-up attach() adds; 0.875 with calibrated rates.
     "rates": [
         Run("full backprop"),
         Run("DropBP 0.5", 0.5),
+        Run("DropBP 0.5 + warm-up", 0.5, schedule="warmup"),
         Run("DropBP 0.875", 0.875),
         Run("DropBP 0.875 + calibration", 0.875, calibrate=True),
     ],
