@@ -16,3 +16,11 @@ def test_readme_example_runs(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert out.count("dropped:") == 5
     assert (tmp_path / "state.pt").exists()
+
+
+def test_readme_points_only_at_recorded_results():
+    """Every results file the README cites (tables, figures) is in the repository."""
+    cited = set(re.findall(r"benchmarks/results/[\w./-]+\.(?:md|png|json)", README.read_text()))
+    assert cited
+    missing = sorted(p for p in cited if not (README.parent / p).is_file())
+    assert not missing, f"README cites missing files: {missing}"
