@@ -43,12 +43,12 @@ def test_demo_quick_writes_results(tiny_model_dir, tmp_path, capsys):
     code, out, err = _run(["demo", "--quick", "--model", str(tiny_model_dir), "--out", str(out_dir)], capsys)
     assert code == 0, err
     record = json.loads((out_dir / "demo.json").read_text())
-    assert [r["run"] for r in record["summary"]] == ["full backprop", "DropBP 0.5", "DropBP 0.875 + calibration"]
+    assert [r["run"] for r in record["summary"]] == ["full backprop", "DropBP 0.5 + warm-up", "DropBP 0.875 + warm-up"]
     assert record["settings"]["steps"] == 6 and record["dropbp_steps"] == 9
     runs = {r["name"]: r for r in record["runs"]}
-    assert len(runs["full backprop"]["step_seconds"]) == 6 and len(runs["DropBP 0.5"]["step_seconds"]) == 9
-    assert runs["DropBP 0.875 + calibration"]["calibration_seconds"] > 0
-    assert runs["DropBP 0.875 + calibration"]["rates"] != [0.875] * 8  # calibrated
+    assert len(runs["full backprop"]["step_seconds"]) == 6 and len(runs["DropBP 0.5 + warm-up"]["step_seconds"]) == 9
+    assert runs["DropBP 0.875 + warm-up"]["config"]["schedule"] == "warmup"
+    assert runs["DropBP 0.875 + warm-up"]["rates"] == [0.875] * 8
     assert all(r["val_loss_at_equal_steps"] is not None for r in record["summary"])
     assert (out_dir / "demo.png").stat().st_size > 10_000
     assert "| full backprop |" in out and "time/step" in out and str(out_dir / "demo.json") in out
