@@ -1,6 +1,6 @@
 """The device interface: what a training loop needs from a device, and nothing about drop policy.
 
-Dropped branches need no per-device code: the core (``dropbp/execution.py``) runs them under
+Dropped branches need no per-device code: the core (``dropbp/no_grad.py``) runs them under
 ``torch.no_grad()``, so they record no autograd graph and their intermediate tensors are freed as soon
 as the branch returns, on every device. What differs per device is listed here: where tensors live,
 how to wait for queued work, memory figures, autocast, the collective library, and the step

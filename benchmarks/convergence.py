@@ -57,6 +57,29 @@ GRIDS = {
         Run("DropBP 0.875", 0.875),
         Run("DropBP 0.875 + calibration", 0.875, calibrate=True),
     ],
+    # Pattern shapes (issue "the shape of the drop pattern"): the paper's uniform patterns, random
+    # cuts (every branch below a random depth dropped), and controls that say why, at 0.5 and 0.875.
+    "patterns": [Run("full backprop")]
+    + [
+        run
+        for p in (0.5, 0.875)
+        for run in (
+            Run(f"uniform {p} (paper)", p),
+            Run(f"cut {p}", p, pattern="cut"),
+            Run(f"cut marginals, uniform shape {p}", p, rates="cut-marginals"),
+            Run(f"frozen bottom {p}", p, rates="frozen-bottom"),
+            Run(f"cut capped {p}", p, rates="cut-capped"),
+            Run(f"cut {p} + warm-up", p, pattern="cut", schedule="warmup"),
+        )
+    ],
+    # Twice as long: does the ranking hold past the fast initial phase?
+    "patterns-long": [
+        Run("full backprop"),
+        Run("uniform 0.5 (paper)", 0.5),
+        Run("cut 0.5", 0.5, pattern="cut"),
+        Run("cut capped 0.5", 0.5, rates="cut-capped"),
+        Run("cut capped 0.5 + warm-up", 0.5, rates="cut-capped", schedule="warmup"),
+    ],
     # Drop-rate schedules at 0.5: warm-up from 0 (first 20% of the baseline's steps), annealing to 0
     # (last 20% of the run).
     "schedules": [

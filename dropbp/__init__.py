@@ -5,9 +5,10 @@
 ``dropbp.backends``; the core never imports a device library.
 """
 
-from .adapters import SUPPORTED_ARCHITECTURES, Branch
 from .allocation import allocate_rates
-from .controller import DropBPController, apply
+from .api import apply
+from .controller import DropBPController
+from .discovery import SUPPORTED_ARCHITECTURES, Branch
 
 __version__ = "0.1.0"
 

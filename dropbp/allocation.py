@@ -1,4 +1,4 @@
-"""Sensitivity-based allocation of per-branch drop rates (DropBP's greedy, mission.md section 5).
+"""Sensitivity-based allocation of per-branch drop rates (the DropBP reference code's greedy).
 
 The research code runs this greedy in a C++ extension that keeps rates and priorities in float32
 and its FLOP total in float64. Its decisions (which branch is raised next, when a branch stops being
@@ -9,11 +9,12 @@ makes the same decisions for the same inputs, with no compiled extension to buil
 from __future__ import annotations
 
 import heapq
-import math
 import struct
 from collections.abc import Sequence
 
-__all__ = ["allocate_rates"]
+from .checks import check_fraction, check_number
+
+__all__ = ["allocate_rates", "cut_rates"]
 
 
 def _f32(x: float) -> float:
@@ -24,28 +25,11 @@ def _f32(x: float) -> float:
 def _check_numbers(name: str, values: Sequence[float], *, positive: bool) -> list[float]:
     if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
         raise TypeError(f"{name} must be a sequence of numbers, got {type(values).__name__}")
-    out = []
-    for i, v in enumerate(values):
-        try:
-            f = float(v)
-        except (TypeError, ValueError):
-            raise TypeError(f"{name}[{i}] must be a number, got {v!r}") from None
-        if not math.isfinite(f) or f < 0 or (positive and f == 0):
-            bound = "> 0" if positive else ">= 0"
-            raise ValueError(f"{name}[{i}] must be a finite number {bound}, got {v!r}")
-        out.append(f)
+    out = [check_number(f"{name}[{i}]", v) for i, v in enumerate(values)]
+    for i, f in enumerate(out):
+        if f < 0 or (positive and f == 0):
+            raise ValueError(f"{name}[{i}] must be a finite number {'> 0' if positive else '>= 0'}, got {values[i]!r}")
     return out
-
-
-def _check_rate(name: str, value: float, low: float, high: float, *, high_inclusive: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    v = float(value)
-    inside = low <= v <= high if high_inclusive else low <= v < high
-    if not inside:
-        close = "]" if high_inclusive else ")"
-        raise ValueError(f"{name} must be in [{low}, {high}{close}, got {value!r}")
-    return v
 
 
 def allocate_rates(
@@ -74,10 +58,10 @@ def allocate_rates(
         raise ValueError("sensitivities is empty: there must be at least one branch")
     if len(sens) != len(fl):
         raise ValueError(f"sensitivities and flops must have one entry per branch, got {len(sens)} and {len(fl)}")
-    drop_rate = _check_rate("drop_rate", drop_rate, 0.0, 1.0, high_inclusive=False)
-    min_rate = _check_rate("min_rate", min_rate, 0.0, 1.0, high_inclusive=False)
-    max_rate = _check_rate("max_rate", max_rate, min_rate, 1.0, high_inclusive=False)
-    step = _check_rate("step", step, 0.0, 1.0, high_inclusive=True)
+    drop_rate = check_fraction("drop_rate", drop_rate)
+    min_rate = check_fraction("min_rate", min_rate)
+    max_rate = check_fraction("max_rate", max_rate, min_rate)
+    step = check_fraction("step", step, high_inclusive=True)
     if step == 0:
         raise ValueError("step must be in (0, 1], got 0")
 
@@ -111,3 +95,52 @@ def allocate_rates(
             priority = _f32(-neg_priority - step * sens32[i])
             heapq.heappush(heap, (-priority, neg_i))
     return [round(min_rate + k * step, 12) for k in increments]
+
+
+def cut_rates(flops: Sequence[float], drop_rate: float, *, max_rate: float = 1.0) -> list[float]:
+    """Rates for the cut shape whose FLOP-weighted mean is ``drop_rate``: falling with depth, the top 0.
+
+    The cut falls at a random point ``x`` of the model's depth measured in FLOPs (``x`` in [0, 1),
+    bottom first), with ``P(x <= m) = m ** a``; a branch whose FLOP midpoint is ``m`` drops when the
+    cut lies above it, with probability ``1 - m ** a`` (capped at ``max_rate``). ``a`` is solved so
+    that the FLOP-weighted mean rate is ``drop_rate`` exactly: ``a = 1`` (a cut uniform over depth)
+    gives about 0.5; larger ``a`` pushes the cut up. The top branch is always kept (rate 0).
+
+    Args:
+        flops: each branch's cost, in branch order (bottom first).
+        drop_rate: the FLOP-weighted mean drop rate wanted, in [0, 1).
+        max_rate: cap on every rate (below 1 keeps the bottom branches training sometimes).
+
+    Raises:
+        ValueError: when ``drop_rate`` cannot be reached under ``max_rate`` with the top branch kept.
+    """
+    fl = _check_numbers("flops", flops, positive=True)
+    if not fl:
+        raise ValueError("flops is empty: there must be at least one branch")
+    drop_rate = check_fraction("drop_rate", drop_rate)
+    max_rate = check_fraction("max_rate", max_rate, high_inclusive=True)
+    total = sum(fl)
+    below = [sum(fl[:k]) for k in range(len(fl))]
+    mids = [(b + f / 2) / total for b, f in zip(below, fl, strict=True)]
+
+    def profile(a: float) -> list[float]:
+        return [min(max_rate, 1.0 - m**a) for m in mids[:-1]] + [0.0]
+
+    def mean(a: float) -> float:
+        return sum(r * f for r, f in zip(profile(a), fl, strict=True)) / total
+
+    reachable = max_rate * (total - fl[-1]) / total
+    if drop_rate == 0.0:
+        return [0.0] * len(fl)
+    if drop_rate >= reachable:
+        raise ValueError(
+            f"drop_rate={drop_rate} cannot be reached by cuts with max_rate={max_rate}: keeping the top branch "
+            f"in every step leaves at most {reachable:.4f}; lower drop_rate or raise max_rate"
+        )
+    low, high = 0.0, 1.0
+    while mean(high) < drop_rate:
+        low, high = high, high * 2
+    for _ in range(200):  # bisection to float precision: mean() rises with a
+        a = (low + high) / 2
+        low, high = (a, high) if mean(a) < drop_rate else (low, a)
+    return profile(high)

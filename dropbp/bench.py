@@ -26,7 +26,7 @@ from torch import nn
 
 from . import apply
 from .backends import Backend
-from .execution import attach_no_grad_hooks
+from .no_grad import attach_no_grad_hooks
 
 __all__ = ["PRESETS", "Point", "build_model", "check_allocator", "measure", "max_seq_len", "write_outputs"]
 

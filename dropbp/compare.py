@@ -22,9 +22,11 @@ import torch
 from torch import nn
 
 from . import apply
+from .allocation import cut_rates
 from .backends import Backend
 from .controller import DropBPController
 from .dropped_grads import DEFAULT_DROPPED_GRADS
+from .schedule import anneal_factor
 from .textdata import TokenData
 
 __all__ = ["Run", "RunResult", "compare", "loss_at_time", "summarise", "time_to_target"]
@@ -48,6 +50,12 @@ class Run:
     # "anneal": they fall to 0 over the last 20% of the run's steps.
     schedule: str | None = None
     lr: float | None = None  # overrides compare()'s lr (a learning-rate sweep of the baseline)
+    pattern: str = "uniform"  # apply()'s pattern shape: "uniform" (the paper) or "cut"
+    # Controls of the pattern study (rates set after apply, from the branches' FLOPs):
+    # "cut-marginals": the cut shape's rates, drawn with the uniform shape (rate profile without nesting);
+    # "frozen-bottom": the branches below the drop rate's FLOP fraction always dropped (partial fine-tuning);
+    # "cut-capped": cuts whose rates are capped at (1 + p) / 2 (the bottom still trains sometimes).
+    rates: str | None = None
 
 
 @dataclass
@@ -80,6 +88,23 @@ class RunResult:
         }
 
 
+def control_rates(kind: str, flops: Sequence[float], drop_rate: float) -> list[float]:
+    """The per-branch rates of a pattern-study control (see :class:`Run`), FLOP-weighted mean ``drop_rate``
+    (the uniform shape refuses rate 1, so "cut-marginals" caps at 0.99 and may fall a little short)."""
+    if kind == "cut-marginals":
+        return [min(r, 0.99) for r in cut_rates(flops, drop_rate)]
+    if kind == "cut-capped":
+        return cut_rates(flops, drop_rate, max_rate=(1 + drop_rate) / 2)
+    if kind == "frozen-bottom":
+        total, below, rates = sum(flops), 0.0, []
+        for f in flops:
+            rates.append(1.0 if below + f / 2 < drop_rate * total else 0.0)
+            below += f
+        rates[-1] = 0.0
+        return rates
+    raise ValueError(f"rates must be 'cut-marginals', 'cut-capped' or 'frozen-bottom', got {kind!r}")
+
+
 class _Trainee:
     """A run's model copy, optimizer and (for DropBP runs) controller."""
 
@@ -101,7 +126,10 @@ class _Trainee:
                 unbiased=run.unbiased,
                 dropped_grads=run.dropped_grads,
                 warmup_steps=round(WARMUP_FRACTION * steps) if run.schedule == "warmup" else 0,
+                pattern="cut" if run.rates in ("frozen-bottom", "cut-capped") else run.pattern,
             )
+            if run.rates is not None:
+                self.ctl.set_rates(control_rates(run.rates, [b.flops for b in self.ctl.branches], run.drop_rate))
         if self.ctl is not None and run.lr_compensation:
             groups = self.ctl.param_groups(lr)
         else:
@@ -115,7 +143,7 @@ class _Trainee:
         self.backend.synchronize()
         start = time.perf_counter()
         if self.run.schedule == "anneal":
-            factor = min(1.0, (limit - step) / (ANNEAL_FRACTION * limit))
+            factor = anneal_factor(step, limit, ANNEAL_FRACTION)
             self.ctl.set_rates([r * factor for r in self.base_rates])
         # Accelerators train in their autocast dtype; the CPU stays in float32 (bf16 is slower there).
         with self.backend.autocast() if self.backend.device.type != "cpu" else nullcontext():

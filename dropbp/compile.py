@@ -16,30 +16,34 @@ optimizer such as AdamW then still moves those weights.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Sequence
+from typing import Any, Protocol
 
-import torch
+from torch import nn
 
-if TYPE_CHECKING:
-    from .controller import DropBPController
+from .eager import outside_graphs
 
 __all__ = ["compile_branches", "outside_graphs"]
 
-F = TypeVar("F", bound=Callable[..., Any])
+
+class _Branch(Protocol):
+    module: nn.Module
 
 
-def outside_graphs(fn: F) -> F:
-    """``fn`` always runs eagerly, also when called from code ``torch.compile`` traces (a graph break)."""
-    return torch.compiler.disable(fn)
+class _HasBranches(Protocol):
+    @property
+    def branches(self) -> Sequence[_Branch]: ...
 
 
-def compile_branches(controller: DropBPController, **options: Any) -> None:
+def compile_branches(controller: _HasBranches, **options: Any) -> None:
     """``module.compile(**options)`` for every branch of ``controller``: two graphs per branch type.
 
-    Call after :func:`dropbp.apply`. ``options`` go to ``torch.compile`` (``mode``, ``backend``,
-    ``fullgraph``, ``dynamic``, ...). Everything else in the model (embeddings, norms, residual adds,
-    head) stays eager.
+    Call after :func:`dropbp.apply`.
+
+    Args:
+        controller: what :func:`dropbp.apply` returned.
+        **options: go to ``torch.compile`` (``mode``, ``backend``, ``fullgraph``, ``dynamic``, ...).
+            Everything else in the model (embeddings, norms, residual adds, head) stays eager.
     """
     for branch in controller.branches:
         branch.module.compile(**options)

@@ -4,8 +4,8 @@ Systematic sampling over the branches in a random order: with cumulative rates l
 ``[0, R)`` (``R = sum(rates)``), the points ``u, u + 1, u + 2, ...`` (``u`` uniform in ``[0, 1)``)
 each fall in one branch's interval, and that branch drops. Since every rate is below 1, branch ``i``
 drops with probability exactly ``rates[i]``, and exactly ``floor(R)`` or ``ceil(R)`` branches drop
-each step, which keeps the step time and peak memory steady. With ``R <= N - 1`` no step drops
-every branch.
+each step, which keeps the step time and peak memory steady. With ``R <= N - 1`` (the rule that
+:mod:`dropbp.checks` enforces) no step drops every branch.
 
 With ``max_patterns=K`` the sampler draws from a pool of ``K`` patterns instead, built with one order
 and the stratified offsets ``(k + v) / K``: across the pool branch ``i`` drops in
@@ -25,16 +25,13 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-__all__ = ["PatternSampler", "check_rates", "max_total_rate"]
+__all__ = ["CutSampler", "PatternSampler", "SAMPLERS"]
+
+#: Pattern shapes: the paper's uniform patterns, and cuts that drop every branch below a random depth.
 
 
 # Swap attempts per pool cell: enough for the pool to look random (the chain mixes in O(cells) swaps).
 _SWAPS_PER_CELL = 8
-
-
-def max_total_rate(num_branches: int) -> int:
-    """The largest sum of rates that never drops every branch: at least one branch is kept."""
-    return num_branches - 1
 
 
 def _systematic(rates: Sequence[float], order: Sequence[int], u: float) -> frozenset[int]:
@@ -48,14 +45,22 @@ def _systematic(rates: Sequence[float], order: Sequence[int], u: float) -> froze
             dropped.append(i)
             point += 1.0
             if len(dropped) == len(order) - 1:
-                # Only float rounding of a sum of rates equal to N - 1 could reach N drops.
+                # Rates are checked to sum to at most N - 1; only float rounding could reach N drops.
                 break
         start = end
     return frozenset(dropped)
 
 
 class PatternSampler:
-    """Deterministic per-step drop patterns with exact per-branch marginals."""
+    """Deterministic per-step drop patterns with exact per-branch marginals (the uniform shape).
+
+    Args:
+        rates: per-branch drop probabilities, in branch order (checked by :mod:`dropbp.checks`).
+        seed: fixes every pattern.
+        max_patterns: draw from a pool of this many patterns (``None``: unbounded).
+    """
+
+    _STREAM: tuple[str, ...] = ()  # names the shape's random stream (empty: the uniform shape's, as ever)
 
     def __init__(self, rates: Sequence[float], seed: int, max_patterns: int | None = None) -> None:
         self.rates = tuple(float(r) for r in rates)
@@ -64,7 +69,7 @@ class PatternSampler:
         self._pool = self._build_pool() if max_patterns is not None else None
 
     def _rng(self, *key: object) -> random.Random:
-        return random.Random(":".join(str(k) for k in (self.seed, self.rates, *key)))
+        return random.Random(":".join(str(k) for k in (*self._STREAM, self.seed, self.rates, *key)))
 
     def _build_pool(self) -> tuple[frozenset[int], ...]:
         k = self.max_patterns
@@ -82,6 +87,12 @@ class PatternSampler:
                 pool[b] ^= {i, j}
         return tuple(frozenset(p) for p in pool)
 
+    def _draw(self, step: int) -> frozenset[int]:
+        rng = self._rng("step", step)
+        order = list(range(len(self.rates)))
+        rng.shuffle(order)
+        return _systematic(self.rates, order, rng.random())
+
     def pattern(self, step: int) -> frozenset[int]:
         """Indices of the branches dropped at ``step``."""
         if not any(self.rates):
@@ -92,37 +103,37 @@ class PatternSampler:
             slots = list(range(k))
             self._rng("cycle", cycle).shuffle(slots)
             return self._pool[slots[position]]
-        rng = self._rng("step", step)
-        order = list(range(len(self.rates)))
-        rng.shuffle(order)
-        return _systematic(self.rates, order, rng.random())
+        return self._draw(step)
 
     def distinct_patterns(self) -> int | None:
         """How many different patterns can occur (``None``: unbounded)."""
         return None if self._pool is None else len(set(self._pool))
 
 
-def check_rates(rates: Sequence[float], num_branches: int) -> list[float]:
-    """Validate per-branch rates: one per branch, each in [0, 1), and never all branches dropped."""
-    if isinstance(rates, (str, bytes)) or not hasattr(rates, "__len__"):
-        raise TypeError(f"rates must be a sequence of numbers, got {type(rates).__name__}")
-    if len(rates) != num_branches:
-        raise ValueError(f"rates must have one entry per branch: expected {num_branches}, got {len(rates)}")
-    out = []
-    for i, r in enumerate(rates):
-        if isinstance(r, (bool, str, bytes)):
-            raise TypeError(f"rates[{i}] must be a number, got {r!r}")
-        try:
-            f = float(r)
-        except (TypeError, ValueError):
-            raise TypeError(f"rates[{i}] must be a number, got {r!r}") from None
-        if not (0.0 <= f < 1.0):  # also rejects NaN
-            raise ValueError(f"rates[{i}] must be in [0, 1), got {r!r}")
-        out.append(f)
-    limit = max_total_rate(num_branches)
-    if sum(out) > limit + 1e-9:  # tolerance for float sums; _systematic still never drops all
-        raise ValueError(
-            f"rates sum to {sum(out):.4g} but with {num_branches} branches the sum must be at most "
-            f"{limit}, or some steps would drop every branch (nothing left to train); lower the rates"
-        )
-    return out
+class CutSampler(PatternSampler):
+    """Depth-structured patterns: each step draws a cut and drops the branches below it.
+
+    With rates that do not increase with depth, one uniform ``u`` per step and "drop branch ``k``
+    when ``u < rates[k]``" drops exactly the branches below a cut, and branch ``k`` drops with
+    probability exactly ``rates[k]``. A kept branch's gradient then misses no path: everything above
+    it is kept too. At most ``N + 1`` distinct patterns exist (one per cut position); with
+    ``max_patterns=K`` the pool is the stratified draws ``u_j = (j + v) / K``, so each branch's
+    frequency over a cycle is within ``1 / K`` of its rate. A last rate of 0 keeps the top branch in
+    every step, so no step drops every branch (:func:`dropbp.checks.check_cut_rates`).
+    """
+
+    _STREAM = ("cut",)
+
+    def _build_pool(self) -> tuple[frozenset[int], ...]:
+        k = self.max_patterns
+        v = self._rng("pool").random()
+        return tuple(self._below((j + v) / k) for j in range(k))
+
+    def _draw(self, step: int) -> frozenset[int]:
+        return self._below(self._rng("step", step).random())
+
+    def _below(self, u: float) -> frozenset[int]:
+        return frozenset(i for i, r in enumerate(self.rates) if u < r)
+
+
+SAMPLERS: dict[str, type[PatternSampler]] = {"uniform": PatternSampler, "cut": CutSampler}

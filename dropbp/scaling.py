@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .compile import outside_graphs
+from .eager import outside_graphs
 
 __all__ = ["attach_gradient_scaling"]
 

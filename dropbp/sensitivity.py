@@ -1,4 +1,4 @@
-"""Branch sensitivities (mission.md section 4), from ONE forward pass.
+"""Branch sensitivities (the DropBP paper's calibration), from ONE forward pass.
 
 S_i = sum over trainable parameters P of (||g_P|| - ||g_P^(i)||)^2, where g is the gradient with
 nothing dropped and g^(i) the gradient with only branch i dropped (``gradnorm=False``: the squared
@@ -19,6 +19,7 @@ The brute-force method is kept (``exact_recompute``) to check against.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -26,7 +27,16 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-__all__ = ["CALIBRATION_METHODS", "OnePassUnavailable", "average_across_ranks", "exact_recompute", "one_pass"]
+__all__ = [
+    "CALIBRATION_METHODS",
+    "OnePassUnavailable",
+    "average_across_ranks",
+    "exact_recompute",
+    "measure",
+    "one_pass",
+]
+
+log = logging.getLogger("dropbp")
 
 Closure = Callable[[], torch.Tensor]
 ForcePattern = Callable[[frozenset[int]], object]  # context manager factory: drop exactly these
@@ -269,3 +279,53 @@ def average_across_ranks(values: list[float], device: torch.device) -> list[floa
     t /= dist.get_world_size()
     dist.broadcast(t, src=0)
     return t.tolist()
+
+
+def measure(
+    model: nn.Module,
+    branch_modules: Sequence[nn.Module],
+    closure: Closure,
+    force: ForcePattern,
+    *,
+    gradnorm: bool,
+    method: str,
+    boundary: Boundary,
+) -> list[float]:
+    """Every branch's sensitivity on ``closure``'s batch, the same on every rank.
+
+    The model runs in training mode (its modules' modes are restored after), ``.grad`` is left as it
+    was, and ``method="one-pass"`` falls back to ``"exact-recompute"`` (with a logged warning) where a
+    branch ran without autograd (re-entrant activation checkpointing rebuilds layer graphs only inside
+    backward).
+
+    Args:
+        model: the model whose trainable parameters the sensitivities are measured on.
+        branch_modules: the branch modules, in branch order.
+        closure: runs a forward on one fixed batch and returns the scalar loss (no backward).
+        force: context-manager factory that makes exactly the given branches drop.
+        gradnorm: compare gradient norms (the paper) rather than whole gradients.
+        method: ``"one-pass"`` or ``"exact-recompute"`` (the research code's N + 1 passes).
+        boundary: the backend's graph break, placed after each backward.
+    """
+    if not callable(closure):
+        raise TypeError(f"closure must be callable and return the loss, got {type(closure).__name__}")
+    if method not in CALIBRATION_METHODS:
+        raise ValueError(f"method must be one of {CALIBRATION_METHODS}, got {method!r}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("calibrate: the model has no trainable parameters (requires_grad=True)")
+    modes = {m: m.training for m in model.modules()}
+    model.train()
+    try:
+        sens = None
+        if method == "one-pass":
+            try:
+                sens = one_pass(closure, params, branch_modules, force, gradnorm, boundary)
+            except OnePassUnavailable as why:
+                log.warning("dropbp: calibrate falls back to exact-recompute (N + 1 passes): %s", why)
+        if sens is None:
+            sens = exact_recompute(closure, params, branch_modules, force, gradnorm, boundary)
+    finally:
+        for module, training in modes.items():
+            module.training = training
+    return average_across_ranks(sens, params[0].device)

@@ -102,7 +102,7 @@ def test_zero_rate_gives_min_rate():
     [
         (([1.0], [1.0, 2.0], 0.5), {}, ValueError, "one entry per branch"),
         (([], [], 0.5), {}, ValueError, "empty"),
-        (([1.0], [1.0], 1.0), {}, ValueError, r"drop_rate must be in \[0.0, 1.0\)"),
+        (([1.0], [1.0], 1.0), {}, ValueError, r"drop_rate must be in \[0, 1\)"),
         (([1.0], [1.0], -0.1), {}, ValueError, "drop_rate"),
         (([1.0], [1.0], math.nan), {}, ValueError, "drop_rate"),
         (([1.0], [1.0], "0.5"), {}, TypeError, "drop_rate must be a number"),

@@ -240,7 +240,7 @@ def test_never_drops_every_trainable_branch():
     attention = {b.name for b in ctl.branches if b.kind == "attn"}
     raw_all_attention = 0
     for step in range(200):
-        if attention <= {ctl.branches[i].name for i in ctl._sampler.pattern(step)}:
+        if attention <= {ctl.branches[i].name for i in ctl._policy.draw(step)}:
             raw_all_attention += 1
         ids = batch(step % 5)
         loss = model(input_ids=ids, labels=ids).loss

@@ -109,7 +109,7 @@ def _record_patterns(callback) -> list[tuple[str, ...]]:
     model = callback.trainer.model
 
     def record(module, args, output):
-        if module.training and torch.is_grad_enabled() and callback.controller._forced is None:
+        if module.training and torch.is_grad_enabled() and callback.controller._hooks.forced is None:
             seen.append(callback.controller.last_dropped)
 
     model.register_forward_hook(record)
@@ -162,7 +162,7 @@ def test_lora_on_attention_only_never_crashes(tmp_path):
 def test_bad_arguments(tmp_path):
     with pytest.raises(TypeError, match="trainer must be a transformers.Trainer, got object"):
         attach(object())
-    with pytest.raises(ValueError, match="calibrate_at must be a fraction in"):
+    with pytest.raises(ValueError, match="calibrate_at must be a fraction of the training steps"):
         attach(_trainer(tmp_path), calibrate_at=2)
     with pytest.raises(ValueError, match="drop_rate must be in"):
         attach(_trainer(tmp_path), drop_rate=1.5)

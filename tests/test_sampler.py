@@ -8,7 +8,8 @@ from collections import Counter
 
 import pytest
 
-from dropbp.sampler import PatternSampler, check_rates
+from dropbp.checks import check_rates
+from dropbp.sampler import PatternSampler
 
 STEPS = 20000
 

@@ -38,6 +38,7 @@ from typing import Any
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from .. import apply
+from ..checks import check_fraction
 from ..controller import DropBPController
 from ..dropped_grads import DEFAULT_DROPPED_GRADS
 
@@ -150,12 +151,9 @@ def attach(
     """
     if not isinstance(trainer, Trainer):
         raise TypeError(f"trainer must be a transformers.Trainer, got {type(trainer).__name__}")
-    if calibrate_at is not None and (
-        isinstance(calibrate_at, bool) or not isinstance(calibrate_at, (int, float)) or not 0 <= calibrate_at < 1
-    ):
-        raise ValueError(f"calibrate_at must be a fraction in [0, 1) or None, got {calibrate_at!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, (int, float)) or not 0 <= warmup < 1:
-        raise ValueError(f"warmup must be a fraction of the training steps in [0, 1), got {warmup!r}")
+    if calibrate_at is not None:
+        calibrate_at = check_fraction("calibrate_at", calibrate_at, what="a fraction of the training steps (or None)")
+    warmup = check_fraction("warmup", warmup, what="a fraction of the training steps")
     controller = apply(
         trainer.model,
         drop_rate,
@@ -166,7 +164,7 @@ def attach(
         dropped_grads=dropped_grads,
     )
     _let_ddp_skip_unused_parameters(trainer)
-    callback = DropBPCallback(trainer, controller, calibrate_at, float(warmup))
+    callback = DropBPCallback(trainer, controller, calibrate_at, warmup)
     trainer.add_callback(callback)
     return callback
 

@@ -1,15 +1,14 @@
-"""Which modules of a model are DropBP branches, and what each costs.
+"""Branch discovery: which modules of a model are DropBP branches, and what each costs.
 
-A branch is the module whose output is added to the residual stream: the attention and the MLP of
-every decoder layer. Hugging Face models are recognised by ``config.model_type`` and the child
-names each architecture uses; nothing in ``transformers`` is edited or replaced. Other models name
-their branches with ``branches=[...]``.
+A branch is the ``f`` in ``x = x + f(x)``: the module whose output is added to the residual stream,
+the attention and the MLP of every decoder layer. Hugging Face models are recognised by
+``config.model_type`` and the child names each architecture uses; nothing in ``transformers`` is
+edited or replaced. Other models name their branches with ``branches=[...]``.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -41,20 +40,39 @@ _MLP_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe")
 _ATTENTION_HINTS = ("attn", "attention")
 
 
-@dataclass
 class Branch:
-    """One droppable residual branch.
+    """A read-only view of one droppable residual branch.
 
     ``name`` is the module's path in ``model.named_modules()``; ``kind`` is ``"attn"`` or ``"mlp"``;
-    ``flops`` its forward cost per token (used only as ratios, for allocation); ``rate`` its current
-    drop probability.
+    ``flops`` its forward cost per token (used only as ratios, for allocation); ``rate`` its drop
+    probability when the view was taken. Views are read-only so that no assignment can leave the
+    controller's patterns out of step with what a view shows: rates change through
+    ``ctl.set_rates``.
     """
 
+    __slots__ = ("name", "kind", "flops", "rate", "module")
     name: str
     kind: str
     flops: float
     rate: float
-    module: nn.Module = field(repr=False, compare=False)
+    module: nn.Module
+
+    def __init__(self, name: str, kind: str, flops: float, rate: float, module: nn.Module) -> None:
+        for key, value in zip(self.__slots__, (name, kind, flops, rate, module), strict=True):
+            object.__setattr__(self, key, value)
+
+    def __setattr__(self, key: str, value: object) -> None:
+        raise AttributeError(
+            f"Branch.{key} is read-only: a Branch is a view of the controller's state; "
+            "change drop rates with ctl.set_rates([...]) (or ctl.drop_rate = p for all branches)"
+        )
+
+    def with_rate(self, rate: float) -> Branch:
+        """The same branch viewed at another drop rate."""
+        return Branch(self.name, self.kind, self.flops, rate, self.module)
+
+    def __repr__(self) -> str:
+        return f"Branch(name={self.name!r}, kind={self.kind!r}, flops={self.flops!r}, rate={self.rate!r})"
 
 
 def _model_type(model: nn.Module) -> str | None:
@@ -79,7 +97,7 @@ def _is_adapter_path(path: str) -> bool:
 
 
 def branch_flops(module: nn.Module, kind: str, seq_len: int, attention_width: int | None) -> float:
-    """Forward FLOPs per token of a branch, from its module shapes (mission.md section 3).
+    """Forward FLOPs per token of a branch, from its module shapes (projections plus attention scores).
 
     Every projection costs ``2 * in * out``; adapter (LoRA) weights are left out so the figures are
     the same with and without PEFT. Attention adds ``4 * seq_len * width`` for the scores and the

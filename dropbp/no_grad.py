@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .compile import outside_graphs
+from .eager import outside_graphs
 from .recompute import BranchCache
 
 __all__ = ["attach_no_grad_hooks"]

@@ -1,0 +1,94 @@
+"""``dropbp.apply``: the public entry point, which turns names and numbers into the controller's parts.
+
+It resolves the backend, finds the branches (:mod:`dropbp.discovery`), builds the drop policy
+(:mod:`dropbp.policy`, which validates every rate setting) and hands them to
+:class:`~dropbp.controller.DropBPController`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from .backends import Backend
+from .backends import get as get_backend
+from .checks import check_int
+from .controller import DropBPController
+from .discovery import find_branches
+from .distributed import unwrap
+from .dropped_grads import DEFAULT_DROPPED_GRADS
+from .policy import DropPolicy
+
+__all__ = ["apply"]
+
+
+def apply(
+    model: nn.Module,
+    drop_rate: float,
+    *,
+    seed: int = 0,
+    branches: Sequence[str] | None = None,
+    max_patterns: int | None = None,
+    seq_len: int = 512,
+    backend: str | Backend | None = None,
+    unbiased: bool = False,
+    dropped_grads: str = DEFAULT_DROPPED_GRADS,
+    warmup_steps: int = 0,
+    pattern: str = "uniform",
+) -> DropBPController:
+    """Attach DropBP to ``model``: each training step drops the backward of random residual branches.
+
+    A branch is the ``f`` in a residual update ``x = x + f(x)``: the attention and the MLP of every
+    layer. Recognised Hugging Face architectures (``dropbp.SUPPORTED_ARCHITECTURES``) are found by
+    their child names; other models name their branch modules with ``branches=``.
+
+    Args:
+        model: a Hugging Face, PEFT or custom ``nn.Module``, possibly wrapped in
+            ``DistributedDataParallel`` (which must have ``find_unused_parameters=True``): the
+            branches are then found in its ``.module`` and named as there. Wrapping after ``apply``
+            works the same; so does FSDP2 ``fully_shard`` before or after.
+        drop_rate: every branch's initial drop probability, in [0, 1) (``calibrate`` or
+            ``set_rates`` can make them differ); ``ctl.drop_rate``.
+        seed: fixes the patterns: they are a function of (seed, step), identical on every process.
+        branches: module names (as in ``model.named_modules()``) of the branches, for a model that
+            is not a recognised architecture: each module's output must be what is added to the
+            residual stream (for BERT-style post-norm blocks, the module *inside* the residual add).
+        max_patterns: bound on distinct patterns (for compiled graphs); ``None``: the backend's
+            default (a bound on lazily compiled devices).
+        seq_len: the typical sequence length, used only to weigh attention FLOPs.
+        backend: a backend name or instance (default :func:`dropbp.backends.get`:
+            ``DROPBP_BACKEND``, else detected); ``ctl.backend``, whose step boundaries
+            :meth:`DropBPController.backward` and :meth:`DropBPController.optimizer_step` place.
+        unbiased: multiply the gradient entering each kept branch by ``1 / (1 - rate)`` (forward
+            unchanged), so every parameter's expected gradient is the full-backprop gradient;
+            ``ctl.unbiased``, settable at any time.
+        dropped_grads: what the optimizer sees for a dropped branch's parameters: ``"skip"`` (no
+            gradient, so no update: the paper), ``"zero"`` (a zero gradient: momentum optimizers
+            keep moving them) or ``"reuse"`` (their last computed gradient); see
+            :mod:`dropbp.dropped_grads`.
+        warmup_steps: training forwards over which every rate rises linearly from 0: the first
+            steps, where a fine-tune learns fastest, run (nearly) full backprop; ``ctl.warmup_steps``,
+            saved in ``state_dict``.
+        pattern: the shape of the drop patterns. ``"uniform"``: the paper's, every branch dropped at
+            its own rate wherever it sits. ``"cut"``: each step draws a depth and drops every branch
+            below it, so a kept branch's gradient misses no path through a dropped branch above it;
+            the rates fall with depth (:func:`dropbp.allocation.cut_rates`), their FLOP-weighted mean
+            is ``drop_rate``, and the top branch is always kept. ``ctl.pattern``, settable.
+
+    Returns:
+        The :class:`DropBPController`; ``ctl.remove()`` restores the model exactly.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    inner, _ = unwrap(model)
+    if backend is None or isinstance(backend, str):
+        backend = get_backend(backend)
+    elif not isinstance(backend, Backend):
+        raise TypeError(f"backend must be a name, a Backend or None, got {type(backend).__name__}")
+    if branches is not None and not isinstance(branches, (list, tuple)):
+        raise TypeError(f"branches must be a list of module names, got {type(branches).__name__}")
+    found = find_branches(inner, None if branches is None else list(branches), check_int("seq_len", seq_len, 1))
+    bound = backend.default_max_patterns if max_patterns is None else max_patterns
+    policy = DropPolicy([b.flops for b in found], drop_rate, seed, bound, warmup_steps, pattern)
+    return DropBPController(model, found, policy, backend, unbiased=unbiased, dropped_grads=dropped_grads)

@@ -1,0 +1,148 @@
+"""The per-step decision and the hooks that carry it to the model and its branches.
+
+Once per training-mode forward of the model (a forward pre-hook, before any branch runs) the
+decision asks the policy for the step's pattern and keeps it until the next one, so activation
+checkpointing, which re-runs forwards during backward, sees the same decision. Each branch module
+consults it when called: a dropped one runs without autograd (:mod:`dropbp.no_grad`) and is not run
+again by checkpointing (:mod:`dropbp.recompute`); a kept one may get its incoming gradient scaled
+(:mod:`dropbp.scaling`). Eval and no-grad forwards draw nothing. Calibration forces a pattern
+(:meth:`StepHooks.force`) without taking a step. Every hook runs outside ``torch.compile`` graphs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .distributed import check_running_ddp, check_running_ddp_checkpointing
+from .dropped_grads import DroppedGrads
+from .eager import outside_graphs
+from .no_grad import attach_no_grad_hooks
+from .optimizer import compensation
+from .policy import DropPolicy
+from .recompute import RecomputeCache, in_backward
+from .scaling import attach_gradient_scaling
+from .stats import DropTally
+
+__all__ = ["StepHooks"]
+
+
+class StepHooks:
+    """Draws each training step's pattern and makes the branch modules obey it.
+
+    Args:
+        model: the model whose training forwards are the steps.
+        modules: the branch modules, in branch order.
+        flops: their costs, for the drop tally.
+        policy: decides each step's pattern.
+        unbiased: read at every forward: whether kept branches' incoming gradients are scaled.
+        dropped_grads: what the optimizer sees for dropped branches ("skip", "zero", "reuse").
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        modules: Sequence[nn.Module],
+        flops: Sequence[float],
+        policy: DropPolicy,
+        unbiased: Callable[[], bool],
+        dropped_grads: str,
+    ) -> None:
+        self._model = model
+        self._modules = list(modules)
+        self._flops = list(flops)
+        self._policy = policy
+        self._unbiased = unbiased
+        #: Training forwards that drew a pattern so far (the step counter).
+        self.step = 0
+        #: The pattern in force: indices of the dropped branches.
+        self.dropped: frozenset[int] = frozenset()
+        #: The pattern of the most recent training-mode forward (calibration's forced ones excluded).
+        self.last: frozenset[int] = frozenset()
+        #: The pattern calibration forces, or None.
+        self.forced: frozenset[int] | None = None
+        self.tally = DropTally()
+        self._recompute = RecomputeCache(self._modules)
+        self.fill = DroppedGrads(dropped_grads, self._modules)
+        self._handles: list[RemovableHandle] = [
+            model.register_forward_pre_hook(self._on_model_forward),
+            model.register_forward_hook(self._after_model_forward, always_call=True),
+        ]
+        for index, module in enumerate(self._modules):
+            self._handles += attach_no_grad_hooks(module, self._dropped_test(index), self._recompute.branches[index])
+            self._handles.append(attach_gradient_scaling(module, self._scale_for(index)))
+
+    def pattern(self, step: int) -> frozenset[int]:
+        """The pattern the policy draws at ``step`` for this model."""
+        return self._policy.draw(step, self._trainable_branches)
+
+    def _dropped_test(self, index: int) -> Callable[[], bool]:
+        return lambda: index in self.dropped
+
+    def _scale_for(self, index: int) -> Callable[[nn.Module], float]:
+        def scale(module: nn.Module) -> float:
+            if not self._unbiased() or self.forced is not None or not module.training or index in self.dropped:
+                return 1.0  # calibration measures the plain gradients; dropped branches get none
+            return compensation(self._policy.rates[index])
+
+        return scale
+
+    @outside_graphs
+    def _on_model_forward(self, model: nn.Module, args: tuple) -> None:
+        if in_backward():
+            return  # checkpointing recomputes the whole model: the step's decision stands
+        if self.forced is not None:
+            self.dropped = self.forced  # calibration passes: a given pattern, no step taken
+            self._recompute.begin_forward()
+            return
+        if not (model.training and torch.is_grad_enabled()):
+            return  # eval or no-grad forwards drop nothing and leave the step's decision alone
+        self.dropped = self.pattern(self.step)
+        if self.dropped:
+            check_running_ddp()  # a DDP wrapper added after apply() must cope with unused parameters
+        self._recompute.begin_forward()
+        self.fill.note_dropped(self.dropped)
+        self.step += 1
+        self.last = self.dropped
+        self.tally.record(self.dropped, self._flops)
+
+    @outside_graphs
+    def _after_model_forward(self, model: nn.Module, args: tuple, output: object) -> None:
+        self._recompute.end_forward()
+        if self._recompute.reentrant:
+            check_running_ddp_checkpointing()
+
+    def _trainable_branches(self) -> list[bool] | None:
+        """Per branch, whether it holds a trainable parameter; ``None`` if something outside does.
+
+        Parameters are read at use: FSDP2 ``fully_shard`` after ``apply`` replaces them.
+        """
+        inside = {id(p) for m in self._modules for p in m.parameters()}
+        if any(p.requires_grad and id(p) not in inside for p in self._model.parameters()):
+            return None  # e.g. embeddings or a head still receive a gradient
+        return [any(p.requires_grad for p in m.parameters()) for m in self._modules]
+
+    @contextmanager
+    def force(self, pattern: frozenset[int]) -> Iterator[None]:
+        """Within the block, every forward drops exactly ``pattern`` and takes no step (calibration)."""
+        previous = self.dropped
+        self.forced = pattern
+        try:
+            yield
+        finally:
+            self.forced = None
+            self.dropped = previous
+            self._recompute.clear()  # outputs held under the forced pattern are not the step's
+
+    def remove(self) -> None:
+        """Remove every hook; the model is as before."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._recompute.clear()
+        self.fill.remove()
+        self.dropped = frozenset()

@@ -1,0 +1,162 @@
+"""The package's shape: settings that cannot desync, read-only branch views, no import cycles, light import."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import tiny_model
+
+import dropbp
+from dropbp.controller import DropBPController
+from dropbp.policy import DropPolicy
+
+PACKAGE = Path(dropbp.__file__).parent
+
+
+def patterns(ctl, steps=40):
+    return [ctl.dropped_at(s) for s in range(steps)]
+
+
+@pytest.mark.parametrize(
+    "setting, value",
+    [("seed", 7), ("max_patterns", 3), ("drop_rate", 0.25), ("warmup_steps", 10), ("max_patterns", None)],
+)
+def test_a_setting_changes_every_later_pattern_as_if_applied_with_it(setting, value):
+    """Setting after apply gives exactly the patterns of a controller applied with that setting,
+    warm-up steps included (the old controller rebuilt only some of its samplers)."""
+    base = {"seed": 1, "warmup_steps": 6, "max_patterns": 5}
+    ctl = dropbp.apply(tiny_model("llama", layers=4), 0.5, **base)
+    patterns(ctl)  # samplers are built and cached before the change
+    setattr(ctl, setting, value)
+    fresh_args = {**base, setting: value}
+    fresh = dropbp.apply(tiny_model("llama", layers=4), fresh_args.pop("drop_rate", 0.5), **fresh_args)
+    assert getattr(ctl, setting) == value
+    assert patterns(ctl) == patterns(fresh)
+
+
+@pytest.mark.parametrize(
+    "setting, value, error, match",
+    [
+        ("seed", -1, ValueError, "seed must be an int >= 0"),
+        ("seed", "7", TypeError, "seed must be an int"),
+        ("max_patterns", 0, ValueError, "max_patterns must be an int >= 1"),
+        ("drop_rate", 1.0, ValueError, r"drop_rate must be in \[0, 1\)"),
+        ("drop_rate", 0.9, ValueError, "would drop every branch"),
+        ("warmup_steps", -2, ValueError, "warmup_steps must be an int >= 0"),
+        ("unbiased", 1, TypeError, "unbiased must be True or False"),
+    ],
+)
+def test_a_bad_setting_raises_and_changes_nothing(setting, value, error, match):
+    ctl = dropbp.apply(tiny_model("llama", layers=2), 0.5, seed=3)
+    ctl.set_rates([0.1, 0.2, 0.3, 0.4])
+    before = (ctl.state_dict(), patterns(ctl))
+    with pytest.raises(error, match=match):
+        setattr(ctl, setting, value)
+    assert (ctl.state_dict(), patterns(ctl)) == before
+
+
+def test_drop_rate_setting_makes_every_rate_uniform():
+    ctl = dropbp.apply(tiny_model("llama", layers=2), 0.5)
+    ctl.set_rates([0.1, 0.2, 0.3, 0.4])
+    ctl.drop_rate = 0.25
+    assert ctl.rates == [0.25] * 4 and ctl.drop_rate == 0.25
+
+
+def test_branches_are_read_only_views():
+    ctl = dropbp.apply(tiny_model("llama", layers=2), 0.5)
+    branch = ctl.branches[0]
+    with pytest.raises(AttributeError, match=r"read-only.*ctl.set_rates"):
+        branch.rate = 0.1
+    ctl.set_rates([0.1, 0.2, 0.3, 0.4])
+    assert branch.rate == 0.5 and ctl.branches[0].rate == 0.1  # a view of when it was taken
+
+
+def test_a_bad_state_loads_nothing():
+    ctl = dropbp.apply(tiny_model("llama", layers=2), 0.5, seed=3)
+    state = ctl.state_dict()
+    before = (ctl.state_dict(), patterns(ctl))
+    with pytest.raises(ValueError, match=r"rates\[1\] must be in"):
+        ctl.load_state_dict({**state, "seed": 99, "rates": [0.1, 1.5, 0.1, 0.1]})
+    assert (ctl.state_dict(), patterns(ctl)) == before
+
+
+def test_a_controller_built_directly_validates_its_parts():
+    model = tiny_model("llama", layers=2)
+    good = dropbp.apply(tiny_model("llama", layers=2), 0.5)
+    with pytest.raises(ValueError, match="drop_rate must be in"):
+        DropPolicy([1.0] * 4, 1.5, 0, None, 0)
+    with pytest.raises(TypeError, match="policy must be a DropPolicy for 4 branches"):
+        DropBPController(model, good.branches, DropPolicy([1.0] * 3, 0.5, 0, None, 0), good.backend)
+    with pytest.raises(TypeError, match="backend must be a Backend"):
+        DropBPController(model, good.branches, DropPolicy([1.0] * 4, 0.5, 0, None, 0), "cpu")
+    with pytest.raises(TypeError, match="branches must be a non-empty list of dropbp.Branch"):
+        DropBPController(model, [], DropPolicy([1.0] * 1, 0.0, 0, None, 0), good.backend)
+
+
+def _imports(path: Path) -> set[str]:
+    """Modules of the package that ``path`` imports, type-only imports included."""
+    module = "dropbp." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+    package = module.rsplit(".", 1)[0] if path.name != "__init__.py" else module.removesuffix(".__init__")
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            names = [f"{target}.{a.name}" for a in node.names]
+            found.update(n if n.replace(".", "/") in _MODULES else target for n in names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {m for m in found if m.startswith("dropbp.") and m.replace(".", "/") in _MODULES}
+
+
+_MODULES = {
+    "dropbp/" + "/".join(p.relative_to(PACKAGE).with_suffix("").parts).removesuffix("/__init__"): p
+    for p in PACKAGE.rglob("*.py")
+}
+_MODULES = {k.rstrip("/"): v for k, v in _MODULES.items()}
+
+
+def test_no_import_cycle_inside_the_package():
+    graph = {name.replace("/", "."): _imports(path) for name, path in _MODULES.items()}
+    graph = {k: {d for d in deps if d != k and not k.startswith(d + ".")} for k, deps in graph.items()}
+    visiting, done = set(), set()
+
+    def visit(node, trail):
+        if node in done:
+            return
+        assert node not in visiting, "import cycle: " + " -> ".join([*trail, node])
+        visiting.add(node)
+        for dep in sorted(graph.get(node, ())):
+            visit(dep, [*trail, node])
+        visiting.discard(node)
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node, [])
+
+
+def test_every_module_says_what_it_owns():
+    missing = [name for name, path in _MODULES.items() if not ast.get_docstring(ast.parse(path.read_text()))]
+    assert not missing
+
+
+def _optional_imported(code: str) -> list[str]:
+    probe = f"{code}; import sys; print(sorted({{m.split('.')[0] for m in sys.modules}} & set({sorted(_OPTIONAL)!r})))"
+    return eval(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout)
+
+
+_OPTIONAL = {"matplotlib", "tqdm", "gguf", "peft", "transformers"}
+
+
+def test_importing_dropbp_imports_no_optional_package():
+    """Nothing beyond what ``import torch`` itself brings: torch.hub imports tqdm whenever it is
+    installed (and transformers requires it), which no code of dropbp can prevent."""
+    assert _optional_imported("import dropbp") == _optional_imported("import torch")
+    assert set(_optional_imported("import torch")) <= {"tqdm"}
