@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
@@ -43,6 +44,9 @@ class Backend(ABC):
     distributed_backend: str = "gloo"
     #: bound on distinct drop patterns where graphs are compiled per pattern; None: unbounded.
     default_max_patterns: int | None = None
+    #: whether the device's allocator reports peak memory (:meth:`max_memory_allocated`); where it does
+    #: not (the CPU), peak memory is the process's resident set, measured in a fresh process.
+    has_allocator_stats: bool = False
 
     @classmethod
     @abstractmethod
@@ -68,6 +72,19 @@ class Backend(ABC):
     def autocast(self) -> torch.autocast:
         """Mixed-precision context for the forward pass on this device."""
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    @property
+    def training_dtype(self) -> torch.dtype:
+        """The dtype benchmarks train in by default: the autocast dtype on accelerators."""
+        return self.autocast_dtype
+
+    def training_autocast(self) -> AbstractContextManager:
+        """The context benchmarks run a training forward in: :meth:`autocast` on accelerators."""
+        return self.autocast()
+
+    def empty_cache(self) -> None:
+        """Return cached allocator blocks to the device, between benchmark configurations only: in
+        training it would cost re-allocation every step for nothing."""
 
     def prepare(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None

@@ -17,6 +17,7 @@ import importlib
 import importlib.metadata
 import logging
 import sys
+from contextlib import AbstractContextManager, nullcontext
 from types import ModuleType
 
 import torch
@@ -85,6 +86,15 @@ class CPUBackend(Backend):
     @property
     def autocast_dtype(self) -> torch.dtype:
         return torch.bfloat16
+
+    @property
+    def training_dtype(self) -> torch.dtype:
+        """float32: bf16 matrix products are slower than float32 on most CPUs."""
+        return torch.float32
+
+    def training_autocast(self) -> AbstractContextManager:
+        """No autocast: the CPU trains in float32 (see :attr:`training_dtype`)."""
+        return nullcontext()
 
     def prepare(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None

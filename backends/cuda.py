@@ -21,6 +21,8 @@ class CUDABackend(Backend):
     name = "cuda"
     distributed_backend = "nccl"
 
+    has_allocator_stats = True
+
     @classmethod
     def unavailable_reason(cls) -> str | None:
         if not torch.backends.cuda.is_built():
@@ -57,6 +59,9 @@ class CUDABackend(Backend):
 
     def max_memory_allocated(self) -> int:
         return torch.cuda.max_memory_allocated()
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
 
     def reset_peak_memory(self) -> None:
         torch.cuda.reset_peak_memory_stats()

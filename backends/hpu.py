@@ -55,6 +55,8 @@ class HPUBackend(Backend):
     name = "hpu"
     distributed_backend = "hccl"
 
+    has_allocator_stats = True
+
     @classmethod
     def unavailable_reason(cls) -> str | None:
         try:

@@ -22,6 +22,8 @@ class XPUBackend(Backend):
     name = "xpu"
     distributed_backend = "xccl"
 
+    has_allocator_stats = True
+
     @classmethod
     def unavailable_reason(cls) -> str | None:
         xpu = getattr(torch, "xpu", None)
@@ -58,6 +60,9 @@ class XPUBackend(Backend):
 
     def max_memory_allocated(self) -> int:
         return torch.xpu.max_memory_allocated()
+
+    def empty_cache(self) -> None:
+        torch.xpu.empty_cache()
 
     def reset_peak_memory(self) -> None:
         torch.xpu.reset_peak_memory_stats()

@@ -3,7 +3,7 @@
 Fine-tunes SmolLM2-135M-Instruct (LoRA or full) on a documentation corpus that ships with Python
 (``--corpus pydoc``: its help text; ``stdlib-docstrings``: the standard library's docstrings; the
 validation text is held out by topic or module) with full backprop and with DropBP variants, all in
-lockstep in one process (see ``dropbp/compare.py``): same starting weights, batches and learning
+lockstep in one process (see ``dropbp/tools/compare.py``): same starting weights, batches and learning
 rate, per-run timing. The learning rate is the baseline's: ``--grid lr`` first, then every other grid
 takes the best one recorded (or ``--lr``). Reports per-step speedup, validation loss at equal steps
 and at equal wall time, and time-to-target: the training wall time a run needs to reach the
@@ -29,10 +29,10 @@ import torch
 import transformers
 
 from dropbp import backends
-from dropbp.compare import Run, RunResult, compare, summarise
-from dropbp.pretrained import DEFAULT_MODEL, load_causal_lm
-from dropbp.report import plot_curves
-from dropbp.textdata import CORPORA
+from dropbp.tools.compare import Run, RunResult, compare, summarise
+from dropbp.tools.pretrained import DEFAULT_MODEL, load_causal_lm
+from dropbp.tools.report import plot_curves
+from dropbp.tools.textdata import CORPORA
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

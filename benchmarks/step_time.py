@@ -1,6 +1,6 @@
 """CPU step-time benchmark: DropBP against the same model without the library.
 
-``dropbp bench``'s measurement (``dropbp/bench.py``) of its "small" preset, a ~34M-parameter
+``dropbp bench``'s measurement (``dropbp/tools/bench.py``) of its "small" preset, a ~34M-parameter
 Llama-architecture model (8 layers, hidden 512, random weights), full fine-tuning and LoRA: one model
 trained by every configuration in turn, round by round in rotating order (no library; the library at
 drop rates 0, 0.5, 0.875; every branch without autograd for the ideal), forward, backward and
@@ -28,7 +28,7 @@ from torch import nn
 
 import dropbp
 from dropbp import backends
-from dropbp.bench import Point, measure
+from dropbp.tools.bench import Point, measure
 
 RATES = (0.0, 0.5, 0.875)
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -160,3 +160,56 @@ def test_importing_dropbp_imports_no_optional_package():
     installed (and transformers requires it), which no code of dropbp can prevent."""
     assert _optional_imported("import dropbp") == _optional_imported("import torch")
     assert set(_optional_imported("import torch")) <= {"tqdm"}
+
+
+def test_a_missing_optional_package_is_one_error_with_the_install_line(monkeypatch):
+    from dropbp import imports
+
+    imports.is_available.cache_clear()
+    real = imports.importlib.util.find_spec
+    monkeypatch.setattr(imports.importlib.util, "find_spec", lambda name: None if name == "matplotlib" else real(name))
+    try:
+        with pytest.raises(imports.MissingDependency, match=r"plotting needs matplotlib.*pip install 'dropbp\[demo\]'"):
+            imports.require("matplotlib.pyplot", "plotting")
+        assert imports.require("torch", "x").__name__ == "torch"
+    finally:
+        imports.is_available.cache_clear()
+
+
+def test_the_cli_reports_a_missing_package_in_one_line(monkeypatch, capsys, tmp_path):
+    from dropbp import imports
+    from dropbp.tools import cli
+
+    def missing(*args, **kwargs):
+        raise imports.MissingDependency("dropbp bench needs tqdm, which is not installed: pip install 'dropbp[demo]'")
+
+    monkeypatch.setattr(cli, "require", missing)
+    assert cli.main(["bench", "--out", str(tmp_path / "b"), "--backend", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "pip install 'dropbp[demo]'" in err
+
+
+def test_device_questions_are_backend_methods():
+    from contextlib import nullcontext
+
+    import torch
+
+    from dropbp import backends
+
+    cpu = backends.get("cpu")
+    assert cpu.training_dtype == torch.float32 and isinstance(cpu.training_autocast(), nullcontext)
+    assert cpu.has_allocator_stats is False and cpu.empty_cache() is None
+    for name in ("cuda", "hpu", "xpu"):
+        assert backends._BUILTIN[name].has_allocator_stats is True
+
+
+def test_no_device_type_test_outside_backends():
+    """Device questions (allocator, cache, dtype, autocast) are asked of the backend, never by device type."""
+    patterns = ("device.type ==", "device.type !=", "device.type)")
+    offenders = [str(p) for p in PACKAGE.rglob("*.py") if any(t in p.read_text() for t in patterns)]
+    assert not offenders
+
+
+def test_the_core_never_imports_the_tools():
+    core = {n: p for n, p in _MODULES.items() if not n.startswith("dropbp/tools") and n != "dropbp/__main__"}
+    assert not [name for name, path in core.items() if any(d.startswith("dropbp.tools") for d in _imports(path))]

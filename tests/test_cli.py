@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from dropbp import cli
+from dropbp.tools import cli
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +159,7 @@ def test_python_dash_m_is_the_same_command():
 )
 def test_bundled_smollm2_converts_and_knows_paris(tmp_path, monkeypatch):
     """The real pretrained model: converted from the package's GGUF into a fresh cache, then reused."""
-    from dropbp.pretrained import load_causal_lm
+    from dropbp.tools.pretrained import load_causal_lm
 
     monkeypatch.setenv("DROPBP_CACHE", str(tmp_path))
     model, tokenizer = load_causal_lm()

@@ -8,8 +8,8 @@ import torch
 from conftest import tiny_model
 
 from dropbp import backends
-from dropbp.compare import Run, RunResult, compare, loss_at_time, summarise, time_to_target
-from dropbp.textdata import CORPORA, TokenData, stdlib_docstrings
+from dropbp.tools.compare import Run, RunResult, compare, loss_at_time, summarise, time_to_target
+from dropbp.tools.textdata import CORPORA, TokenData, stdlib_docstrings
 
 
 def _result(seconds: list[float], losses: list[float]) -> RunResult:

@@ -94,3 +94,73 @@ def test_pattern_pool_is_diverse():
     """The pool uses its bound: not just the two alternating patterns of one systematic layout."""
     for rates in ([0.5] * 16, [0.875] * 16, [0.3, 0.7] * 8):
         assert PatternSampler(rates, seed=0, max_patterns=16).distinct_patterns() >= 12
+
+
+# -- the cut shape ---------------------------------------------------------------------------------
+from dropbp.allocation import cut_rates  # noqa: E402
+from dropbp.checks import check_cut_rates  # noqa: E402
+from dropbp.sampler import CutSampler  # noqa: E402
+
+CUT_FLOPS = [1.0, 2.0] * 8
+
+
+@pytest.mark.parametrize("p", [0.25, 0.5, 0.875])
+def test_cut_rates_reach_the_flop_weighted_drop_rate_and_fall_with_depth(p):
+    rates = cut_rates(CUT_FLOPS, p)
+    assert sum(r * f for r, f in zip(rates, CUT_FLOPS, strict=True)) / sum(CUT_FLOPS) == pytest.approx(p, abs=1e-9)
+    assert check_cut_rates(rates, len(rates)) == rates  # falling, in [0, 1], top 0
+
+
+@pytest.mark.parametrize("max_patterns", [None, 8])
+def test_cut_patterns_are_cuts_with_exact_marginals_and_never_drop_everything(max_patterns):
+    rates = cut_rates(CUT_FLOPS, 0.5)
+    sampler = CutSampler(rates, seed=3, max_patterns=max_patterns)
+    steps = 4000
+    counts = [0] * len(rates)
+    for step in range(steps):
+        pattern = sampler.pattern(step)
+        assert pattern == frozenset(range(len(pattern)))  # every branch below a depth, none above
+        assert len(pattern) < len(rates)
+        for i in pattern:
+            counts[i] += 1
+    tolerance = 4 * (0.25 / steps) ** 0.5 if max_patterns is None else 1 / max_patterns + 1e-9
+    assert all(abs(c / steps - r) <= tolerance for c, r in zip(counts, rates, strict=True))
+    if max_patterns is not None:
+        assert sampler.distinct_patterns() <= max_patterns
+
+
+def test_cut_patterns_are_a_function_of_seed_and_step():
+    rates = cut_rates(CUT_FLOPS, 0.5)
+    a, b = CutSampler(rates, seed=5), CutSampler(rates, seed=5)
+    assert [a.pattern(s) for s in range(50)] == [b.pattern(s) for s in reversed(range(50))][::-1]
+    assert [a.pattern(s) for s in range(50)] != [CutSampler(rates, seed=6).pattern(s) for s in range(50)]
+
+
+@pytest.mark.parametrize(
+    "rates, match",
+    [
+        ([0.5, 0.6, 0.0], r"must not rise with depth.*rates\[1\]"),
+        ([0.9, 0.5, 0.1], "last \\(top\\) branch's rate must be 0"),
+        ([1.5, 0.5, 0.0], r"rates\[0\] must be in \[0, 1\]"),
+    ],
+)
+def test_bad_cut_rates_are_named(rates, match):
+    with pytest.raises(ValueError, match=match):
+        check_cut_rates(rates, 3)
+
+
+def test_apply_with_the_cut_shape_resumes_the_same_patterns():
+    from conftest import tiny_model
+
+    import dropbp
+
+    ctl = dropbp.apply(tiny_model("llama", layers=4), 0.5, seed=2, pattern="cut", warmup_steps=4)
+    state = ctl.state_dict()
+    assert state["pattern"] == "cut" and ctl.rates == cut_rates([b.flops for b in ctl.branches], 0.5)
+    resumed = dropbp.apply(tiny_model("llama", layers=4), 0.25, seed=0)
+    resumed.load_state_dict(state)
+    assert resumed.pattern == "cut" and [resumed.dropped_at(s) for s in range(30)] == [
+        ctl.dropped_at(s) for s in range(30)
+    ]
+    with pytest.raises(ValueError, match="must not rise with depth"):
+        ctl.set_rates([0.1] + [0.5] * 6 + [0.0])

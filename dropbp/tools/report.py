@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..imports import require
 from .compare import RunResult
 
 __all__ = ["plot_curves"]
@@ -12,7 +13,7 @@ __all__ = ["plot_curves"]
 
 def plot_curves(results: Sequence[RunResult], path: Path, title: str) -> Path:
     """Validation loss against training wall time (left) and against steps (right), one line per run."""
-    import matplotlib
+    matplotlib = require("matplotlib", "plotting")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

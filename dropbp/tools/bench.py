@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import apply
-from .backends import Backend
-from .no_grad import attach_no_grad_hooks
+from .. import apply
+from ..backends import Backend
+from ..imports import require
+from ..no_grad import attach_no_grad_hooks
 
 __all__ = ["PRESETS", "Point", "build_model", "check_allocator", "measure", "max_seq_len", "write_outputs"]
 
@@ -78,7 +79,7 @@ class Point:
 
 def build_model(preset: str, method: str, seq_len: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """A randomly initialised model of ``preset`` (nothing downloaded), LoRA-wrapped for ``lora``."""
-    import transformers
+    transformers = require("transformers", "dropbp bench")
 
     config = transformers.AutoConfig.for_model(
         "llama", max_position_embeddings=max(seq_len, 64), tie_word_embeddings=False, **PRESETS[preset]
@@ -86,7 +87,7 @@ def build_model(preset: str, method: str, seq_len: int, dtype: torch.dtype, devi
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
     if method == "lora":
-        import peft
+        peft = require("peft", "dropbp bench --methods lora")
 
         model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
     return model.to(device).train()
@@ -163,7 +164,7 @@ def measure(
                 times[name].append(t)
         if progress is not None:
             progress(f"{point.preset}/{point.method} s={point.seq_len} b={point.batch_size} round {rnd + 1}")
-    if memory and backend.device.type == "cpu":
+    if memory and not backend.has_allocator_stats:
         peaks = {c: _cpu_peak_rss(point, c, dtype) for c in configs}
     return _summarise(point, rates, times, peaks, model, len(bench.branch_modules))
 
@@ -217,7 +218,7 @@ def _cpu_peak_rss(point: Point, config: str, dtype: torch.dtype) -> int:
     """Peak resident bytes of a fresh process that builds the model and trains 3 steps of ``config``."""
     code = (
         "import resource, sys, torch, transformers; transformers.logging.set_verbosity_error()\n"
-        "from dropbp import backends; from dropbp.bench import Point, build_model, _Bench\n"
+        "from dropbp import backends; from dropbp.tools.bench import Point, build_model, _Bench\n"
         f"p = Point({point.preset!r}, {point.method!r}, {point.seq_len}, {point.batch_size})\n"
         f"m = build_model(p.preset, p.method, p.seq_len, torch.{str(dtype).split('.')[1]}, torch.device('cpu'))\n"
         "b = _Bench(m, backends.get('cpu'), p.seq_len)\n"
@@ -232,7 +233,7 @@ def _cpu_peak_rss(point: Point, config: str, dtype: torch.dtype) -> int:
 
 def check_allocator(backend: Backend) -> None:
     """Out-of-memory searches need allocator figures; the CPU backend has none."""
-    if type(backend).max_memory_allocated is Backend.max_memory_allocated:
+    if not backend.has_allocator_stats:
         raise ValueError(f"--max-seq-len needs a device with an allocator (cuda, hpu); {backend.name} has none")
 
 
@@ -258,8 +259,7 @@ def max_seq_len(
             for handle in attached:
                 handle.remove()
             bench.opt.zero_grad(set_to_none=True)
-            if hasattr(torch, backend.device.type):
-                getattr(torch, backend.device.type).empty_cache()
+            backend.empty_cache()
 
     low, high = 0, 256
     while high <= limit and fits(high):
@@ -309,7 +309,7 @@ def _gib(n: int | None) -> str:
 
 
 def _plot(results: dict, path: Path) -> None:
-    import matplotlib
+    matplotlib = require("matplotlib", "dropbp bench")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

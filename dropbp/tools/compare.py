@@ -14,19 +14,18 @@ import copy
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from itertools import pairwise
 
 import torch
 from torch import nn
 
-from . import apply
-from .allocation import cut_rates
-from .backends import Backend
-from .controller import DropBPController
-from .dropped_grads import DEFAULT_DROPPED_GRADS
-from .schedule import anneal_factor
+from .. import apply
+from ..allocation import cut_rates
+from ..backends import Backend
+from ..controller import DropBPController
+from ..dropped_grads import DEFAULT_DROPPED_GRADS
+from ..schedule import anneal_factor
 from .textdata import TokenData
 
 __all__ = ["Run", "RunResult", "compare", "loss_at_time", "summarise", "time_to_target"]
@@ -146,7 +145,7 @@ class _Trainee:
             factor = anneal_factor(step, limit, ANNEAL_FRACTION)
             self.ctl.set_rates([r * factor for r in self.base_rates])
         # Accelerators train in their autocast dtype; the CPU stays in float32 (bf16 is slower there).
-        with self.backend.autocast() if self.backend.device.type != "cpu" else nullcontext():
+        with self.backend.training_autocast():
             loss = self.model(input_ids=ids, labels=ids).loss
         if self.ctl is not None:
             self.ctl.backward(loss)

