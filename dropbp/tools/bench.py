@@ -105,15 +105,18 @@ class _Bench:
         self.branch_modules = [b.module for b in probe.branches]
         probe.remove()
 
-    def attach(self, config: str) -> list:
-        """Attach what ``config`` needs; returns what to ``.remove()`` afterwards."""
+    def attach(self, config: str, seed: int) -> list:
+        """Attach what ``config`` (``"<pattern>@<rate>"``) needs; returns what to ``.remove()`` afterwards.
+
+        ``seed`` changes with the round: each round then times a different pattern (for the cut shape,
+        a different depth), so the medians average over patterns as training does.
+        """
         if config == "baseline":
             return []
         if config == "all_dropped":
             return [h for m in self.branch_modules for h in attach_no_grad_hooks(m, lambda: True)]
-        ctl = apply(self.model, 0.0, seq_len=self.seq_len, backend=self.backend)
-        ctl.set_rates([float(config.split("@")[1])] * len(ctl.branches))
-        return [ctl]
+        pattern, rate = _parse(config)
+        return [apply(self.model, rate, seed=seed, seq_len=self.seq_len, backend=self.backend, pattern=pattern)]
 
     def step(self, ids: torch.Tensor) -> tuple[float, float, float]:
         """Forward, backward and optimizer seconds of one training step."""
@@ -128,8 +131,28 @@ class _Bench:
         return forward.seconds, backward.seconds, update.seconds
 
 
-def _configs(rates: Sequence[float]) -> list[str]:
-    return ["baseline", "all_dropped", *[f"dropbp@{r}" for r in rates]]
+def _configs(rates: Sequence[float], patterns: Sequence[str]) -> list[str]:
+    return ["baseline", "all_dropped", *[f"{p}@{r}" for p in patterns for r in rates]]
+
+
+def _parse(config: str) -> tuple[str, float]:
+    pattern, rate = config.split("@")
+    return pattern, float(rate)
+
+
+def refused_configs(model: nn.Module, configs: Sequence[str], seq_len: int, backend: Backend) -> dict[str, str]:
+    """The configurations ``apply`` refuses on this model (a cut cannot reach every rate on few
+    branches), with its reason; the bench skips them and says so."""
+    refused = {}
+    for config in configs:
+        if "@" not in config:
+            continue
+        pattern, rate = _parse(config)
+        try:
+            apply(model, rate, seq_len=seq_len, backend=backend, pattern=pattern).remove()
+        except ValueError as err:
+            refused[config] = str(err)
+    return refused
 
 
 def measure(
@@ -141,11 +164,14 @@ def measure(
     warmup: int,
     memory: bool = False,
     progress: Callable[[str], None] | None = None,
+    patterns: Sequence[str] = ("uniform",),
 ) -> dict:
-    """All figures for one grid point (see the module docstring)."""
+    """All figures for one grid point (see the module docstring); ``patterns``: ``apply``'s shapes to time."""
     model = build_model(point.preset, point.method, point.seq_len, dtype, backend.device)
     bench = _Bench(model, backend, point.seq_len)
-    configs = _configs(rates)
+    configs = _configs(rates, patterns)
+    refused = refused_configs(model, configs, point.seq_len, backend)
+    configs = [c for c in configs if c not in refused]
     times: dict[str, list[tuple[float, float, float]]] = {c: [] for c in configs}
     peaks: dict[str, int] = {}
     g = torch.Generator().manual_seed(0)
@@ -154,7 +180,7 @@ def measure(
         ids = torch.randint(0, vocab, (point.batch_size, point.seq_len), generator=g).to(backend.device)
         shift = rnd % len(configs)
         for name in configs[shift:] + configs[:shift]:
-            attached = bench.attach(name)
+            attached = bench.attach(name, rnd)
             backend.reset_peak_memory()
             t = bench.step(ids)
             peaks[name] = max(peaks.get(name, 0), backend.max_memory_allocated())
@@ -166,10 +192,12 @@ def measure(
             progress(f"{point.preset}/{point.method} s={point.seq_len} b={point.batch_size} round {rnd + 1}")
     if memory and not backend.has_allocator_stats:
         peaks = {c: _cpu_peak_rss(point, c, dtype) for c in configs}
-    return _summarise(point, rates, times, peaks, model, len(bench.branch_modules))
+    summary = _summarise(point, configs, times, peaks, model, len(bench.branch_modules))
+    summary["refused"] = refused
+    return summary
 
 
-def _summarise(point: Point, rates, times, peaks, model: nn.Module, branches: int) -> dict:
+def _summarise(point: Point, configs: Sequence[str], times, peaks, model: nn.Module, branches: int) -> dict:
     def phase(config: str, i: int) -> float:
         return statistics.median(t[i] for t in times[config])
 
@@ -179,13 +207,14 @@ def _summarise(point: Point, rates, times, peaks, model: nn.Module, branches: in
     base_step = statistics.median(total["baseline"])
     tokens = point.batch_size * point.seq_len
     rows = []
-    for r in rates:
-        name = f"dropbp@{r}"
+    for name in configs[2:]:
+        pattern, r = _parse(name)
         step = statistics.median(total[name])
         ideal = f + b0 + o0 + (1 - r) * (b - b0 + o - o0)
         paired = [x / y for x, y in zip(total["baseline"], total[name], strict=True)]
         rows.append(
             {
+                "pattern": pattern,
                 "drop_rate": r,
                 "step_s": step,
                 "ideal_step_s": ideal,
@@ -222,7 +251,7 @@ def _cpu_peak_rss(point: Point, config: str, dtype: torch.dtype) -> int:
         f"p = Point({point.preset!r}, {point.method!r}, {point.seq_len}, {point.batch_size})\n"
         f"m = build_model(p.preset, p.method, p.seq_len, torch.{str(dtype).split('.')[1]}, torch.device('cpu'))\n"
         "b = _Bench(m, backends.get('cpu'), p.seq_len)\n"
-        f"b.attach({config!r})\n"
+        f"b.attach({config!r}, 0)\n"
         "ids = torch.randint(0, m.config.vocab_size, (p.batch_size, p.seq_len))\n"
         "[b.step(ids) for _ in range(3)]\n"
         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n"
@@ -248,7 +277,8 @@ def max_seq_len(
     model.config.max_position_embeddings = limit
 
     def fits(seq: int) -> bool:
-        attached = [] if rate is None else bench.attach(f"dropbp@{rate}")
+        # the uniform shape drops the same number of branches in every step: steady memory
+        attached = [] if rate is None else bench.attach(f"uniform@{rate}", 0)
         try:
             ids = torch.randint(0, model.config.vocab_size, (1, seq)).to(backend.device)
             bench.step(ids)
@@ -285,8 +315,8 @@ def markdown_table(results: dict) -> str:
         f"`dropbp bench` on {results['device']} ({results['dtype']}, torch {results['torch']}, {results['date']}); "
         f"{results['rounds']} interleaved rounds per point.",
         "",
-        "| preset | method | seq | batch | drop rate | step (s) | speedup | ideal | efficiency | tokens/s "
-        "| peak memory |",
+        "| preset | method | seq | batch | pattern @ drop rate | step (s) | speedup | ideal | efficiency "
+        "| tokens/s | peak memory |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in results["points"]:
@@ -297,10 +327,13 @@ def markdown_table(results: dict) -> str:
         )
         for r in p["rows"]:
             lines.append(
-                f"| | | | | {r['drop_rate']} | {r['step_s']:.3f} | {r['speedup']:.2f}x | "
+                f"| | | | | {r.get('pattern', 'uniform')} @ {r['drop_rate']} | {r['step_s']:.3f} | "
+                f"{r['speedup']:.2f}x | "
                 f"{r['ideal_speedup']:.2f}x | {r['efficiency']:.2f} | {r['tokens_per_s']:.0f} | "
                 f"{_gib(r['peak_memory_bytes'])} |"
             )
+        for config, reason in p.get("refused", {}).items():
+            lines.append(f"| | | | | {config.replace('@', ' @ ')} | refused: {reason} | | | | | |")
     return "\n".join(lines) + "\n"
 
 
@@ -316,10 +349,12 @@ def _plot(results: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for p in results["points"]:
-        label = f"{p['preset']}/{p['method']} s={p['seq_len']} b={p['batch_size']}"
-        rates = [0.0] + [r["drop_rate"] for r in p["rows"]]
-        line = ax.plot(rates, [1.0] + [r["speedup"] for r in p["rows"]], marker="o", label=label)[0]
-        ax.plot(rates, [1.0] + [r["ideal_speedup"] for r in p["rows"]], linestyle=":", color=line.get_color())
+        for pattern in dict.fromkeys(r.get("pattern", "uniform") for r in p["rows"]):
+            rows = [r for r in p["rows"] if r.get("pattern", "uniform") == pattern]
+            label = f"{p['preset']}/{p['method']} s={p['seq_len']} b={p['batch_size']} {pattern}"
+            rates = [0.0] + [r["drop_rate"] for r in rows]
+            line = ax.plot(rates, [1.0] + [r["speedup"] for r in rows], marker="o", label=label)[0]
+            ax.plot(rates, [1.0] + [r["ideal_speedup"] for r in rows], linestyle=":", color=line.get_color())
     ax.set_xlabel("drop rate")
     ax.set_ylabel("step speedup vs no library (dotted: ideal)")
     ax.grid(alpha=0.3)
