@@ -88,7 +88,9 @@ class DropBPController:
         self._found = list(branches)
         self._modules = [b.module for b in branches]
         flops = [b.flops for b in branches]
-        self._hooks = StepHooks(model, self._modules, flops, policy, lambda: self._unbiased, dropped_grads)
+        self._hooks = StepHooks(
+            model, self._modules, flops, policy, [b.name for b in self._found], lambda: self._unbiased, dropped_grads
+        )
         for module in (model, *self._modules):
             _ATTACHED[module] = self
         self._removed = False

@@ -187,10 +187,12 @@ def _detect(model: nn.Module) -> list[tuple[str, str]]:
             )
     if not found:
         raise ValueError(
-            f"dropbp found no decoder layers in this {type(model).__name__} (model_type "
+            f"dropbp found no residual layers in this {type(model).__name__} (model_type "
             f"{model_type!r}): it looked for modules with an attention child named one of "
             f"{list(_ATTENTION_NAMES)} and an MLP child named one of {list(_MLP_NAMES)}. "
-            f"Pass the residual branches yourself: dropbp.apply(model, p, branches=[...module names "
-            f"from model.named_modules()...])"
+            "Pass the residual branches yourself: dropbp.apply(model, p, branches=[...]) with the names (from "
+            "model.named_modules()) of the modules whose output is added to the residual stream, the f in "
+            "x = x + f(x), not modules that add the residual themselves; for a BERT-style encoder: "
+            "'bert.encoder.layer.N.attention.self' and 'bert.encoder.layer.N.intermediate' for every N"
         )
     return found

@@ -39,6 +39,7 @@ class StepHooks:
         modules: the branch modules, in branch order.
         flops: their costs, for the drop tally.
         policy: decides each step's pattern.
+        names: the branches' module names, for messages.
         unbiased: read at every forward: whether kept branches' incoming gradients are scaled.
         dropped_grads: what the optimizer sees for dropped branches ("skip", "zero", "reuse").
     """
@@ -49,10 +50,12 @@ class StepHooks:
         modules: Sequence[nn.Module],
         flops: Sequence[float],
         policy: DropPolicy,
+        names: Sequence[str],
         unbiased: Callable[[], bool],
         dropped_grads: str,
     ) -> None:
         self._model = model
+        self._names = list(names)
         self._modules = list(modules)
         self._flops = list(flops)
         self._policy = policy
@@ -115,6 +118,31 @@ class StepHooks:
         self._recompute.end_forward()
         if self._recompute.reentrant:
             check_running_ddp_checkpointing()
+        if self.forced is None and model.training and torch.is_grad_enabled() and not in_backward():
+            self._check_output_needs_a_gradient(output)
+
+    def _check_output_needs_a_gradient(self, output: object) -> None:
+        """Stop at the forward, with what to do, when the step's output cannot be backpropagated.
+
+        Dropped branches leave the residual stream to carry the gradient; a named "branch" that adds
+        the residual itself (BERT's ``encoder.layer.N.attention``, a whole decoder layer) cuts it, and
+        torch's later error ("element 0 of tensors does not require grad") says nothing of why.
+        """
+        loss = getattr(output, "loss", None)
+        tensor = loss if isinstance(loss, torch.Tensor) else getattr(output, "logits", output)
+        if not isinstance(tensor, torch.Tensor) or tensor.requires_grad or not tensor.is_floating_point():
+            return
+        if not self.dropped or not any(p.requires_grad for p in self._model.parameters()):
+            return  # nothing dropped, or nothing to train: not a wrong branch
+        dropped = [self._names[i] for i in sorted(self.dropped)]
+        raise ValueError(
+            f"dropbp: with the branches {dropped} dropped, the model's output needs no gradient, so "
+            "backward would fail: dropping them cut every path from the trainable parameters to the output. "
+            "A branch must be the f in x = x + f(x), a module whose output is then added to the residual "
+            "stream, not a module that adds the residual itself (a whole layer, or BERT's "
+            "encoder.layer.N.attention). For post-norm encoders name the modules inside the residual add, e.g. "
+            "branches=[f'bert.encoder.layer.{i}.attention.self', f'bert.encoder.layer.{i}.intermediate' ...]"
+        )
 
     def _trainable_branches(self) -> list[bool] | None:
         """Per branch, whether it holds a trainable parameter; ``None`` if something outside does.

@@ -10,6 +10,8 @@ import pytest
 import torch
 from conftest import tiny_model
 
+import dropbp
+from dropbp.allocation import cut_rates
 from dropbp.tools import cli
 
 
@@ -28,7 +30,8 @@ def tiny_model_dir(tmp_path_factory):
     tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=96, special_tokens=["<pad>", "<unk>", "<s>"]))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>")
     fast.save_pretrained(folder)
-    tiny_model("llama", layers=4, vocab_size=len(fast)).save_pretrained(folder)
+    # 16 layers: the demo's 0.875 run needs enough branches for a cut to reach it (the top one is kept)
+    tiny_model("llama", layers=16, vocab_size=len(fast)).save_pretrained(folder)
     return folder
 
 
@@ -48,10 +51,43 @@ def test_demo_quick_writes_results(tiny_model_dir, tmp_path, capsys):
     runs = {r["name"]: r for r in record["runs"]}
     assert len(runs["full backprop"]["step_seconds"]) == 6 and len(runs["DropBP 0.5 + warm-up"]["step_seconds"]) == 9
     assert runs["DropBP 0.875 + warm-up"]["config"]["schedule"] == "warmup"
-    assert runs["DropBP 0.875 + warm-up"]["rates"] == [0.875] * 8
+    rates, flops = runs["DropBP 0.875 + warm-up"]["rates"], _flops(tiny_model_dir)
+    assert runs["DropBP 0.875 + warm-up"]["config"]["pattern"] == "cut" and rates == cut_rates(flops, 0.875)
+    assert record["timing"]["reliable"] in (True, False) and record["timing"]["baseline_spread"] >= 0
     assert all(r["val_loss_at_equal_steps"] is not None for r in record["summary"])
     assert (out_dir / "demo.png").stat().st_size > 10_000
     assert "| full backprop |" in out and "time/step" in out and str(out_dir / "demo.json") in out
+
+
+def _flops(folder) -> list[float]:
+    from transformers import AutoModelForCausalLM
+
+    ctl = dropbp.apply(AutoModelForCausalLM.from_pretrained(folder), 0.0, seq_len=64)
+    return [b.flops for b in ctl.branches]
+
+
+def test_demo_with_a_model_that_cannot_be_loaded_fails_in_one_line_and_leaves_nothing(tmp_path, capsys):
+    out_dir = tmp_path / "demo"
+    code, out, err = _run(["demo", "--quick", "--model", str(tmp_path / "nonexistent"), "--out", str(out_dir)], capsys)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "cannot load the model" in err and "leave --model out" in err
+    assert not out_dir.exists()
+
+
+def test_demo_with_a_model_too_small_for_its_runs_fails_before_training(tmp_path, capsys):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path / "two-layers"
+    tiny_model("llama", layers=2).save_pretrained(folder)
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(unk_token="<unk>")), unk_token="<unk>")
+    tok.save_pretrained(folder)
+    capsys.readouterr()  # the saving's own progress output
+    code, out, err = _run(["demo", "--quick", "--model", str(folder), "--out", str(tmp_path / "demo")], capsys)
+    last = err.strip().splitlines()[-1]  # above it only transformers' own loading bar
+    assert code == 2 and out == "" and "Traceback" not in err and last.startswith("dropbp: ")
+    assert "DropBP 0.875 + warm-up" in last and "cannot be reached by cuts" in last
+    assert not (tmp_path / "demo").exists()
 
 
 def test_bench_tiny_grid_writes_results(tmp_path, capsys):

@@ -8,7 +8,7 @@ import torch
 from conftest import tiny_model
 
 from dropbp import backends
-from dropbp.tools.compare import Run, RunResult, compare, loss_at_time, summarise, time_to_target
+from dropbp.tools.compare import Run, RunResult, compare, loss_at_time, summarise, time_to_target, timing_check
 from dropbp.tools.textdata import CORPORA, TokenData, stdlib_docstrings
 
 
@@ -93,3 +93,69 @@ def test_stdlib_docstrings_is_a_second_corpus_with_held_out_modules():
     assert set(CORPORA) == {"pydoc", "stdlib-docstrings"}
     with pytest.raises(ValueError, match="longer than the text"):
         stdlib_docstrings(_Bytes(), 10**6, max_chars=1000)
+
+
+class _FakeClock:
+    """``time.perf_counter`` for compare.py alone: each timed step takes ``base`` seconds (the
+    engine reads the clock at a step's start and end), except every ``every``-th step, which another
+    process stretches ``factor`` times, as on a busy machine."""
+
+    def __init__(self, base: float = 1.0, every: int = 0, factor: float = 10.0) -> None:
+        self.t, self.calls, self.base, self.every, self.factor = 0.0, 0, base, every, factor
+
+    def perf_counter(self) -> float:
+        self.calls += 1
+        if self.calls % 2 == 0:  # the end of a step
+            step = self.calls // 2
+            self.t += self.base * (self.factor if self.every and step % self.every == 0 else 1.0)
+        return self.t
+
+
+def _timed_compare(monkeypatch, clock: _FakeClock) -> list[RunResult]:
+    from dropbp.tools import compare as engine
+
+    monkeypatch.setattr(engine, "time", clock)
+    runs = [
+        Run("full backprop"),
+        Run("DropBP 0.5", 0.5, pattern="uniform"),
+        Run("DropBP 0.75", 0.75, pattern="uniform"),
+    ]
+    kwargs = dict(steps=12, lr=1e-3, batch_size=2, backend=backends.get("cpu"), eval_every=6)
+    return compare(tiny_model("llama", layers=4), runs, _data(), **kwargs)
+
+
+def test_a_quiet_clock_gives_exact_speedups_and_no_warning(monkeypatch):
+    results = _timed_compare(monkeypatch, _FakeClock())
+    check = timing_check(results)
+    assert check == {"baseline_spread": 0.0, "reliable": True, "warning": None}
+    assert [r["step_speedup"] for r in summarise(results, 12)] == [1.0, 1.0, 1.0]
+
+
+def test_a_busy_clock_is_flagged_and_the_median_of_ratios_resists_it(monkeypatch):
+    """Every 4th timed step is 10x slower (whichever run it falls on): the baseline's step times
+    spread far beyond a quiet machine's, so the check says not to trust them; the speedups, medians
+    of per-step ratios, stay at the true 1.0 instead of the 10x a stretched median could show."""
+    results = _timed_compare(monkeypatch, _FakeClock(every=4))
+    assert any(s == 10.0 for s in results[0].step_seconds[1:])  # the baseline was hit
+    check = timing_check(results)
+    assert not check["reliable"] and check["baseline_spread"] == pytest.approx(9.0)
+    assert "UNRELIABLE TIMING" in check["warning"] and "not to be trusted" in check["warning"]
+    assert [r["step_speedup"] for r in summarise(results, 12)] == [1.0, 1.0, 1.0]
+
+
+def test_the_demo_table_carries_the_warning():
+    from dropbp.tools.demo import table
+
+    row = {
+        "run": "full backprop",
+        "step_s": 1.0,
+        "step_speedup": 1.0,
+        "val_loss_at_equal_steps": 2.0,
+        "time_to_target_s": 10.0,
+        "time_to_target_speedup": 1.0,
+        "final_val_loss": 2.0,
+    }
+    record = {"settings": {"steps": 6}, "summary": [row], "timing": {"warning": "UNRELIABLE TIMING: ..."}}
+    assert table(record).endswith("UNRELIABLE TIMING: ...")
+    record["timing"] = {"warning": None}
+    assert "UNRELIABLE" not in table(record)

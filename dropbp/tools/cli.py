@@ -7,8 +7,11 @@ exit code 2; nothing else is printed as a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+import warnings
+from collections.abc import Iterator
 from datetime import date
 from pathlib import Path
 
@@ -28,6 +31,16 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     return value
 
 
@@ -59,9 +72,22 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="step time, ideal vs measured, throughput and memory")
     bench.add_argument("--backend", help="cpu, cuda, hpu, xpu or auto (default: $DROPBP_BACKEND, else auto)")
-    bench.add_argument("--presets", nargs="+", default=["tiny", "small"], help="tiny small 1b 7b")
-    bench.add_argument("--methods", nargs="+", default=["full", "lora"], help="full lora")
-    bench.add_argument("--rates", nargs="+", type=_rate, default=[0.0, 0.5, 0.75, 0.875])
+    bench.add_argument(
+        "--presets",
+        nargs="+",
+        default=["tiny", "small"],
+        help="Llama-shaped models: tiny small 1b 7b (default: tiny small)",
+    )
+    bench.add_argument(
+        "--methods", nargs="+", default=["full", "lora"], help="full fine-tuning and/or LoRA (default: both)"
+    )
+    bench.add_argument(
+        "--rates",
+        nargs="+",
+        type=_rate,
+        default=[0.0, 0.5, 0.75, 0.875],
+        help="drop rates to time against no library (default: 0 0.5 0.75 0.875; 0 measures the library's overhead)",
+    )
     bench.add_argument(
         "--patterns",
         nargs="+",
@@ -69,10 +95,17 @@ def _parser() -> argparse.ArgumentParser:
         help="pattern shapes to time at each rate: uniform (the paper's; steady step time) and/or cut "
         "(dropbp.apply's default; rates a cut cannot reach on the preset are reported as refused)",
     )
-    bench.add_argument("--seq-lens", nargs="+", type=_positive, default=[128])
-    bench.add_argument("--batch-sizes", nargs="+", type=_positive, default=[2])
-    bench.add_argument("--rounds", type=_positive, default=10)
-    bench.add_argument("--warmup", type=int, default=2)
+    bench.add_argument("--seq-lens", nargs="+", type=_positive, default=[128], help="tokens per sequence (default 128)")
+    bench.add_argument("--batch-sizes", nargs="+", type=_positive, default=[2], help="sequences per step (default 2)")
+    bench.add_argument(
+        "--rounds",
+        type=_positive,
+        default=10,
+        help="timed rounds; each runs every configuration once, in rotating order (default 10)",
+    )
+    bench.add_argument(
+        "--warmup", type=_non_negative, default=2, help="untimed rounds first: allocation, caches (default 2)"
+    )
     bench.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 elsewhere"
     )
@@ -111,17 +144,51 @@ def _check_choices(values: list[str], allowed: tuple[str, ...] | list[str], what
         raise UsageError(f"unknown {what} {', '.join(bad)}; choose from {', '.join(allowed)}")
 
 
+@contextlib.contextmanager
+def _warnings_after_the_bar() -> Iterator[None]:
+    """Hold back warnings (third-party deprecations, say) while a progress bar draws, then print
+    each once on stderr: nothing lost, nothing printed inside the bar."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        try:
+            yield
+        finally:
+            for w in caught:
+                print(f"warning ({w.category.__name__}): {w.message}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _removed_if_left_empty(folder: Path) -> Iterator[Path]:
+    """Create ``folder`` (checked writable) and remove it again if the command fails before writing."""
+    existed = folder.exists()
+    _writable(folder)
+    try:
+        yield folder
+    except BaseException:
+        if not existed and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+        raise
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import DemoSettings, run_demo, table
+    from .pretrained import UnusableModel
 
     settings = DemoSettings.quick() if args.quick else DemoSettings()
     if args.steps is not None:
         settings = DemoSettings(**{**settings.__dict__, "steps": args.steps})
-    out = _writable(args.out)
     backend = _backend(args.backend)
-    record = run_demo(settings, backend, out, args.model)
+    with _removed_if_left_empty(args.out) as out:
+        try:
+            with _warnings_after_the_bar():
+                record = run_demo(settings, backend, out, args.model)
+        except UnusableModel as err:
+            raise UsageError(str(err)) from None
     print(table(record))
     print(f"\nwrote {out / 'demo.json'} and {out / 'demo.png'}")
+    warning = record["timing"]["warning"]
+    if warning:
+        print(f"dropbp demo: {warning}", file=sys.stderr)
     return 0
 
 
@@ -134,8 +201,8 @@ def _bench(args: argparse.Namespace) -> int:
     _check_choices(args.presets, list(PRESETS), "preset")
     _check_choices(args.methods, METHODS, "method")
     _check_choices(args.patterns, ("uniform", "cut"), "pattern")
-    out = _writable(args.out)
     backend = _backend(args.backend)
+    out = _writable(args.out)
     if args.max_seq_len:
         try:
             check_allocator(backend)
@@ -153,6 +220,11 @@ def _bench(args: argparse.Namespace) -> int:
         bar.set_postfix_str(text)
         bar.update(1)
 
+    with _warnings_after_the_bar():
+        measured = [
+            measure(pt, args.rates, backend, dtype, args.rounds, args.warmup, args.memory, progress, args.patterns)
+            for pt in points
+        ]
     results = {
         "dropbp": __version__,
         "date": date.today().isoformat(),
@@ -161,10 +233,7 @@ def _bench(args: argparse.Namespace) -> int:
         "dtype": str(dtype).split(".")[1],
         "torch": torch.__version__,
         "rounds": args.rounds,
-        "points": [
-            measure(pt, args.rates, backend, dtype, args.rounds, args.warmup, args.memory, progress, args.patterns)
-            for pt in points
-        ],
+        "points": measured,
     }
     bar.close()
     if args.max_seq_len:

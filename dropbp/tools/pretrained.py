@@ -62,8 +62,18 @@ def _convert_smollm2(target: Path) -> None:
     partial.rename(target)  # a crash mid-way never leaves a half-written cache behind
 
 
+class UnusableModel(Exception):
+    """``--model`` names nothing loadable, or a model a command cannot run: reported in one line,
+    before any training or output."""
+
+
 def load_causal_lm(model: str | None = None) -> tuple[nn.Module, object]:
-    """(model, tokenizer) in float32: the cached SmolLM2 by default, else ``model`` (id or path)."""
+    """(model, tokenizer) in float32: the cached SmolLM2 by default, else ``model`` (id or path).
+
+    Raises:
+        UnusableModel: ``model`` is neither a folder with a model nor an id in the local Hugging Face
+            cache (or on the hub, where it is reachable).
+    """
     transformers = require("transformers", "loading a pretrained model")
     AutoModelForCausalLM, AutoTokenizer = transformers.AutoModelForCausalLM, transformers.AutoTokenizer  # noqa: N806
 
@@ -73,7 +83,14 @@ def load_causal_lm(model: str | None = None) -> tuple[nn.Module, object]:
             path.parent.mkdir(parents=True, exist_ok=True)
             _convert_smollm2(path)
         model = str(path)
-    return (
-        AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
-        AutoTokenizer.from_pretrained(model),
-    )
+    try:
+        return (
+            AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
+            AutoTokenizer.from_pretrained(model),
+        )
+    except OSError as err:  # transformers' "not a folder, not an id it could fetch", in many words
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UnusableModel(
+            f"cannot load the model {model!r} ({first}); pass a folder saved with save_pretrained, an id in "
+            "your Hugging Face cache, or leave --model out for the bundled SmolLM2-135M-Instruct"
+        ) from None
