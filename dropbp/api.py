@@ -52,9 +52,13 @@ def apply(
             shape, spread over the depth; with the uniform shape, every branch's (``calibrate`` or
             ``set_rates`` can make them differ); ``ctl.drop_rate``.
         seed: fixes the patterns: they are a function of (seed, step), identical on every process.
-        branches: module names (as in ``model.named_modules()``) of the branches, for a model that
-            is not a recognised architecture: each module's output must be what is added to the
-            residual stream (for BERT-style post-norm blocks, the module *inside* the residual add).
+        branches: module names (as in ``model.named_modules()``) of the branches, in forward order,
+            for a model that is not a recognised architecture: each module's output must be what is
+            then added to the residual stream, not a module that adds the residual itself (a whole
+            layer; BERT's ``encoder.layer.N.attention``, which ends in ``LayerNorm(x + ...)``). For
+            BERT: ``[f"bert.encoder.layer.{i}.{m}" for i in range(n) for m in ("attention.self",
+            "intermediate")]``. A choice that cuts every trainable parameter off the output is stopped
+            at that forward with this advice.
         max_patterns: bound on distinct patterns (for compiled graphs); ``None``: the backend's
             default (a bound on lazily compiled devices).
         seq_len: the typical sequence length, used only to weigh attention FLOPs.

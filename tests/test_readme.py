@@ -5,12 +5,15 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def test_readme_example_runs(tmp_path, monkeypatch, capsys):
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert blocks, "README has no python example"
+    blocks = [b for b in blocks if "import dropbp" in b]  # the complete example, not the one-liners
+    assert blocks, "README has no complete python example"
     code = blocks[0].replace("/tmp/dropbp_state.pt", str(tmp_path / "state.pt"))
     exec(compile(code, "README example", "exec"), {"__name__": "readme"})
     out = capsys.readouterr().out
@@ -18,9 +21,37 @@ def test_readme_example_runs(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "state.pt").exists()
 
 
-def test_readme_points_only_at_recorded_results():
-    """Every results file the README cites (tables, figures) is in the repository."""
-    cited = set(re.findall(r"benchmarks/results/[\w./-]+\.(?:md|png|json)", README.read_text()))
-    assert cited
-    missing = sorted(p for p in cited if not (README.parent / p).is_file())
-    assert not missing, f"README cites missing files: {missing}"
+ROOT = README.parent
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_pages_point_only_at_recorded_results_and_existing_pages(page):
+    """Every results file a page cites (tables, figures) is in the repository, and every relative
+    link (to a docs page, a results folder, an image) resolves from where the page is."""
+    text = page.read_text()
+    cited = set(re.findall(r"benchmarks/results/[\w./-]+\.(?:md|png|json)", text))
+    missing = sorted(p for p in cited if not (ROOT / p).is_file())
+    assert not missing, f"{page.name} cites missing files: {missing}"
+    links = re.findall(r"\]\((?!https?://|#)([^)\s]+)\)", text)
+    broken = sorted(link for link in links if not (page.parent / link.split("#")[0]).exists())
+    assert not broken, f"{page.name} has broken links: {broken}"
+
+
+def test_the_readme_cites_results_and_links_every_docs_page():
+    text = README.read_text()
+    assert re.search(r"benchmarks/results/[\w./-]+\.(?:md|png|json)", text)
+    for page in PAGES[1:]:
+        assert f"(docs/{page.name})" in text, f"README does not link docs/{page.name}"
+
+
+def test_quick_start_is_two_commands_and_ci_runs_the_second():
+    """The first code block under "## Quick start" holds exactly two lines: the demo, and the test
+    command that .ci/run runs verbatim."""
+    section = README.read_text().split("## Quick start", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1)
+    demo, tests = block.strip().splitlines()
+    assert "dropbp demo" in demo and demo.startswith("bash ci/install.sh && ")
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
+    assert ci[-1] == tests, f".ci/run ends with {ci[-1]!r}, the README's test line is {tests!r}"
+    assert "ci/install.sh" in (ROOT / "ci" / "test.sh").read_text()  # line 2 sets up, too

@@ -340,7 +340,7 @@ def summarise(results: list[RunResult], steps: int) -> list[dict]:
                 "val_loss_at_equal_time": loss_at_time(r, base.eval_seconds[-1]),
                 "final_val_loss": r.val_loss[-1],
                 "time_to_target_s": reached,
-                "time_to_target_speedup": None if not reached else base_reached / reached,  # 0: it started below the target
+                "time_to_target_speedup": None if not reached else base_reached / reached,  # 0: started below
             }
         )
     return rows
