@@ -96,6 +96,14 @@ class CPUBackend(Backend):
         """No autocast: the CPU trains in float32 (see :attr:`training_dtype`)."""
         return nullcontext()
 
+    def environment(self) -> dict[str, object]:
+        """Cores PyTorch uses, and IPEX's version when it is installed (used only when it matches torch)."""
+        return {
+            **super().environment(),
+            "cpu_threads": torch.get_num_threads(),
+            "intel_extension_for_pytorch": _installed_ipex_version(),
+        }
+
     def prepare(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:

@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -29,7 +30,16 @@ from ..backends import Backend
 from ..imports import require
 from ..no_grad import attach_no_grad_hooks
 
-__all__ = ["PRESETS", "Point", "build_model", "check_allocator", "measure", "max_seq_len", "write_outputs"]
+__all__ = [
+    "PRESETS",
+    "Point",
+    "build_model",
+    "check_allocator",
+    "measure",
+    "measure_model",
+    "max_seq_len",
+    "write_outputs",
+]
 
 # Llama-architecture shapes. "1b" is TinyLlama-1.1B's; "7b" is Llama-2-7B's layer with 4 layers.
 PRESETS: dict[str, dict] = {
@@ -94,14 +104,28 @@ def build_model(preset: str, method: str, seq_len: int, dtype: torch.dtype, devi
 
 
 class _Bench:
-    """One model and optimizer shared by every configuration: only the library differs."""
+    """One model and optimizer shared by every configuration: only the library differs.
 
-    def __init__(self, model: nn.Module, backend: Backend, seq_len: int) -> None:
+    ``pattern`` is passed to ``dropbp.apply`` explicitly: the ideal-vs-measured figure assumes every
+    branch at the same rate (the uniform shape), whatever ``apply``'s default shape is.
+    ``autocast`` is the context the forward runs in (mixed precision on fp32 weights).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        backend: Backend,
+        seq_len: int,
+        pattern: str = "uniform",
+        autocast: Callable[[], AbstractContextManager] = nullcontext,
+    ) -> None:
         self.model = model
         self.backend = backend
         self.seq_len = seq_len
+        self.pattern = pattern
+        self.autocast = autocast
         self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-        probe = apply(model, 0.0, backend=backend)
+        probe = apply(model, 0.0, backend=backend, pattern=pattern)
         self.branch_modules = [b.module for b in probe.branches]
         probe.remove()
 
@@ -111,20 +135,28 @@ class _Bench:
             return []
         if config == "all_dropped":
             return [h for m in self.branch_modules for h in attach_no_grad_hooks(m, lambda: True)]
-        ctl = apply(self.model, 0.0, seq_len=self.seq_len, backend=self.backend)
-        ctl.set_rates([float(config.split("@")[1])] * len(ctl.branches))
+        rate = float(config.split("@")[1])
+        ctl = apply(self.model, rate, seq_len=self.seq_len, backend=self.backend, pattern=self.pattern)
         return [ctl]
 
     def step(self, ids: torch.Tensor) -> tuple[float, float, float]:
-        """Forward, backward and optimizer seconds of one training step."""
+        """Forward, backward and optimizer seconds of one training step.
+
+        Each phase ends with a graph break (nothing on eager devices): on a lazily compiled device
+        the phase's work is otherwise only recorded, not run, and its clock would read nothing.
+        """
         with self.backend.timer() as forward:
-            loss = self.model(input_ids=ids, labels=ids).loss
+            with self.autocast():
+                loss = self.model(input_ids=ids, labels=ids).loss
+            self.backend.graph_break()
         with self.backend.timer() as backward:
             if loss.requires_grad:  # LoRA with every branch dropped has nothing to train
                 loss.backward()
+            self.backend.after_backward()
         with self.backend.timer() as update:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
+            self.backend.after_optimizer_step()
         return forward.seconds, backward.seconds, update.seconds
 
 
@@ -144,7 +176,30 @@ def measure(
 ) -> dict:
     """All figures for one grid point (see the module docstring)."""
     model = build_model(point.preset, point.method, point.seq_len, dtype, backend.device)
-    bench = _Bench(model, backend, point.seq_len)
+    result = measure_model(model, point, rates, backend, rounds, warmup, progress)
+    if memory and not backend.has_allocator_stats:
+        peaks = {c: _cpu_peak_rss(point, c, dtype) for c in _configs(rates)}
+        result["baseline"]["peak_memory_bytes"] = peaks["baseline"]
+        for row in result["rows"]:
+            row["peak_memory_bytes"] = peaks[f"dropbp@{row['drop_rate']}"]
+    return result
+
+
+def measure_model(
+    model: nn.Module,
+    point: Point,
+    rates: Sequence[float],
+    backend: Backend,
+    rounds: int,
+    warmup: int,
+    progress: Callable[[str], None] | None = None,
+    *,
+    pattern: str = "uniform",
+    autocast: Callable[[], AbstractContextManager] = nullcontext,
+) -> dict:
+    """The figures of :func:`measure` for a model already on ``backend``'s device (``dropbp check``
+    measures the user's own model); ``point`` gives the batch shape and labels the result."""
+    bench = _Bench(model, backend, point.seq_len, pattern, autocast)
     configs = _configs(rates)
     times: dict[str, list[tuple[float, float, float]]] = {c: [] for c in configs}
     peaks: dict[str, int] = {}
@@ -164,8 +219,6 @@ def measure(
                 times[name].append(t)
         if progress is not None:
             progress(f"{point.preset}/{point.method} s={point.seq_len} b={point.batch_size} round {rnd + 1}")
-    if memory and not backend.has_allocator_stats:
-        peaks = {c: _cpu_peak_rss(point, c, dtype) for c in configs}
     return _summarise(point, rates, times, peaks, model, len(bench.branch_modules))
 
 
