@@ -57,7 +57,7 @@ def _bridge_version() -> str | None:
     try:
         return importlib.metadata.version("habana-torch-plugin")
     except importlib.metadata.PackageNotFoundError:
-        return getattr(importlib.import_module("habana_frameworks"), "__version__", None)
+        return getattr(importlib.import_module("habana_frameworks.torch"), "__version__", None)
 
 
 class HPUBackend(Backend):

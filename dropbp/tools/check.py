@@ -30,6 +30,7 @@ from .check_env import environment
 from .check_grads import Probe, correctness_checks, saved_bytes
 from .check_graphs import graph_checks
 from .check_report import FAIL, CheckResult, Outcome, render, write
+from .pretrained import DEFAULT_MODEL, load_causal_lm
 
 __all__ = ["CheckResult", "CheckSettings", "CheckSetupError", "render", "run_check", "write"]
 
@@ -63,11 +64,15 @@ def _load(model: str | None, method: str, backend: Backend, settings: CheckSetti
     if model is None:
         net = build_model(settings.preset, "full", settings.seq_len, torch.float32, torch.device("cpu"))
         name = f"random Llama ({settings.preset} preset: {PRESETS[settings.preset]['num_hidden_layers']} layers)"
+    elif model == DEFAULT_MODEL:
+        net, _ = load_causal_lm(model)  # the bundled SmolLM2 (converted once, then cached)
+        name = model
+    elif ("/" in model or model.startswith(".")) and not Path(model).exists() and model.count("/") != 1:
+        raise CheckSetupError(f"the model folder {model} does not exist; pass a local model folder or a model id")
     else:
-        from .pretrained import load_causal_lm
-
-        try:
-            net, _ = load_causal_lm(model)
+        transformers = require("transformers", "dropbp check --model")
+        try:  # the model alone: the check feeds random token ids and needs no tokenizer
+            net = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
         except (OSError, ValueError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise CheckSetupError(f"cannot load the model {model!r}: {first}") from None
@@ -165,9 +170,9 @@ def run_check(
         raise CheckSetupError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     settings = settings or (CheckSettings.quick() if quick else CheckSettings())
     require("transformers", "dropbp check")
-    say(f"environment and model ({resolved.name})")
+    net, name = _load(model, method, resolved, settings)  # before any output: a setup error is one line
+    say(f"environment and model ({resolved.name}, {name})")
     env = environment(resolved, backend)
-    net, name = _load(model, method, resolved, settings)
     facts = _model_facts(net, name, method, dtype, resolved)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, net.config.vocab_size, (2, min(32, settings.seq_len)), generator=g).to(resolved.device)
