@@ -11,7 +11,6 @@ patterns where every pattern is its own compiled graph.
 from __future__ import annotations
 
 import os
-import platform
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 
@@ -27,18 +26,6 @@ def describe(exc: BaseException) -> str:
     """``Type: first line of the message``: enough to say why a device stack failed, in one line."""
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-
-
-def _cpu_name() -> str:
-    """The CPU model (Linux's ``/proc/cpuinfo``), else what :mod:`platform` knows."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 class BackendUnavailable(RuntimeError):
@@ -157,7 +144,7 @@ class Backend(ABC):
         Bug reports from hardware this project cannot run on are only useful with these facts, so
         each backend states them in its own terms; nothing here may raise on a working device.
         """
-        return {"device_name": _cpu_name(), "device_count": 1}
+        return {"device_name": self.device.type, "device_count": None}
 
     def __repr__(self) -> str:
         return f"<dropbp backend {self.name!r} on {self.device}>"

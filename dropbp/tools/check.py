@@ -51,7 +51,7 @@ class CheckSettings:
     preset: str = "tiny"  # the default model: a random Llama of this bench preset (nothing downloaded)
     seq_len: int = 128
     batch_size: int = 2
-    rounds: int = 7
+    rounds: int = 5
     warmup: int = 2
 
     @classmethod

@@ -93,8 +93,8 @@ def _environment_lines(env: dict[str, Any], model: dict[str, Any]) -> list[str]:
     }
     coll = env["collectives"]
     lines = [
-        f"backend   {env['backend']} ({env['backend_source']}) on {env['device']}: "
-        f"{env['device_name']} x {env['device_count']}",
+        f"backend   {env['backend']} ({env['backend_source']}) on {env['device']}: {env['device_name']}"
+        + (f" x {env['device_count']}" if env["device_count"] else ""),
         "detection " + "; ".join(f"{n}: {_short(r)}" for n, r in env["detection"].items()),
         f"software  {versions}",
     ]
@@ -103,7 +103,7 @@ def _environment_lines(env: dict[str, Any], model: dict[str, Any]) -> list[str]:
     lines.append(
         f"collective {coll['name']} (torch.distributed {'available' if coll['torch_distributed'] else 'missing'}"
         + ("" if coll["registered"] is None else f", registered now: {coll['registered']}")
-        + f"); pattern bound: {env['pattern_bound']}"
+        + f"); pattern bound: {env['pattern_bound'] or 'none (no graph per pattern)'}"
     )
     lines.append(
         f"model     {model['name']}, {model['method']}, {model['dtype']}: {model['branches']} branches, "
