@@ -207,3 +207,14 @@ def test_a_model_that_cannot_be_loaded_is_one_line(tmp_path, capsys):
     assert code == 2 and len(err.strip().splitlines()) == 1 and "does not exist" in err
     with pytest.raises(CheckSetupError, match="unknown method"):
         run_check("cpu", method="qlora")
+
+
+def test_the_report_says_why_this_backend(monkeypatch):
+    from dropbp.tools.check_env import backend_source
+
+    assert backend_source("cpu") == "named: --backend cpu"
+    monkeypatch.setenv("DROPBP_BACKEND", "cpu")
+    assert backend_source(None) == "named by $DROPBP_BACKEND=cpu"
+    monkeypatch.setenv("DROPBP_BACKEND", "auto")
+    assert backend_source(None).startswith("auto-detected (the first available of hpu, cuda, xpu, cpu")
+    assert backend_source(backends.get("cpu")) == "given as a Backend instance"

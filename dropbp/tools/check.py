@@ -171,9 +171,14 @@ def run_check(
     settings = settings or (CheckSettings.quick() if quick else CheckSettings())
     require("transformers", "dropbp check")
     net, name = _load(model, method, resolved, settings)  # before any output: a setup error is one line
+    if getattr(getattr(net, "config", None), "vocab_size", None) is None:
+        raise CheckSetupError(f"{name} is not a causal LM with config.vocab_size; dropbp check feeds it token ids")
+    try:
+        facts = _model_facts(net, name, method, dtype, resolved)
+    except ValueError as exc:  # e.g. an architecture whose branches dropbp does not recognise
+        raise CheckSetupError(f"dropbp cannot attach to {name}: {str(exc).strip().splitlines()[0]}") from None
     say(f"environment and model ({resolved.name}, {name})")
     env = environment(resolved, backend)
-    facts = _model_facts(net, name, method, dtype, resolved)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, net.config.vocab_size, (2, min(32, settings.seq_len)), generator=g).to(resolved.device)
     probe = Probe(net, resolved, ids, dtype)

