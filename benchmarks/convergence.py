@@ -65,18 +65,18 @@ GRIDS = {
         for p in (0.5, 0.875)
         for run in (
             Run(f"uniform {p} (paper)", p),
-            Run(f"cut {p}", p, pattern="cut"),
+            Run(f"cut {p}", p, rates="cut-uncapped"),
             Run(f"cut marginals, uniform shape {p}", p, rates="cut-marginals"),
             Run(f"frozen bottom {p}", p, rates="frozen-bottom"),
             Run(f"cut capped {p}", p, rates="cut-capped"),
-            Run(f"cut {p} + warm-up", p, pattern="cut", schedule="warmup"),
+            Run(f"cut {p} + warm-up", p, rates="cut-uncapped", schedule="warmup"),
         )
     ],
     # Twice as long: does the ranking hold past the fast initial phase?
     "patterns-long": [
         Run("full backprop"),
         Run("uniform 0.5 (paper)", 0.5),
-        Run("cut 0.5", 0.5, pattern="cut"),
+        Run("cut 0.5", 0.5, rates="cut-uncapped"),
         Run("cut capped 0.5", 0.5, rates="cut-capped"),
         Run("cut capped 0.5 + warm-up", 0.5, rates="cut-capped", schedule="warmup"),
     ],

@@ -35,7 +35,7 @@ def apply(
     unbiased: bool = False,
     dropped_grads: str = DEFAULT_DROPPED_GRADS,
     warmup_steps: int = 0,
-    pattern: str = "uniform",
+    pattern: str = "cut",
 ) -> DropBPController:
     """Attach DropBP to ``model``: each training step drops the backward of random residual branches.
 
@@ -48,7 +48,8 @@ def apply(
             ``DistributedDataParallel`` (which must have ``find_unused_parameters=True``): the
             branches are then found in its ``.module`` and named as there. Wrapping after ``apply``
             works the same; so does FSDP2 ``fully_shard`` before or after.
-        drop_rate: every branch's initial drop probability, in [0, 1) (``calibrate`` or
+        drop_rate: the FLOP-weighted mean drop probability of the branches, in [0, 1): with the cut
+            shape, spread over the depth; with the uniform shape, every branch's (``calibrate`` or
             ``set_rates`` can make them differ); ``ctl.drop_rate``.
         seed: fixes the patterns: they are a function of (seed, step), identical on every process.
         branches: module names (as in ``model.named_modules()``) of the branches, for a model that
@@ -70,11 +71,16 @@ def apply(
         warmup_steps: training forwards over which every rate rises linearly from 0: the first
             steps, where a fine-tune learns fastest, run (nearly) full backprop; ``ctl.warmup_steps``,
             saved in ``state_dict``.
-        pattern: the shape of the drop patterns. ``"uniform"``: the paper's, every branch dropped at
-            its own rate wherever it sits. ``"cut"``: each step draws a depth and drops every branch
-            below it, so a kept branch's gradient misses no path through a dropped branch above it;
-            the rates fall with depth (:func:`dropbp.allocation.cut_rates`), their FLOP-weighted mean
-            is ``drop_rate``, and the top branch is always kept. ``ctl.pattern``, settable.
+        pattern: the shape of the drop patterns. ``"cut"`` (the default): each step draws a depth and
+            drops every branch below it, so a kept branch's gradient misses no path through a dropped
+            branch above it; the rates fall with depth (:func:`dropbp.allocation.cut_rates`, capped at
+            ``(1 + drop_rate) / 2`` so the bottom still trains), their FLOP-weighted mean is
+            ``drop_rate``, and the top branch is always kept. It reached a given loss sooner than the
+            paper's patterns in every setting measured (``docs/patterns.md``). The number dropped
+            varies from step to step, down to none, so it does not lower the peak memory.
+            ``"uniform"``: the paper's, every branch dropped at its own rate wherever it sits, the same
+            number in every step (steady memory: use it to train longer sequences), and the only shape
+            ``calibrate`` can allocate for. ``ctl.pattern``, settable.
 
     Returns:
         The :class:`DropBPController`; ``ctl.remove()`` restores the model exactly.

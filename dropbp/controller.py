@@ -108,14 +108,15 @@ class DropBPController:
         return self._policy.rates
 
     def set_rates(self, rates: Sequence[float]) -> None:
-        """Set one drop rate per branch (branch order); each in [0, 1), summing to at most N - 1."""
+        """Set one drop rate per branch (branch order). Uniform shape: each in [0, 1), summing to at most
+        N - 1. Cut shape: each in [0, 1], not rising with depth, the top one 0."""
         self._check_attached()
         self._policy.set_rates(rates)
 
     drop_rate = _policy_setting(
         "drop_rate",
-        "The target drop rate. Setting it sets every branch to it, as ``apply`` does (calibrate again for "
-        "allocated rates); ``calibrate`` allocates towards it.",
+        "The target (FLOP-weighted mean) drop rate. Setting it resets the rates to the pattern shape's for it, "
+        "as ``apply`` does (calibrate again for allocated rates); ``calibrate`` allocates towards it.",
     )
     seed = _policy_setting("seed", "The seed of every pattern.")
     max_patterns = _policy_setting("max_patterns", "Bound on distinct patterns (``None``: unbounded).")
@@ -176,7 +177,8 @@ class DropBPController:
         Nothing drops during calibration, the step counter does not move, ``.grad`` and train/eval
         modes are left as they were, and with ``torch.distributed`` initialised every rank ends with
         identical rates (the sensitivities are averaged). Where the allocation would drop every
-        branch in some steps (few branches), the highest rates are lowered into the bound.
+        branch in some steps (few branches), the highest rates are lowered into the bound. Only for
+        ``pattern="uniform"``: allocated rates do not fall with depth, so no cut realises them.
 
         Args:
             closure: runs a forward on one fixed batch and returns the scalar loss (no backward).
@@ -190,6 +192,12 @@ class DropBPController:
             The sensitivities, in branch order.
         """
         self._check_attached()
+        if self.pattern != "uniform":
+            raise ValueError(
+                f"calibrate allocates rates by each branch's sensitivity, which pattern={self.pattern!r} cannot "
+                "realise (a cut's rates must fall with depth); set ctl.pattern = 'uniform' (the paper's patterns) "
+                "before calibrating, or keep the cut's rates"
+            )
         boundary = self.backend.graph_break  # lazy devices: one graph per pass, not one for all
         sens = sensitivity.measure(
             self._model, self._modules, closure, self._hooks.force, gradnorm=gradnorm, method=method, boundary=boundary

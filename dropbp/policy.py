@@ -28,9 +28,9 @@ class DropPolicy:
         seed: fixes the patterns.
         max_patterns: bound on distinct patterns (``None``: unbounded).
         warmup_steps: training forwards over which every rate rises linearly from 0.
-        pattern: the shape of the patterns: ``"uniform"`` (the paper: every branch drops at
-            ``drop_rate``, independently of depth) or ``"cut"`` (each step drops every branch below a
-            random depth; :func:`dropbp.allocation.cut_rates` gives the rates).
+        pattern: the shape of the patterns: ``"cut"`` (each step drops every branch below a random
+            depth; :func:`dropbp.allocation.cut_rates` gives the rates) or ``"uniform"`` (the paper:
+            every branch drops at ``drop_rate``, independently of depth).
     """
 
     def __init__(
@@ -40,7 +40,7 @@ class DropPolicy:
         seed: int,
         max_patterns: int | None,
         warmup_steps: int,
-        pattern: str = "uniform",
+        pattern: str = "cut",
     ) -> None:
         self._flops = list(flops)
         self._num_branches = check_int("number of branches", len(self._flops), 1)
@@ -71,7 +71,7 @@ class DropPolicy:
 
     @property
     def pattern(self) -> str:
-        """``"uniform"`` or ``"cut"``; setting it resets the rates to that shape's for :attr:`drop_rate`."""
+        """``"cut"`` or ``"uniform"``; setting it resets the rates to that shape's for :attr:`drop_rate`."""
         return self._pattern
 
     @pattern.setter

@@ -27,9 +27,6 @@ from collections.abc import Sequence
 
 __all__ = ["CutSampler", "PatternSampler", "SAMPLERS"]
 
-#: Pattern shapes: the paper's uniform patterns, and cuts that drop every branch below a random depth.
-
-
 # Swap attempts per pool cell: enough for the pool to look random (the chain mixes in O(cells) swaps).
 _SWAPS_PER_CELL = 8
 
@@ -136,4 +133,6 @@ class CutSampler(PatternSampler):
         return frozenset(i for i, r in enumerate(self.rates) if u < r)
 
 
-SAMPLERS: dict[str, type[PatternSampler]] = {"uniform": PatternSampler, "cut": CutSampler}
+#: Pattern shapes by name: cuts that drop every branch below a random depth (``dropbp.apply``'s
+#: default), and the paper's uniform patterns.
+SAMPLERS: dict[str, type[PatternSampler]] = {"cut": CutSampler, "uniform": PatternSampler}

@@ -16,19 +16,11 @@ logging.getLogger("transformers").setLevel(logging.ERROR)
 VOCAB = 96
 _COMMON = dict(vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 TINY_CONFIGS: dict[str, dict] = {
-    "llama": dict(
-        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8
-    ),
-    "mistral": dict(
-        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8
-    ),
+    "llama": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8),
+    "mistral": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8),
     "qwen2": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2),
-    "qwen3": dict(
-        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8
-    ),
-    "gemma": dict(
-        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8
-    ),
+    "qwen3": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8),
+    "gemma": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8),
     "phi3": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2),
     "gpt2": dict(n_embd=32, n_head=4, n_positions=64),
     "gpt_neox": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, use_parallel_residual=True),
@@ -64,9 +56,7 @@ def loss_and_grads(model: nn.Module, ids: torch.Tensor, rng_seed: int = 123) -> 
     torch.manual_seed(rng_seed)
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    return loss.detach(), {
-        n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()
-    }
+    return loss.detach(), {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
 
 
 def detach_outputs(model: nn.Module, names: tuple[str, ...]) -> list:

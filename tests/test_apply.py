@@ -12,6 +12,8 @@ import torch
 from conftest import TINY_CONFIGS, batch, loss_and_grads, tiny_model, with_lora
 
 import dropbp
+from dropbp.allocation import cut_rates
+from dropbp.policy import DropPolicy
 
 EXPECTED_BRANCHES = {
     "llama": ("model.layers.{}.self_attn", "model.layers.{}.mlp"),
@@ -36,28 +38,35 @@ def test_finds_attention_and_mlp_of_every_layer(arch):
     ctl = dropbp.apply(model, 0.5)
     assert [b.name for b in ctl.branches] == _expected(arch, 3)
     assert [b.kind for b in ctl.branches] == ["attn", "mlp"] * 3
-    assert ctl.rates == [0.5] * 6
-    assert all(b.rate == 0.5 and b.flops > 0 for b in ctl.branches)
-    loss_and_grads(model, batch())  # a training step runs
-    assert 0 < len(ctl.last_dropped) < 6
+    flops = [b.flops for b in ctl.branches]
+    assert all(f > 0 for f in flops)
+    # the default shape: cuts, with rates falling with depth to 0 at the top, FLOP-weighted mean 0.5
+    assert ctl.pattern == "cut" and ctl.rates == cut_rates(flops, 0.5) and ctl.rates[-1] == 0.0
+    assert sum(r * f for r, f in zip(ctl.rates, flops, strict=True)) / sum(flops) == pytest.approx(0.5)
+    seen = set()
+    for step in range(12):
+        loss_and_grads(model, batch(step))  # a training step runs
+        seen.add(ctl.last_dropped)
+        assert list(ctl.last_dropped) == [b.name for b in ctl.branches[: len(ctl.last_dropped)]]
+    assert len(seen) > 2
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "gpt_neox"])
 def test_finds_branches_under_peft_lora(arch):
     model = with_lora(tiny_model(arch, layers=2))
-    ctl = dropbp.apply(model, 0.5)
+    ctl = dropbp.apply(model, 0.5, pattern="uniform")
     assert [b.name for b in ctl.branches] == _expected(arch, 2, prefix="base_model.model.")
-    plain = dropbp.apply(tiny_model(arch, layers=2), 0.5)
+    plain = dropbp.apply(tiny_model(arch, layers=2), 0.5, pattern="uniform")
     assert [b.flops for b in ctl.branches] == [b.flops for b in plain.branches]  # adapters not counted
 
 
 def test_flops_follow_mission_formulas():
     model = tiny_model("llama", layers=1)  # h=32, 4 q heads, 2 kv heads, d=8, I=64
-    ctl = dropbp.apply(model, 0.5, seq_len=100)
+    ctl = dropbp.apply(model, 0.5, seq_len=100, pattern="uniform")
     h, nq, nkv, d, inter, s = 32, 4, 2, 8, 64, 100
     attn = 2 * (h * (nq + 2 * nkv) * d + nq * d * h) + 4 * s * nq * d
     assert [b.flops for b in ctl.branches] == [attn, 2 * 3 * h * inter]
-    gpt2 = dropbp.apply(tiny_model("gpt2", layers=1), 0.5, seq_len=100)
+    gpt2 = dropbp.apply(tiny_model("gpt2", layers=1), 0.5, seq_len=100, pattern="uniform")
     assert [b.flops for b in gpt2.branches] == [2 * (32 * 96 + 32 * 32) + 4 * 100 * 32, 2 * 2 * 32 * 128]
 
 
@@ -68,7 +77,7 @@ def test_model_contracts_unchanged(method, tmp_path):
     keys = list(model.state_dict())
     classes = {n: type(m) for n, m in model.named_modules()}
     model.save_pretrained(tmp_path / "before")
-    ctl = dropbp.apply(model, 0.5)
+    ctl = dropbp.apply(model, 0.5, pattern="uniform")
     loss_and_grads(model, batch())
     assert list(model.state_dict()) == keys
     assert {n: type(m) for n, m in model.named_modules()} == classes
@@ -90,7 +99,7 @@ def test_model_contracts_unchanged(method, tmp_path):
 
 def test_state_dict_round_trip_continues_the_same_patterns():
     model = tiny_model("llama", layers=4)
-    ctl = dropbp.apply(model, 0.5, seed=9)
+    ctl = dropbp.apply(model, 0.5, seed=9, pattern="uniform")
     ctl.set_rates([0.1, 0.7, 0.2, 0.6, 0.3, 0.5, 0.4, 0.8])
     for step in range(3):
         loss_and_grads(model, batch(step))
@@ -101,7 +110,7 @@ def test_state_dict_round_trip_continues_the_same_patterns():
         continued.append(ctl.last_dropped)
 
     fresh = tiny_model("llama", layers=4)
-    resumed = dropbp.apply(fresh, 0.5, seed=0)
+    resumed = dropbp.apply(fresh, 0.5, seed=0, pattern="uniform")
     resumed.load_state_dict(state)
     assert resumed.rates == ctl.rates and resumed.seed == 9 and resumed.step == 3
     again = []
@@ -111,15 +120,60 @@ def test_state_dict_round_trip_continues_the_same_patterns():
     assert again == continued
 
 
+def test_cut_state_round_trip_and_resume_continue_the_same_patterns():
+    model = tiny_model("llama", layers=4)
+    ctl = dropbp.apply(model, 0.5, seed=9, warmup_steps=4)
+    for step in range(3):
+        loss_and_grads(model, batch(step))
+    state = copy.deepcopy(ctl.state_dict())
+    assert state["pattern"] == "cut"
+    continued = []
+    for step in range(3, 10):
+        loss_and_grads(model, batch(step))
+        continued.append(ctl.last_dropped)
+    assert len(set(continued)) > 1
+
+    fresh = tiny_model("llama", layers=4)
+    resumed = dropbp.apply(fresh, 0.25, seed=0, pattern="uniform")
+    resumed.load_state_dict(state)
+    assert (resumed.pattern, resumed.rates, resumed.seed, resumed.step) == ("cut", ctl.rates, 9, 3)
+    again = []
+    for step in range(3, 10):
+        loss_and_grads(fresh, batch(step))
+        again.append(resumed.last_dropped)
+    assert again == continued
+
+
+def test_calibration_is_for_the_uniform_shape_only():
+    model = tiny_model("llama", layers=3)
+    ids = batch()
+    ctl = dropbp.apply(model, 0.5)
+    before = ctl.rates
+    with pytest.raises(ValueError, match=r"pattern='cut' cannot realise.*ctl.pattern = 'uniform'"):
+        ctl.calibrate(lambda: model(input_ids=ids, labels=ids).loss)
+    assert ctl.rates == before
+    ctl.pattern = "uniform"
+    assert ctl.rates == [0.5] * 6
+    ctl.calibrate(lambda: model(input_ids=ids, labels=ids).loss)
+    assert ctl.rates != [0.5] * 6
+
+
+def test_a_cut_the_model_is_too_small_for_says_what_to_do():
+    # two equal branches: a cut keeps the top one, so at most half the FLOPs (0.375 under the cap) drop
+    with pytest.raises(ValueError, match=r"cannot be reached by cuts.*at most 0.3750.*pattern='uniform'"):
+        DropPolicy([1.0, 1.0], 0.5, 0, None, 0)
+    assert DropPolicy([1.0, 1.0], 0.5, 0, None, 0, "uniform").rates == [0.5, 0.5]
+
+
 def test_two_controllers_with_one_seed_agree_every_step():
-    a = dropbp.apply(tiny_model("gpt2"), 0.5, seed=4)
-    b = dropbp.apply(tiny_model("gpt2"), 0.5, seed=4)
+    a = dropbp.apply(tiny_model("gpt2"), 0.5, seed=4, pattern="uniform")
+    b = dropbp.apply(tiny_model("gpt2"), 0.5, seed=4, pattern="uniform")
     assert [a.dropped_at(s) for s in range(30)] == [b.dropped_at(s) for s in range(30)]
 
 
 def test_no_grad_training_forward_does_not_draw():
     model = tiny_model("llama")
-    ctl = dropbp.apply(model, 0.5)
+    ctl = dropbp.apply(model, 0.5, pattern="uniform")
     with torch.no_grad():
         model(input_ids=batch())
     assert ctl.step == 0
@@ -127,7 +181,7 @@ def test_no_grad_training_forward_does_not_draw():
 
 def test_max_patterns_bounds_patterns_through_apply():
     model = tiny_model("llama", layers=4)
-    ctl = dropbp.apply(model, 0.5, max_patterns=3)
+    ctl = dropbp.apply(model, 0.5, max_patterns=3, pattern="uniform")
     seen = set()
     for step in range(12):
         loss_and_grads(model, batch(step))
@@ -139,7 +193,7 @@ def test_unknown_architecture_with_branch_like_children_warns(caplog):
     model = tiny_model("llama", layers=2)
     model.config.model_type = "my_llama_fork"
     with caplog.at_level(logging.WARNING, logger="dropbp"):
-        ctl = dropbp.apply(model, 0.5)
+        ctl = dropbp.apply(model, 0.5, pattern="uniform")
     assert len(ctl.branches) == 4
     assert "not among the tested architectures" in caplog.text
 
@@ -160,23 +214,23 @@ def test_unknown_architecture_with_branch_like_children_warns(caplog):
 )
 def test_bad_drop_rate(rate, error, match):
     with pytest.raises(error, match=match):
-        dropbp.apply(tiny_model("llama"), rate)
+        dropbp.apply(tiny_model("llama"), rate, pattern="uniform")
 
 
 def test_rate_that_would_drop_everything_is_refused():
     with pytest.raises(ValueError, match="drop every branch.*at most 0.75"):
-        dropbp.apply(tiny_model("llama", layers=2), 0.875)
+        dropbp.apply(tiny_model("llama", layers=2), 0.875, pattern="uniform")
 
 
 def test_non_module_is_refused():
     with pytest.raises(TypeError, match="model must be a torch.nn.Module, got dict"):
-        dropbp.apply({}, 0.5)
+        dropbp.apply({}, 0.5, pattern="uniform")
 
 
 def test_model_without_branches_explains_branches_argument():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
     with pytest.raises(ValueError, match=r"looked for.*self_attn.*mlp.*branches=\["):
-        dropbp.apply(model, 0.5)
+        dropbp.apply(model, 0.5, pattern="uniform")
 
 
 @pytest.mark.parametrize(
@@ -191,7 +245,7 @@ def test_model_without_branches_explains_branches_argument():
 )
 def test_bad_branch_names(branches, error, match):
     with pytest.raises(error, match=match):
-        dropbp.apply(tiny_model("llama"), 0.5, branches=branches)
+        dropbp.apply(tiny_model("llama"), 0.5, branches=branches, pattern="uniform")
 
 
 @pytest.mark.parametrize(
@@ -205,16 +259,16 @@ def test_bad_branch_names(branches, error, match):
 )
 def test_bad_options(kwargs, error, match):
     with pytest.raises(error, match=match):
-        dropbp.apply(tiny_model("llama"), 0.5, **kwargs)
+        dropbp.apply(tiny_model("llama"), 0.5, **kwargs, pattern="uniform")
 
 
 def test_bad_rates_and_state():
-    ctl = dropbp.apply(tiny_model("llama", layers=2), 0.5)
+    ctl = dropbp.apply(tiny_model("llama", layers=2), 0.5, pattern="uniform")
     with pytest.raises(ValueError, match="expected 4, got 3"):
         ctl.set_rates([0.1, 0.2, 0.3])
     with pytest.raises(ValueError, match=r"rates\[0\] must be in \[0, 1\)"):
         ctl.set_rates([1.2, 0.2, 0.3, 0.1])
-    other = dropbp.apply(tiny_model("llama", layers=3), 0.5).state_dict()
+    other = dropbp.apply(tiny_model("llama", layers=3), 0.5, pattern="uniform").state_dict()
     with pytest.raises(ValueError, match="saved for different branches"):
         ctl.load_state_dict(other)
     with pytest.raises(ValueError, match="missing keys"):
@@ -223,9 +277,9 @@ def test_bad_rates_and_state():
 
 def test_applying_twice_is_refused_and_removed_controller_is_inert():
     model = tiny_model("llama")
-    ctl = dropbp.apply(model, 0.5)
+    ctl = dropbp.apply(model, 0.5, pattern="uniform")
     with pytest.raises(RuntimeError, match="already attached"):
-        dropbp.apply(model, 0.5)
+        dropbp.apply(model, 0.5, pattern="uniform")
     ctl.remove()
     ctl.remove()  # idempotent
     with pytest.raises(RuntimeError, match="was removed"):
@@ -236,7 +290,7 @@ def test_never_drops_every_trainable_branch():
     peft = pytest.importorskip("peft")
     base = tiny_model("llama", layers=2)
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).train()
-    ctl = dropbp.apply(model, 0.5, seed=1)
+    ctl = dropbp.apply(model, 0.5, seed=1, pattern="uniform")
     attention = {b.name for b in ctl.branches if b.kind == "attn"}
     raw_all_attention = 0
     for step in range(200):
@@ -252,7 +306,7 @@ def test_never_drops_every_trainable_branch():
 
 def test_param_groups_compensate_learning_rates():
     model = tiny_model("llama", layers=2)
-    ctl = dropbp.apply(model, 0.5)
+    ctl = dropbp.apply(model, 0.5, pattern="uniform")
     groups = ctl.param_groups(1e-3, weight_decay=0.0)
     assert groups[0]["dropbp_branch"] is None and groups[0]["lr"] == 1e-3
     assert [g["dropbp_branch"] for g in groups[1:]] == [0, 1, 2, 3]

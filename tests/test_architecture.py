@@ -29,11 +29,13 @@ def test_a_setting_changes_every_later_pattern_as_if_applied_with_it(setting, va
     """Setting after apply gives exactly the patterns of a controller applied with that setting,
     warm-up steps included (the old controller rebuilt only some of its samplers)."""
     base = {"seed": 1, "warmup_steps": 6, "max_patterns": 5}
-    ctl = dropbp.apply(tiny_model("llama", layers=4), 0.5, **base)
+    ctl = dropbp.apply(tiny_model("llama", layers=4), 0.5, **base, pattern="uniform")
     patterns(ctl)  # samplers are built and cached before the change
     setattr(ctl, setting, value)
     fresh_args = {**base, setting: value}
-    fresh = dropbp.apply(tiny_model("llama", layers=4), fresh_args.pop("drop_rate", 0.5), **fresh_args)
+    fresh = dropbp.apply(
+        tiny_model("llama", layers=4), fresh_args.pop("drop_rate", 0.5), **fresh_args, pattern="uniform"
+    )
     assert getattr(ctl, setting) == value
     assert patterns(ctl) == patterns(fresh)
 
@@ -51,7 +53,7 @@ def test_a_setting_changes_every_later_pattern_as_if_applied_with_it(setting, va
     ],
 )
 def test_a_bad_setting_raises_and_changes_nothing(setting, value, error, match):
-    ctl = dropbp.apply(tiny_model("llama", layers=2), 0.5, seed=3)
+    ctl = dropbp.apply(tiny_model("llama", layers=2), 0.5, seed=3, pattern="uniform")
     ctl.set_rates([0.1, 0.2, 0.3, 0.4])
     before = (ctl.state_dict(), patterns(ctl))
     with pytest.raises(error, match=match):
@@ -60,14 +62,14 @@ def test_a_bad_setting_raises_and_changes_nothing(setting, value, error, match):
 
 
 def test_drop_rate_setting_makes_every_rate_uniform():
-    ctl = dropbp.apply(tiny_model("llama", layers=2), 0.5)
+    ctl = dropbp.apply(tiny_model("llama", layers=2), 0.5, pattern="uniform")
     ctl.set_rates([0.1, 0.2, 0.3, 0.4])
     ctl.drop_rate = 0.25
     assert ctl.rates == [0.25] * 4 and ctl.drop_rate == 0.25
 
 
 def test_branches_are_read_only_views():
-    ctl = dropbp.apply(tiny_model("llama", layers=2), 0.5)
+    ctl = dropbp.apply(tiny_model("llama", layers=2), 0.5, pattern="uniform")
     branch = ctl.branches[0]
     with pytest.raises(AttributeError, match=r"read-only.*ctl.set_rates"):
         branch.rate = 0.1
@@ -76,7 +78,7 @@ def test_branches_are_read_only_views():
 
 
 def test_a_bad_state_loads_nothing():
-    ctl = dropbp.apply(tiny_model("llama", layers=2), 0.5, seed=3)
+    ctl = dropbp.apply(tiny_model("llama", layers=2), 0.5, seed=3, pattern="uniform")
     state = ctl.state_dict()
     before = (ctl.state_dict(), patterns(ctl))
     with pytest.raises(ValueError, match=r"rates\[1\] must be in"):
@@ -86,13 +88,13 @@ def test_a_bad_state_loads_nothing():
 
 def test_a_controller_built_directly_validates_its_parts():
     model = tiny_model("llama", layers=2)
-    good = dropbp.apply(tiny_model("llama", layers=2), 0.5)
+    good = dropbp.apply(tiny_model("llama", layers=2), 0.5, pattern="uniform")
     with pytest.raises(ValueError, match="drop_rate must be in"):
-        DropPolicy([1.0] * 4, 1.5, 0, None, 0)
+        DropPolicy([1.0] * 4, 1.5, 0, None, 0, "uniform")
     with pytest.raises(TypeError, match="policy must be a DropPolicy for 4 branches"):
-        DropBPController(model, good.branches, DropPolicy([1.0] * 3, 0.5, 0, None, 0), good.backend)
+        DropBPController(model, good.branches, DropPolicy([1.0] * 3, 0.5, 0, None, 0, "uniform"), good.backend)
     with pytest.raises(TypeError, match="backend must be a Backend"):
-        DropBPController(model, good.branches, DropPolicy([1.0] * 4, 0.5, 0, None, 0), "cpu")
+        DropBPController(model, good.branches, DropPolicy([1.0] * 4, 0.5, 0, None, 0, "uniform"), "cpu")
     with pytest.raises(TypeError, match="branches must be a non-empty list of dropbp.Branch"):
         DropBPController(model, [], DropPolicy([1.0] * 1, 0.0, 0, None, 0), good.backend)
 

@@ -127,9 +127,7 @@ def test_unknown_name_lists_valid_ones(monkeypatch):
     monkeypatch.setenv("DROPBP_BACKEND", "nope")
     with pytest.raises(backends.UnknownBackend) as info:
         backends.get()
-    assert _one_line_error(info).startswith(
-        "unknown dropbp backend 'nope' (from DROPBP_BACKEND); valid names:"
-    )
+    assert _one_line_error(info).startswith("unknown dropbp backend 'nope' (from DROPBP_BACKEND); valid names:")
 
 
 def test_a_name_must_be_a_string():
@@ -154,9 +152,7 @@ def test_cuda_missing_says_how_to_install(monkeypatch):
     assert "nvidia-smi" in message and "CUDA_VISIBLE_DEVICES" in message
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("habana_frameworks") is not None, reason="a Gaudi stack is installed here"
-)
+@pytest.mark.skipif(importlib.util.find_spec("habana_frameworks") is not None, reason="a Gaudi stack is installed here")
 def test_hpu_missing_says_how_to_install():
     with pytest.raises(backends.BackendUnavailable) as info:
         backends.get("hpu")
@@ -180,9 +176,7 @@ def test_xpu_missing_says_how_to_install(monkeypatch):
     fake._is_compiled = lambda: True
     with pytest.raises(backends.BackendUnavailable) as info:
         backends.get("xpu")
-    assert "has XPU support but sees no Intel GPU (torch.xpu.is_available() is False)" in _one_line_error(
-        info
-    )
+    assert "has XPU support but sees no Intel GPU (torch.xpu.is_available() is False)" in _one_line_error(info)
     monkeypatch.delattr(torch, "xpu")
     with pytest.raises(backends.BackendUnavailable) as info:
         backends.get("xpu")
@@ -309,10 +303,7 @@ def test_ipex_absent_plain_pytorch_and_one_log_line(monkeypatch, caplog, fresh_i
     assert cpu.prepare(model) == (model, None)
     assert cpu.prepare(model, optimizer) == (model, None)
     [record] = _dropbp_records(caplog)
-    assert (
-        record.getMessage()
-        == "cpu backend: intel_extension_for_pytorch is not installed; using plain PyTorch"
-    )
+    assert record.getMessage() == "cpu backend: intel_extension_for_pytorch is not installed; using plain PyTorch"
 
 
 def test_ipex_of_another_torch_is_not_imported(monkeypatch, caplog, fresh_ipex):
@@ -342,8 +333,7 @@ def test_ipex_matching_torch_optimizes_the_model(monkeypatch, caplog, fresh_ipex
     assert calls == [(model, optimizer, torch.bfloat16), (model, None, torch.bfloat16)]
     [record] = _dropbp_records(caplog)
     assert (
-        record.getMessage()
-        == f"cpu backend: using intel_extension_for_pytorch {major}.{minor}.0+cpu (ipex.optimize)"
+        record.getMessage() == f"cpu backend: using intel_extension_for_pytorch {major}.{minor}.0+cpu (ipex.optimize)"
     )
 
 

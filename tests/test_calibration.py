@@ -21,7 +21,7 @@ def _setup(arch: str, method: str, layers: int = 3):
     model = tiny_model(arch, layers=layers)
     if method == "lora":
         model = with_lora(model)
-    ctl = dropbp.apply(model, 0.5)
+    ctl = dropbp.apply(model, 0.5, pattern="uniform")
     ids = batch(7)
     return model, ctl, (lambda: model(input_ids=ids, labels=ids).loss)
 
@@ -117,12 +117,10 @@ def test_bad_calibration_input():
 
 
 def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
-    )
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         model = tiny_model("llama", layers=3)
-        ctl = dropbp.apply(model, 0.5)
+        ctl = dropbp.apply(model, 0.5, pattern="uniform")
         ids = batch(100 + rank)  # every rank calibrates on its own batch
         sens = ctl.calibrate(lambda: model(input_ids=ids, labels=ids).loss)
         torch.save({"rates": ctl.rates, "sens": sens}, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -133,9 +131,7 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
 def test_ranks_end_with_identical_rates():
     with tempfile.TemporaryDirectory() as tmp:
         ctx = torch.multiprocessing.get_context("spawn")
-        procs = [
-            ctx.Process(target=_rank_main, args=(r, 2, os.path.join(tmp, "init"), tmp)) for r in range(2)
-        ]
+        procs = [ctx.Process(target=_rank_main, args=(r, 2, os.path.join(tmp, "init"), tmp)) for r in range(2)]
         for p in procs:
             p.start()
         for p in procs:
@@ -151,5 +147,7 @@ def test_ranks_end_with_identical_rates():
     for r in range(2):
         model = tiny_model("llama", layers=3)
         ids = batch(100 + r)
-        solo.append(dropbp.apply(model, 0.5).calibrate(lambda m=model, i=ids: m(input_ids=i, labels=i).loss))
+        solo.append(
+            dropbp.apply(model, 0.5, pattern="uniform").calibrate(lambda m=model, i=ids: m(input_ids=i, labels=i).loss)
+        )
     assert a["sens"] == pytest.approx([(x + y) / 2 for x, y in zip(*solo, strict=True)], rel=1e-5)

@@ -59,7 +59,7 @@ def test_hugging_face_checkpointing_runs_dropped_branches_once(arch, reentrant, 
     model = tiny_model(arch, layers=3)
     reference = copy.deepcopy(model)  # no checkpointing: the plain detached reference
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-    ctl = dropbp.apply(model, 0.5, seed=1)
+    ctl = dropbp.apply(model, 0.5, seed=1, pattern="uniform")
     modules = dict(model.named_modules())
     counts = _count_forwards(monkeypatch, {b.name: modules[b.name] for b in ctl.branches})
     _check_steps(model, reference, ctl, counts, lambda m, step: loss_and_grads(m, batch(step)))
@@ -97,7 +97,7 @@ def test_torch_checkpoint_around_custom_blocks(reentrant, monkeypatch):
     reference = copy.deepcopy(model)
     reference.reentrant = None
     names = [f"blocks.{i}.{kind}" for i in range(3) for kind in ("attn", "mlp")]
-    ctl = dropbp.apply(model, 0.5, branches=names, seed=4)
+    ctl = dropbp.apply(model, 0.5, branches=names, seed=4, pattern="uniform")
     modules = dict(model.named_modules())
     counts = _count_forwards(monkeypatch, {n: modules[n] for n in names})
     x = torch.randn(4, 8, requires_grad=True)
@@ -121,7 +121,7 @@ def test_only_outputs_a_recomputation_asks_for_are_held(checkpointing):
     if checkpointing:
         kwargs = {"use_reentrant": checkpointing == "reentrant"}
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    ctl = dropbp.apply(model, 0.5, seed=2)
+    ctl = dropbp.apply(model, 0.5, seed=2, pattern="uniform")
     outputs: dict[str, weakref.ref] = {}
 
     def watch(name, out):
@@ -152,7 +152,7 @@ def test_only_outputs_a_recomputation_asks_for_are_held(checkpointing):
 def test_calibration_and_remove_leave_nothing_behind():
     model = tiny_model("llama", layers=2)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    ctl = dropbp.apply(model, 0.5)
+    ctl = dropbp.apply(model, 0.5, pattern="uniform")
     ids = batch()
     model(input_ids=ids, labels=ids)  # a forward whose backward never comes: its outputs are held
     assert not _nothing_held(model)

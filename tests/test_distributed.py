@@ -55,10 +55,12 @@ def _full(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.detach().cpu().clone()
 
 
-def _wrap(model: torch.nn.Module, mode: str, order: str) -> tuple[torch.nn.Module, dropbp.DropBPController]:
+def _wrap(
+    model: torch.nn.Module, mode: str, order: str, pattern: str
+) -> tuple[torch.nn.Module, dropbp.DropBPController]:
     """DropBP and DDP / FSDP2 in either order; returns the model to call and the controller."""
     if order == "apply-first":
-        ctl = dropbp.apply(model, 0.5, seed=0)
+        ctl = dropbp.apply(model, 0.5, seed=0, pattern=pattern)
     if mode == "ddp":
         wrapped = DistributedDataParallel(model, find_unused_parameters=True)
     else:
@@ -68,13 +70,13 @@ def _wrap(model: torch.nn.Module, mode: str, order: str) -> tuple[torch.nn.Modul
             fully_shard(layer)
         wrapped = fully_shard(model)
     if order == "wrap-first":
-        ctl = dropbp.apply(wrapped, 0.5, seed=0)
+        ctl = dropbp.apply(wrapped, 0.5, seed=0, pattern=pattern)
     return wrapped, ctl
 
 
-def _train(mode: str, order: str) -> list[dict]:
+def _train(mode: str, order: str, pattern: str) -> list[dict]:
     model = tiny_model("llama", layers=3)
-    wrapped, ctl = _wrap(model, mode, order)
+    wrapped, ctl = _wrap(model, mode, order, pattern)
     optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
     names = [n for n, _ in model.named_parameters()]  # FSDP2 keeps the names; DDP's inner module
     rank = dist.get_rank()
@@ -101,14 +103,16 @@ def _clear_errors() -> dict[str, str]:
     """What DropBP says about DDP set-ups that cannot work, raised on every rank alike."""
     errors = {}
     cases = {
-        "apply to DDP without find_unused_parameters": lambda m: dropbp.apply(DistributedDataParallel(m), 0.5),
+        "apply to DDP without find_unused_parameters": lambda m: dropbp.apply(
+            DistributedDataParallel(m), 0.5, pattern="uniform"
+        ),
         "DDP without find_unused_parameters after apply": lambda m: (
-            dropbp.apply(m, 0.5),
+            dropbp.apply(m, 0.5, pattern="uniform"),
             DistributedDataParallel(m)(input_ids=_ids(0, 0), labels=_ids(0, 0)),
         ),
         "re-entrant checkpointing under DDP": lambda m: (
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True}),
-            dropbp.apply(m, 0.5),
+            dropbp.apply(m, 0.5, pattern="uniform"),
             DistributedDataParallel(m, find_unused_parameters=True)(input_ids=_ids(0, 0), labels=_ids(0, 0)),
         ),
     }
@@ -120,11 +124,11 @@ def _clear_errors() -> dict[str, str]:
     return errors
 
 
-def _rank_main(rank: int, init_file: str, out_dir: str, mode: str) -> None:
+def _rank_main(rank: int, init_file: str, out_dir: str, mode: str, pattern: str) -> None:
     torch.set_num_threads(1)  # as torchrun does: two processes share the cores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
-        result = {order: _train(mode, order) for order in ("apply-first", "wrap-first")}
+        result = {order: _train(mode, order, pattern) for order in ("apply-first", "wrap-first")}
         if mode == "ddp":
             result["errors"] = _clear_errors()
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -144,18 +148,25 @@ def _single_process_grads(reference: torch.nn.Module, record: dict, step: int) -
     return {n: None if p.grad is None else p.grad.clone() for n, p in reference.named_parameters()}
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
-def test_two_ranks_train_as_one(mode):
+@pytest.mark.parametrize(("mode", "pattern"), [("ddp", "uniform"), ("ddp", "cut"), ("fsdp2", "uniform")])
+def test_two_ranks_train_as_one(mode, pattern):
     with tempfile.TemporaryDirectory() as tmp:
-        _run_ranks(_rank_main, os.path.join(tmp, "init"), tmp, mode)
+        _run_ranks(_rank_main, os.path.join(tmp, "init"), tmp, mode, pattern)
         ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
     reference = tiny_model("llama", layers=3)
+    ctl_branches = dropbp.apply(tiny_model("llama", layers=3), 0.0).branches
+    if pattern == "cut":  # the run saw several depths, some steps dropping nothing
+        assert len({len(s["dropped"]) for s in ranks[0]["apply-first"]}) > 2
     for order in ("apply-first", "wrap-first"):
         records = [r[order] for r in ranks]
         assert [s["dropped"] for s in records[0]] == [s["dropped"] for s in ranks[0]["apply-first"]]
         for step in range(STEPS):
             a, b = records[0][step], records[1][step]
-            assert a["dropped"] == b["dropped"] and 0 < len(a["dropped"]) < 6, (order, step)
+            assert a["dropped"] == b["dropped"] and len(a["dropped"]) < 6, (order, step)
+            if pattern == "uniform":  # systematic sampling: 3 of 6 in every step
+                assert len(a["dropped"]) == 3, (order, step)
+            else:  # a cut: the branches below a depth, the top one always kept
+                assert list(a["dropped"]) == [b.name for b in ctl_branches[: len(a["dropped"])]], (order, step)
             for name in a["after"]:
                 assert torch.equal(a["after"][name], b["after"][name]), (order, step, name)
                 if a["grads"][name] is None:  # no gradient: AdamW leaves the parameter exactly alone
@@ -186,7 +197,7 @@ def _train_with_trainer(out_dir: Path) -> dict:
         train_dataset=_dataset(),
         data_collator=transformers.default_data_collator,
     )
-    callback = attach(trainer, drop_rate=0.5)  # calibrates at step 1 of 10
+    callback = attach(trainer, drop_rate=0.5, pattern="uniform")  # calibrates at step 1 of 10
     patterns: list[tuple[str, ...]] = []
 
     def record(module, inputs, output):

@@ -25,7 +25,7 @@ def _model(arch: str, method: str):
 def test_gradients_equal_detached_reference(arch, method):
     model = _model(arch, method)
     reference = copy.deepcopy(model)
-    ctl = dropbp.apply(model, 0.5, seed=3)
+    ctl = dropbp.apply(model, 0.5, seed=3, pattern="uniform")
     seen_drop = seen_keep = False
     for step in range(4):
         ids = batch(step)
@@ -48,7 +48,7 @@ def test_gradients_equal_detached_reference(arch, method):
 def test_drop_rate_zero_changes_nothing(arch, method):
     model = _model(arch, method)
     reference = copy.deepcopy(model)
-    ctl = dropbp.apply(model, 0.0)
+    ctl = dropbp.apply(model, 0.0, pattern="uniform")
     ids = batch()
     loss, grads = loss_and_grads(model, ids)
     ref_loss, ref_grads = loss_and_grads(reference, ids)
@@ -61,7 +61,7 @@ def test_drop_rate_zero_changes_nothing(arch, method):
 def test_eval_mode_drops_nothing(arch):
     model = tiny_model(arch)
     reference = copy.deepcopy(model).eval()
-    ctl = dropbp.apply(model, 0.6)
+    ctl = dropbp.apply(model, 0.6, pattern="uniform")
     model.eval()
     ids = batch()
     loss, grads = loss_and_grads(model, ids)
@@ -77,7 +77,7 @@ def test_remove_restores_model_exactly(arch, method):
     model = _model(arch, method)
     reference = copy.deepcopy(model)
     hooks_before = {n: (dict(m._forward_pre_hooks), dict(m._forward_hooks)) for n, m in model.named_modules()}
-    ctl = dropbp.apply(model, 0.5)
+    ctl = dropbp.apply(model, 0.5, pattern="uniform")
     loss_and_grads(model, batch())
     ctl.remove()
     hooks_after = {n: (dict(m._forward_pre_hooks), dict(m._forward_hooks)) for n, m in model.named_modules()}
@@ -87,7 +87,7 @@ def test_remove_restores_model_exactly(arch, method):
     ref_loss, ref_grads = loss_and_grads(reference, ids)
     assert torch.equal(loss, ref_loss)
     assert_same_grads(grads, ref_grads, atol=0)
-    dropbp.apply(model, 0.5).remove()  # attachable again after removal
+    dropbp.apply(model, 0.5, pattern="uniform").remove()  # attachable again after removal
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
@@ -99,8 +99,8 @@ def test_gradient_checkpointing_sees_same_pattern(arch, method, reentrant):
     checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     if reentrant and method == "lora":
         checkpointed.enable_input_require_grads()  # reentrant checkpointing needs an input with grad
-    ctl_plain = dropbp.apply(plain, 0.5, seed=5)
-    ctl_ckpt = dropbp.apply(checkpointed, 0.5, seed=5)
+    ctl_plain = dropbp.apply(plain, 0.5, seed=5, pattern="uniform")
+    ctl_ckpt = dropbp.apply(checkpointed, 0.5, seed=5, pattern="uniform")
     for step in range(3):
         ids = batch(step)
         loss, grads = loss_and_grads(plain, ids)
@@ -112,7 +112,7 @@ def test_gradient_checkpointing_sees_same_pattern(arch, method, reentrant):
 
 def test_dropped_branch_builds_no_graph():
     model = tiny_model("llama")
-    ctl = dropbp.apply(model, 0.5, seed=1)
+    ctl = dropbp.apply(model, 0.5, seed=1, pattern="uniform")
     modules = dict(model.named_modules())
     inside: list[str] = []
     saved: dict[str, int] = {b.name: 0 for b in ctl.branches}
@@ -157,7 +157,7 @@ def test_custom_model_with_explicit_branches():
     model = torch.nn.Sequential(Block(), Block(), Block())
     reference = copy.deepcopy(model)
     names = ["2.ff", "0.attn", "0.ff", "1.attn", "1.ff", "2.attn"]
-    ctl = dropbp.apply(model, 0.5, branches=names, seed=2)
+    ctl = dropbp.apply(model, 0.5, branches=names, seed=2, pattern="uniform")
     assert [b.name for b in ctl.branches] == ["0.attn", "0.ff", "1.attn", "1.ff", "2.attn", "2.ff"]
     assert [b.kind for b in ctl.branches] == ["attn", "mlp"] * 3
     assert ctl.branches[1].flops == 2.0 * (8 * 16 + 16 * 8)
@@ -179,7 +179,7 @@ def test_unbiased_scaling_equals_scaled_reference(method):
     """unbiased=True: kept branches' incoming gradient times 1 / (1 - rate); dropped ones detached."""
     model = _model("llama", method)
     reference = copy.deepcopy(model)
-    ctl = dropbp.apply(model, 0.5, seed=3, unbiased=True)
+    ctl = dropbp.apply(model, 0.5, seed=3, unbiased=True, pattern="uniform")
     ctl.set_rates([0.2, 0.6, 0.5, 0.4, 0.3, 0.7])
     rates = {b.name: b.rate for b in ctl.branches}
     modules = dict(reference.named_modules())
@@ -201,7 +201,7 @@ def test_unbiased_scaling_equals_scaled_reference(method):
         assert torch.equal(loss, ref_loss)
         assert_same_grads(grads, ref_grads, atol=1e-5)
     ctl.unbiased = False  # and calibration always measures plain gradients
-    plain = dropbp.apply(copy.deepcopy(reference), 0.5)
+    plain = dropbp.apply(copy.deepcopy(reference), 0.5, pattern="uniform")
     ids = batch(9)
     torch.manual_seed(0)
     a = ctl.calibrate(lambda: model(input_ids=ids, labels=ids).loss)

@@ -74,7 +74,7 @@ def _check_logs(history: list[dict]) -> None:
 
 def test_trainer_calibrates_once_and_logs(tmp_path):
     trainer = _trainer(tmp_path)
-    callback = attach(trainer, drop_rate=0.5)
+    callback = attach(trainer, drop_rate=0.5, pattern="uniform")
     calls = _count_calibrations(callback)
     trainer.train()
     assert len(calls) == 1 and callback.calibrated
@@ -97,7 +97,7 @@ def test_sft_trainer_calibrates_once_and_logs(tmp_path):
     trainer = trl.SFTTrainer(
         model=with_lora(tiny_model("llama", layers=4)), args=config, train_dataset=data, processing_class=tok
     )
-    callback = attach(trainer, drop_rate=0.5)
+    callback = attach(trainer, drop_rate=0.5, pattern="uniform")
     calls = _count_calibrations(callback)
     trainer.train()
     assert len(calls) == 1
@@ -136,7 +136,7 @@ def test_resume_continues_the_same_patterns(tmp_path):
 
 def test_gradient_accumulation_draws_per_micro_batch(tmp_path):
     trainer = _trainer(tmp_path, gradient_accumulation_steps=2, max_steps=5)
-    callback = attach(trainer, drop_rate=0.5, calibrate_at=None)
+    callback = attach(trainer, drop_rate=0.5, calibrate_at=None, pattern="uniform")
     patterns = _record_patterns(callback)
     trainer.train()
     assert callback.controller.step == 10 and len(patterns) == 10
@@ -145,9 +145,7 @@ def test_gradient_accumulation_draws_per_micro_batch(tmp_path):
 
 def test_lora_on_attention_only_never_crashes(tmp_path):
     peft = pytest.importorskip("peft")
-    model = peft.get_peft_model(
-        tiny_model("llama", layers=2), peft.LoraConfig(r=4, target_modules=["q_proj"])
-    )
+    model = peft.get_peft_model(tiny_model("llama", layers=2), peft.LoraConfig(r=4, target_modules=["q_proj"]))
     trainer = transformers.Trainer(
         model=model,
         args=_args(tmp_path, max_steps=40),
@@ -166,6 +164,22 @@ def test_bad_arguments(tmp_path):
         attach(_trainer(tmp_path), calibrate_at=2)
     with pytest.raises(ValueError, match="drop_rate must be in"):
         attach(_trainer(tmp_path), drop_rate=1.5)
+    with pytest.raises(ValueError, match=r"calibrate_at=0.1 needs pattern='uniform'.*or calibrate_at=None"):
+        attach(_trainer(tmp_path), calibrate_at=0.1)
+    with pytest.raises(ValueError, match="pattern must be one of"):
+        attach(_trainer(tmp_path), pattern="random")
+
+
+def test_default_is_cut_patterns_without_calibration(tmp_path):
+    trainer = _trainer(tmp_path)
+    callback = attach(trainer, drop_rate=0.5)
+    ctl = callback.controller
+    assert ctl.pattern == "cut" and callback.calibrate_at is None
+    rates = ctl.rates
+    trainer.train()
+    assert ctl.rates == rates  # not calibrated
+    assert not any("dropbp/rate_mean" in entry for entry in trainer.state.log_history)
+    assert any("dropbp/dropped_branches" in entry for entry in trainer.state.log_history)
 
 
 def test_trainer_optimizer_sees_filled_gradients_of_dropped_branches(tmp_path):

@@ -53,9 +53,7 @@ class _LazyRecorder(TorchDispatchMode):
 class HabanaStandIn:
     """The Habana API surface the backend touches, with lazy-graph bookkeeping."""
 
-    def __init__(
-        self, version: str = "1.20.0", has_is_lazy: bool = True, device_present: bool = True
-    ) -> None:
+    def __init__(self, version: str = "1.20.0", has_is_lazy: bool = True, device_present: bool = True) -> None:
         self.version = version
         self.device_present = device_present
         self.has_is_lazy = has_is_lazy
@@ -121,9 +119,7 @@ class HabanaStandIn:
 
     def metric_global(self, name: str) -> SimpleNamespace:
         assert name == "graph_compilation", name
-        return SimpleNamespace(
-            stats=lambda: [["TotalNumber", len(self.graphs)], ["TotalTime", 0], ["AvgTime", 0.0]]
-        )
+        return SimpleNamespace(stats=lambda: [["TotalNumber", len(self.graphs)], ["TotalTime", 0], ["AvgTime", 0.0]])
 
     def _reset_peak(self) -> None:
         self.log.append("reset_peak_memory_stats")
@@ -203,7 +199,9 @@ def _graphs_after(standin: HabanaStandIn, event: str) -> set[int]:
 
 def test_lazy_mode_200_steps_compilations_stop_at_the_bound_and_every_step_is_cut(gaudi):
     model = tiny_model("llama", layers=8)  # 16 branches
-    ctl = dropbp.apply(model, 0.5, seed=0)  # DROPBP_BACKEND unset: auto-detection finds the HPU first
+    ctl = dropbp.apply(
+        model, 0.5, seed=0, pattern="uniform"
+    )  # DROPBP_BACKEND unset: auto-detection finds the HPU first
     assert ctl.backend.name == "hpu" and ctl.backend.lazy
     assert ctl.max_patterns == LAZY_MAX_PATTERNS == 16
     ctl.set_rates([0.3, 0.7] * 8)  # uneven rates, as calibrate() sets them
@@ -239,7 +237,7 @@ def test_without_the_bound_every_new_pattern_compiles(gaudi):
     hpu = backends.get("hpu")
     hpu.default_max_patterns = None
     model = tiny_model("llama", layers=8)
-    ctl = dropbp.apply(model, 0.5, seed=0, backend=hpu)
+    ctl = dropbp.apply(model, 0.5, seed=0, backend=hpu, pattern="uniform")
     assert ctl.max_patterns is None
     first = ctl.step
     totals = _train(gaudi, ctl, model, 30)
@@ -249,14 +247,33 @@ def test_without_the_bound_every_new_pattern_compiles(gaudi):
     assert totals[-1] > totals[19] > totals[9]
 
 
+def test_cut_patterns_bound_the_graphs_by_themselves(gaudi):
+    """The default cut shape has at most N distinct patterns (the top branch is always kept), so
+    even without ``max_patterns`` the graph cache stops at about one forward+backward graph and one
+    or two update graphs per depth."""
+    hpu = backends.get("hpu")
+    hpu.default_max_patterns = None
+    model = tiny_model("llama", layers=8)  # 16 branches
+    ctl = dropbp.apply(model, 0.5, seed=0, backend=hpu)
+    assert ctl.pattern == "cut" and ctl.max_patterns is None
+    totals = _train(gaudi, ctl, model, STEPS)
+    patterns = {ctl.dropped_at(s) for s in range(STEPS)}
+    names = [b.name for b in ctl.branches]
+    assert all(list(p) == names[: len(p)] for p in patterns)  # each one a cut
+    assert 4 < len(patterns) <= 16
+    forward_backward = _graphs_after(gaudi, "backward")
+    assert len(forward_backward) == len(patterns)
+    assert totals[-1] == len(gaudi.graphs) <= 3 * 16
+
+
 def test_max_patterns_stays_configurable(gaudi):
-    ctl = dropbp.apply(tiny_model("llama"), 0.5, max_patterns=4)
+    ctl = dropbp.apply(tiny_model("llama"), 0.5, max_patterns=4, pattern="uniform")
     assert ctl.backend.name == "hpu" and ctl.max_patterns == 4
 
 
 def test_a_skipped_backward_still_cuts_the_graph(gaudi):
     model = tiny_model("llama").requires_grad_(False)
-    ctl = dropbp.apply(model, 0.5)
+    ctl = dropbp.apply(model, 0.5, pattern="uniform")
     ids = batch()
     with gaudi.on_device():
         loss = model(input_ids=ids, labels=ids).loss
@@ -292,7 +309,7 @@ def test_eager_mode_places_no_graph_breaks(monkeypatch):
     monkeypatch.setenv("PT_HPU_LAZY_MODE", "0")
     standin = HabanaStandIn().install(monkeypatch)
     model = tiny_model("llama")
-    ctl = dropbp.apply(model, 0.5, backend="hpu")
+    ctl = dropbp.apply(model, 0.5, backend="hpu", pattern="uniform")
     assert ctl.max_patterns is None
     _train(standin, ctl, model, 3)
     assert "mark_step" not in standin.log and standin.graphs == {}
@@ -329,9 +346,7 @@ def test_a_gaudi_stack_without_a_device_fails_in_one_line(monkeypatch):
         backends.get("hpu")
     message = str(info.value)
     assert "\n" not in message and info.value.__suppress_context__
-    assert message.startswith(
-        "dropbp backend 'hpu' is unavailable: habana_frameworks is installed but sees no"
-    )
+    assert message.startswith("dropbp backend 'hpu' is unavailable: habana_frameworks is installed but sees no")
     assert "hl-smi" in message
     assert backends.get().name == "cpu"  # auto-detection passes over a Gaudi stack without a device
 

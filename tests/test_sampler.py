@@ -104,11 +104,19 @@ from dropbp.sampler import CutSampler  # noqa: E402
 CUT_FLOPS = [1.0, 2.0] * 8
 
 
-@pytest.mark.parametrize("p", [0.25, 0.5, 0.875])
-def test_cut_rates_reach_the_flop_weighted_drop_rate_and_fall_with_depth(p):
-    rates = cut_rates(CUT_FLOPS, p)
+@pytest.mark.parametrize(("p", "max_rate"), [(0.25, None), (0.5, None), (0.5, 1.0), (0.875, 1.0)])
+def test_cut_rates_reach_the_flop_weighted_drop_rate_and_fall_with_depth(p, max_rate):
+    rates = cut_rates(CUT_FLOPS, p, max_rate=max_rate)
     assert sum(r * f for r, f in zip(rates, CUT_FLOPS, strict=True)) / sum(CUT_FLOPS) == pytest.approx(p, abs=1e-9)
     assert check_cut_rates(rates, len(rates)) == rates  # falling, in [0, 1], top 0
+    cap = (1 + p) / 2 if max_rate is None else max_rate  # the default cap keeps the bottom training
+    assert max(rates) <= cap and (max_rate is not None or max(rates) == pytest.approx(cap))
+
+
+def test_a_cut_that_cannot_reach_the_rate_says_so_and_what_to_do():
+    # 16 branches, the top one 1/12 of the FLOPs: capped at 0.9375, cuts reach at most 0.859
+    with pytest.raises(ValueError, match=r"drop_rate=0.875 cannot be reached.*at most 0.8594.*pattern='uniform'"):
+        cut_rates(CUT_FLOPS, 0.875)
 
 
 @pytest.mark.parametrize("max_patterns", [None, 8])

@@ -11,7 +11,7 @@ from dropbp.sampler import PatternSampler
 
 def test_warmup_scales_the_rates_exactly_then_hands_over():
     model = tiny_model("llama", layers=4)
-    ctl = dropbp.apply(model, 0.5, seed=7, backend="cpu", warmup_steps=10)
+    ctl = dropbp.apply(model, 0.5, seed=7, backend="cpu", warmup_steps=10, pattern="uniform")
     plain = PatternSampler([0.5] * 8, 7)
     for step in range(30):
         expected = PatternSampler([0.5 * step / 10] * 8, 7).pattern(step) if step < 10 else plain.pattern(step)
@@ -23,17 +23,19 @@ def test_warmup_scales_the_rates_exactly_then_hands_over():
 
 
 def test_bounded_patterns_warm_up_in_quarters():
-    ctl = dropbp.apply(tiny_model("llama", layers=4), 0.5, seed=1, backend="cpu", warmup_steps=20, max_patterns=4)
+    ctl = dropbp.apply(
+        tiny_model("llama", layers=4), 0.5, seed=1, backend="cpu", warmup_steps=20, max_patterns=4, pattern="uniform"
+    )
     seen = {ctl.dropped_at(s) for s in range(200)}
     assert len(seen) <= 1 + 3 * 4 + 4  # nothing dropped, three warm-up pools, the pool itself
     assert ctl.dropped_at(4) == ()  # factor floor(4 * 4 / 20) / 4 = 0
 
 
 def test_warmup_is_saved_and_old_states_still_load():
-    ctl = dropbp.apply(tiny_model("llama", layers=2), 0.5, backend="cpu", warmup_steps=12)
+    ctl = dropbp.apply(tiny_model("llama", layers=2), 0.5, backend="cpu", warmup_steps=12, pattern="uniform")
     state = ctl.state_dict()
     assert state["warmup_steps"] == 12
-    other = dropbp.apply(tiny_model("llama", layers=2), 0.5, backend="cpu")
+    other = dropbp.apply(tiny_model("llama", layers=2), 0.5, backend="cpu", pattern="uniform")
     other.load_state_dict(state)
     assert other.warmup_steps == 12 and [other.dropped_at(s) for s in range(20)] == [
         ctl.dropped_at(s) for s in range(20)
@@ -46,4 +48,4 @@ def test_warmup_is_saved_and_old_states_still_load():
 @pytest.mark.parametrize("bad", [-1, 2.5, True])
 def test_bad_warmup_is_refused(bad):
     with pytest.raises((TypeError, ValueError), match="warmup_steps must be an int >= 0"):
-        dropbp.apply(tiny_model("llama", layers=2), 0.5, backend="cpu", warmup_steps=bad)
+        dropbp.apply(tiny_model("llama", layers=2), 0.5, backend="cpu", warmup_steps=bad, pattern="uniform")

@@ -7,8 +7,10 @@
 
 ``attach`` applies DropBP to ``trainer.model`` and adds a callback that
 - warms the drop rates up from 0 over the first ``warmup`` of training (default 20%),
-- calibrates once, at ``calibrate_at`` of training (default 10%), on the first batch of the training
-  data with the trainer's own ``compute_loss`` (one forward; see ``DropBPController.calibrate``),
+- with the paper's uniform patterns (``pattern="uniform"``), calibrates once, at ``calibrate_at`` of
+  training (default 10%), on the first batch of the training data with the trainer's own
+  ``compute_loss`` (one forward; see ``DropBPController.calibrate``); the default cut patterns keep
+  their own rates,
 - logs the calibrated rates and, at every logging step, the drop figures since the last log
   (``dropbp/dropped_branches`` per forward, ``dropbp/dropped_flops_fraction``) through
   ``trainer.log``, so they reach the console, ``log_history`` and every report integration,
@@ -38,9 +40,10 @@ from typing import Any
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from .. import apply
-from ..checks import check_fraction
+from ..checks import check_choice, check_fraction
 from ..controller import DropBPController
 from ..dropped_grads import DEFAULT_DROPPED_GRADS
+from ..sampler import SAMPLERS
 
 __all__ = ["STATE_FILE", "DropBPCallback", "attach"]
 
@@ -131,18 +134,21 @@ def attach(
     trainer: Trainer,
     drop_rate: float = 0.5,
     *,
-    calibrate_at: float | None = 0.1,
+    calibrate_at: float | None | str = "auto",
     seed: int | None = None,
     branches: Sequence[str] | None = None,
     max_patterns: int | None = None,
     unbiased: bool = False,
     dropped_grads: str = DEFAULT_DROPPED_GRADS,
     warmup: float = 0.2,
+    pattern: str = "cut",
 ) -> DropBPCallback:
     """Attach DropBP to ``trainer.model`` and register its callback; call before ``trainer.train()``.
 
+    ``pattern`` is :func:`dropbp.apply`'s (``"cut"``, or ``"uniform"`` for the paper's patterns).
     ``calibrate_at``: fraction of the training steps at which sensitivities are measured and the
-    rates allocated (``None``: keep uniform rates). ``seed`` defaults to ``trainer.args.seed``.
+    rates allocated, uniform patterns only; ``"auto"``: 0.1 with ``pattern="uniform"`` (the paper),
+    ``None`` (keep the shape's own rates) with ``"cut"``. ``seed`` defaults to ``trainer.args.seed``.
     ``unbiased`` and ``dropped_grads`` are :func:`dropbp.apply`'s; the dropped gradients are filled
     in an optimizer pre-step hook, after the Trainer's gradient clipping. ``warmup``: fraction of the
     training steps over which the rates rise from 0 (``dropbp.apply``'s ``warmup_steps``); 0.2, the
@@ -151,8 +157,16 @@ def attach(
     """
     if not isinstance(trainer, Trainer):
         raise TypeError(f"trainer must be a transformers.Trainer, got {type(trainer).__name__}")
+    pattern = check_choice("pattern", pattern, tuple(SAMPLERS))
+    if calibrate_at == "auto":
+        calibrate_at = 0.1 if pattern == "uniform" else None
     if calibrate_at is not None:
         calibrate_at = check_fraction("calibrate_at", calibrate_at, what="a fraction of the training steps (or None)")
+        if pattern != "uniform":
+            raise ValueError(
+                f"calibrate_at={calibrate_at} needs pattern='uniform': calibrated rates do not fall with depth, so "
+                f"pattern={pattern!r} cannot realise them; pass pattern='uniform' to calibrate, or calibrate_at=None"
+            )
     warmup = check_fraction("warmup", warmup, what="a fraction of the training steps")
     controller = apply(
         trainer.model,
@@ -162,6 +176,7 @@ def attach(
         max_patterns=max_patterns,
         unbiased=unbiased,
         dropped_grads=dropped_grads,
+        pattern=pattern,
     )
     _let_ddp_skip_unused_parameters(trainer)
     callback = DropBPCallback(trainer, controller, calibrate_at, warmup)

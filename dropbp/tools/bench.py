@@ -106,8 +106,6 @@ def build_model(preset: str, method: str, seq_len: int, dtype: torch.dtype, devi
 class _Bench:
     """One model and optimizer shared by every configuration: only the library differs.
 
-    ``pattern`` is passed to ``dropbp.apply`` explicitly: the ideal-vs-measured figure assumes every
-    branch at the same rate (the uniform shape), whatever ``apply``'s default shape is.
     ``autocast`` is the context the forward runs in (mixed precision on fp32 weights).
     """
 
@@ -116,28 +114,29 @@ class _Bench:
         model: nn.Module,
         backend: Backend,
         seq_len: int,
-        pattern: str = "uniform",
         autocast: Callable[[], AbstractContextManager] = nullcontext,
     ) -> None:
         self.model = model
         self.backend = backend
         self.seq_len = seq_len
-        self.pattern = pattern
         self.autocast = autocast
         self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-        probe = apply(model, 0.0, backend=backend, pattern=pattern)
+        probe = apply(model, 0.0, backend=backend)
         self.branch_modules = [b.module for b in probe.branches]
         probe.remove()
 
-    def attach(self, config: str) -> list:
-        """Attach what ``config`` needs; returns what to ``.remove()`` afterwards."""
+    def attach(self, config: str, seed: int) -> list:
+        """Attach what ``config`` (``"<pattern>@<rate>"``) needs; returns what to ``.remove()`` afterwards.
+
+        ``seed`` changes with the round: each round then times a different pattern (for the cut shape,
+        a different depth), so the medians average over patterns as training does.
+        """
         if config == "baseline":
             return []
         if config == "all_dropped":
             return [h for m in self.branch_modules for h in attach_no_grad_hooks(m, lambda: True)]
-        rate = float(config.split("@")[1])
-        ctl = apply(self.model, rate, seq_len=self.seq_len, backend=self.backend, pattern=self.pattern)
-        return [ctl]
+        pattern, rate = _parse(config)
+        return [apply(self.model, rate, seed=seed, seq_len=self.seq_len, backend=self.backend, pattern=pattern)]
 
     def step(self, ids: torch.Tensor) -> tuple[float, float, float]:
         """Forward, backward and optimizer seconds of one training step.
@@ -160,8 +159,28 @@ class _Bench:
         return forward.seconds, backward.seconds, update.seconds
 
 
-def _configs(rates: Sequence[float]) -> list[str]:
-    return ["baseline", "all_dropped", *[f"dropbp@{r}" for r in rates]]
+def _configs(rates: Sequence[float], patterns: Sequence[str]) -> list[str]:
+    return ["baseline", "all_dropped", *[f"{p}@{r}" for p in patterns for r in rates]]
+
+
+def _parse(config: str) -> tuple[str, float]:
+    pattern, rate = config.split("@")
+    return pattern, float(rate)
+
+
+def refused_configs(model: nn.Module, configs: Sequence[str], seq_len: int, backend: Backend) -> dict[str, str]:
+    """The configurations ``apply`` refuses on this model (a cut cannot reach every rate on few
+    branches), with its reason; the bench skips them and says so."""
+    refused = {}
+    for config in configs:
+        if "@" not in config:
+            continue
+        pattern, rate = _parse(config)
+        try:
+            apply(model, rate, seq_len=seq_len, backend=backend, pattern=pattern).remove()
+        except ValueError as err:
+            refused[config] = str(err)
+    return refused
 
 
 def measure(
@@ -173,16 +192,21 @@ def measure(
     warmup: int,
     memory: bool = False,
     progress: Callable[[str], None] | None = None,
+    patterns: Sequence[str] = ("uniform",),
 ) -> dict:
-    """All figures for one grid point (see the module docstring)."""
+    """All figures for one grid point (see the module docstring); ``patterns``: ``apply``'s shapes to time."""
     model = build_model(point.preset, point.method, point.seq_len, dtype, backend.device)
-    result = measure_model(model, point, rates, backend, rounds, warmup, progress)
+    summary = measure_model(model, point, rates, backend, rounds, warmup, progress, patterns=patterns)
     if memory and not backend.has_allocator_stats:
-        peaks = {c: _cpu_peak_rss(point, c, dtype) for c in _configs(rates)}
-        result["baseline"]["peak_memory_bytes"] = peaks["baseline"]
-        for row in result["rows"]:
-            row["peak_memory_bytes"] = peaks[f"dropbp@{row['drop_rate']}"]
-    return result
+        peaks = {c: _cpu_peak_rss(point, c, dtype) for c in ["baseline", *_row_configs(summary)]}
+        summary["baseline"]["peak_memory_bytes"] = peaks["baseline"]
+        for row, config in zip(summary["rows"], _row_configs(summary), strict=True):
+            row["peak_memory_bytes"] = peaks[config]
+    return summary
+
+
+def _row_configs(summary: dict) -> list[str]:
+    return [f"{row['pattern']}@{row['drop_rate']}" for row in summary["rows"]]
 
 
 def measure_model(
@@ -194,13 +218,15 @@ def measure_model(
     warmup: int,
     progress: Callable[[str], None] | None = None,
     *,
-    pattern: str = "uniform",
+    patterns: Sequence[str] = ("uniform",),
     autocast: Callable[[], AbstractContextManager] = nullcontext,
 ) -> dict:
     """The figures of :func:`measure` for a model already on ``backend``'s device (``dropbp check``
     measures the user's own model); ``point`` gives the batch shape and labels the result."""
-    bench = _Bench(model, backend, point.seq_len, pattern, autocast)
-    configs = _configs(rates)
+    bench = _Bench(model, backend, point.seq_len, autocast)
+    configs = _configs(rates, patterns)
+    refused = refused_configs(model, configs, point.seq_len, backend)
+    configs = [c for c in configs if c not in refused]
     times: dict[str, list[tuple[float, float, float]]] = {c: [] for c in configs}
     peaks: dict[str, int] = {}
     g = torch.Generator().manual_seed(0)
@@ -209,7 +235,7 @@ def measure_model(
         ids = torch.randint(0, vocab, (point.batch_size, point.seq_len), generator=g).to(backend.device)
         shift = rnd % len(configs)
         for name in configs[shift:] + configs[:shift]:
-            attached = bench.attach(name)
+            attached = bench.attach(name, rnd)
             backend.reset_peak_memory()
             t = bench.step(ids)
             peaks[name] = max(peaks.get(name, 0), backend.max_memory_allocated())
@@ -219,10 +245,12 @@ def measure_model(
                 times[name].append(t)
         if progress is not None:
             progress(f"{point.preset}/{point.method} s={point.seq_len} b={point.batch_size} round {rnd + 1}")
-    return _summarise(point, rates, times, peaks, model, len(bench.branch_modules))
+    summary = _summarise(point, configs, times, peaks, model, len(bench.branch_modules))
+    summary["refused"] = refused
+    return summary
 
 
-def _summarise(point: Point, rates, times, peaks, model: nn.Module, branches: int) -> dict:
+def _summarise(point: Point, configs: Sequence[str], times, peaks, model: nn.Module, branches: int) -> dict:
     def phase(config: str, i: int) -> float:
         return statistics.median(t[i] for t in times[config])
 
@@ -232,13 +260,14 @@ def _summarise(point: Point, rates, times, peaks, model: nn.Module, branches: in
     base_step = statistics.median(total["baseline"])
     tokens = point.batch_size * point.seq_len
     rows = []
-    for r in rates:
-        name = f"dropbp@{r}"
+    for name in configs[2:]:
+        pattern, r = _parse(name)
         step = statistics.median(total[name])
         ideal = f + b0 + o0 + (1 - r) * (b - b0 + o - o0)
         paired = [x / y for x, y in zip(total["baseline"], total[name], strict=True)]
         rows.append(
             {
+                "pattern": pattern,
                 "drop_rate": r,
                 "step_s": step,
                 "ideal_step_s": ideal,
@@ -275,7 +304,7 @@ def _cpu_peak_rss(point: Point, config: str, dtype: torch.dtype) -> int:
         f"p = Point({point.preset!r}, {point.method!r}, {point.seq_len}, {point.batch_size})\n"
         f"m = build_model(p.preset, p.method, p.seq_len, torch.{str(dtype).split('.')[1]}, torch.device('cpu'))\n"
         "b = _Bench(m, backends.get('cpu'), p.seq_len)\n"
-        f"b.attach({config!r})\n"
+        f"b.attach({config!r}, 0)\n"
         "ids = torch.randint(0, m.config.vocab_size, (p.batch_size, p.seq_len))\n"
         "[b.step(ids) for _ in range(3)]\n"
         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n"
@@ -301,7 +330,8 @@ def max_seq_len(
     model.config.max_position_embeddings = limit
 
     def fits(seq: int) -> bool:
-        attached = [] if rate is None else bench.attach(f"dropbp@{rate}")
+        # the uniform shape drops the same number of branches in every step: steady memory
+        attached = [] if rate is None else bench.attach(f"uniform@{rate}", 0)
         try:
             ids = torch.randint(0, model.config.vocab_size, (1, seq)).to(backend.device)
             bench.step(ids)
@@ -338,8 +368,8 @@ def markdown_table(results: dict) -> str:
         f"`dropbp bench` on {results['device']} ({results['dtype']}, torch {results['torch']}, {results['date']}); "
         f"{results['rounds']} interleaved rounds per point.",
         "",
-        "| preset | method | seq | batch | drop rate | step (s) | speedup | ideal | efficiency | tokens/s "
-        "| peak memory |",
+        "| preset | method | seq | batch | pattern @ drop rate | step (s) | speedup | ideal | efficiency "
+        "| tokens/s | peak memory |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in results["points"]:
@@ -350,10 +380,13 @@ def markdown_table(results: dict) -> str:
         )
         for r in p["rows"]:
             lines.append(
-                f"| | | | | {r['drop_rate']} | {r['step_s']:.3f} | {r['speedup']:.2f}x | "
+                f"| | | | | {r.get('pattern', 'uniform')} @ {r['drop_rate']} | {r['step_s']:.3f} | "
+                f"{r['speedup']:.2f}x | "
                 f"{r['ideal_speedup']:.2f}x | {r['efficiency']:.2f} | {r['tokens_per_s']:.0f} | "
                 f"{_gib(r['peak_memory_bytes'])} |"
             )
+        for config in p.get("refused", {}):  # the reason is in the JSON ("refused")
+            lines.append(f"| | | | | {config.replace('@', ' @ ')} | refused by apply (see bench.json) | | | | | |")
     return "\n".join(lines) + "\n"
 
 
@@ -369,10 +402,12 @@ def _plot(results: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for p in results["points"]:
-        label = f"{p['preset']}/{p['method']} s={p['seq_len']} b={p['batch_size']}"
-        rates = [0.0] + [r["drop_rate"] for r in p["rows"]]
-        line = ax.plot(rates, [1.0] + [r["speedup"] for r in p["rows"]], marker="o", label=label)[0]
-        ax.plot(rates, [1.0] + [r["ideal_speedup"] for r in p["rows"]], linestyle=":", color=line.get_color())
+        for pattern in dict.fromkeys(r.get("pattern", "uniform") for r in p["rows"]):
+            rows = [r for r in p["rows"] if r.get("pattern", "uniform") == pattern]
+            label = f"{p['preset']}/{p['method']} s={p['seq_len']} b={p['batch_size']} {pattern}"
+            rates = [0.0] + [r["drop_rate"] for r in rows]
+            line = ax.plot(rates, [1.0] + [r["speedup"] for r in rows], marker="o", label=label)[0]
+            ax.plot(rates, [1.0] + [r["ideal_speedup"] for r in rows], linestyle=":", color=line.get_color())
     ax.set_xlabel("drop rate")
     ax.set_ylabel("step speedup vs no library (dotted: ideal)")
     ax.grid(alpha=0.3)

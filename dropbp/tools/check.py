@@ -106,7 +106,14 @@ def _speed(probe: Probe, settings: CheckSettings, method: str, branches: int) ->
     rates = [r for r in SPEED_RATES if branches * r <= branches - 1]  # never every branch dropped
     point = Point("check", method, settings.seq_len, settings.batch_size)
     result = measure_model(
-        probe.model, point, rates, backend, settings.rounds, settings.warmup, pattern="uniform", autocast=probe.autocast
+        probe.model,
+        point,
+        rates,
+        backend,
+        settings.rounds,
+        settings.warmup,
+        patterns=("uniform",),
+        autocast=probe.autocast,
     )
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, probe.model.config.vocab_size, (settings.batch_size, settings.seq_len), generator=g)

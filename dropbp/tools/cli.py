@@ -62,6 +62,13 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--presets", nargs="+", default=["tiny", "small"], help="tiny small 1b 7b")
     bench.add_argument("--methods", nargs="+", default=["full", "lora"], help="full lora")
     bench.add_argument("--rates", nargs="+", type=_rate, default=[0.0, 0.5, 0.75, 0.875])
+    bench.add_argument(
+        "--patterns",
+        nargs="+",
+        default=["uniform"],
+        help="pattern shapes to time at each rate: uniform (the paper's; steady step time) and/or cut "
+        "(dropbp.apply's default; rates a cut cannot reach on the preset are reported as refused)",
+    )
     bench.add_argument("--seq-lens", nargs="+", type=_positive, default=[128])
     bench.add_argument("--batch-sizes", nargs="+", type=_positive, default=[2])
     bench.add_argument("--rounds", type=_positive, default=10)
@@ -140,6 +147,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     _check_choices(args.presets, list(PRESETS), "preset")
     _check_choices(args.methods, METHODS, "method")
+    _check_choices(args.patterns, ("uniform", "cut"), "pattern")
     out = _writable(args.out)
     backend = _backend(args.backend)
     if args.max_seq_len:
@@ -168,7 +176,8 @@ def _bench(args: argparse.Namespace) -> int:
         "torch": torch.__version__,
         "rounds": args.rounds,
         "points": [
-            measure(pt, args.rates, backend, dtype, args.rounds, args.warmup, args.memory, progress) for pt in points
+            measure(pt, args.rates, backend, dtype, args.rounds, args.warmup, args.memory, progress, args.patterns)
+            for pt in points
         ],
     }
     bar.close()

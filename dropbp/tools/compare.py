@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .. import apply
-from ..allocation import cut_rates
+from ..allocation import cut_cap, cut_rates
 from ..backends import Backend
 from ..controller import DropBPController
 from ..dropped_grads import DEFAULT_DROPPED_GRADS
@@ -49,11 +49,14 @@ class Run:
     # "anneal": they fall to 0 over the last 20% of the run's steps.
     schedule: str | None = None
     lr: float | None = None  # overrides compare()'s lr (a learning-rate sweep of the baseline)
-    pattern: str = "uniform"  # apply()'s pattern shape: "uniform" (the paper) or "cut"
+    # apply()'s pattern shape: "uniform" (the paper) or "cut" (apply's default); runs recorded before
+    # the shape existed were uniform, hence this default
+    pattern: str = "uniform"
     # Controls of the pattern study (rates set after apply, from the branches' FLOPs):
     # "cut-marginals": the cut shape's rates, drawn with the uniform shape (rate profile without nesting);
     # "frozen-bottom": the branches below the drop rate's FLOP fraction always dropped (partial fine-tuning);
-    # "cut-capped": cuts whose rates are capped at (1 + p) / 2 (the bottom still trains sometimes).
+    # "cut-capped": cuts whose rates are capped at (1 + p) / 2 (the bottom still trains sometimes; the
+    # same as pattern="cut", whose default this became); "cut-uncapped": cuts with no cap (rates up to 1).
     rates: str | None = None
 
 
@@ -91,9 +94,11 @@ def control_rates(kind: str, flops: Sequence[float], drop_rate: float) -> list[f
     """The per-branch rates of a pattern-study control (see :class:`Run`), FLOP-weighted mean ``drop_rate``
     (the uniform shape refuses rate 1, so "cut-marginals" caps at 0.99 and may fall a little short)."""
     if kind == "cut-marginals":
-        return [min(r, 0.99) for r in cut_rates(flops, drop_rate)]
+        return [min(r, 0.99) for r in cut_rates(flops, drop_rate, max_rate=1.0)]
     if kind == "cut-capped":
-        return cut_rates(flops, drop_rate, max_rate=(1 + drop_rate) / 2)
+        return cut_rates(flops, drop_rate, max_rate=cut_cap(drop_rate))
+    if kind == "cut-uncapped":
+        return cut_rates(flops, drop_rate, max_rate=1.0)
     if kind == "frozen-bottom":
         total, below, rates = sum(flops), 0.0, []
         for f in flops:
@@ -101,7 +106,12 @@ def control_rates(kind: str, flops: Sequence[float], drop_rate: float) -> list[f
             below += f
         rates[-1] = 0.0
         return rates
-    raise ValueError(f"rates must be 'cut-marginals', 'cut-capped' or 'frozen-bottom', got {kind!r}")
+    raise ValueError(
+        f"rates must be 'cut-marginals', 'cut-capped', 'cut-uncapped' or 'frozen-bottom', got {kind!r}"
+    )
+
+
+_CUT_SHAPED_CONTROLS = ("frozen-bottom", "cut-capped", "cut-uncapped")
 
 
 class _Trainee:
@@ -125,7 +135,7 @@ class _Trainee:
                 unbiased=run.unbiased,
                 dropped_grads=run.dropped_grads,
                 warmup_steps=round(WARMUP_FRACTION * steps) if run.schedule == "warmup" else 0,
-                pattern="cut" if run.rates in ("frozen-bottom", "cut-capped") else run.pattern,
+                pattern="cut" if run.rates in _CUT_SHAPED_CONTROLS else run.pattern,
             )
             if run.rates is not None:
                 self.ctl.set_rates(control_rates(run.rates, [b.flops for b in self.ctl.branches], run.drop_rate))
