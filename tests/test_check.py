@@ -76,14 +76,17 @@ def test_cli_check_on_cpu_passes_and_writes_its_files(tmp_path, capsys):
     assert set(env["detection"]) == {"hpu", "cuda", "xpu", "cpu"} and env["detection"]["cpu"] is None
     assert record["model"]["branches"] == 8 and record["model"]["dtype"] == "fp32"
     speed = record["speed"]
-    assert [r["drop_rate"] for r in speed["rows"]] == [0.0, 0.5, 0.875]
-    saved = [speed["baseline"]["saved_bytes"]] + [r["saved_bytes"] for r in speed["rows"]]
+    uniform = [r for r in speed["rows"] if r["pattern"] == "uniform"]
+    assert [r["drop_rate"] for r in uniform] == [0.0, 0.5, 0.875]
+    assert {r["pattern"] for r in speed["rows"]} == {"uniform", "cut"}
+    saved = [speed["baseline"]["saved_bytes"]] + [r["saved_bytes"] for r in uniform]
     assert saved[0] == saved[1] > saved[2] > saved[3] > 0  # dropped branches keep no activations
     assert all(r["peak_memory_bytes"] is None for r in speed["rows"])  # no allocator figures on the CPU
     text = (tmp_path / "check.md").read_text()
     for name in CORRECTNESS:
         assert f"PASS  {name}" in text and f"PASS  {name}" in out
-    assert "-> PASS" in out and "| 0.875 |" in out and str(tmp_path / "check.json") in out
+    assert "-> PASS" in out and "| uniform | 0.875 |" in out and "| cut | 0.5 |" in out
+    assert str(tmp_path / "check.json") in out
 
 
 def test_run_check_function_for_notebooks(model_dir):

@@ -38,6 +38,9 @@ METHODS = ("full", "lora")
 DTYPES = ("fp32", "bf16")
 #: The drop rates whose speed and memory are measured (0: the library's own overhead).
 SPEED_RATES = (0.0, 0.5, 0.875)
+#: Both pattern shapes, named (``dropbp.apply``'s default shape may change): the paper's uniform
+#: patterns, and cuts below a random depth.
+SPEED_PATTERNS = ("uniform", "cut")
 
 
 class CheckSetupError(RuntimeError):
@@ -112,7 +115,7 @@ def _speed(probe: Probe, settings: CheckSettings, method: str, branches: int) ->
         backend,
         settings.rounds,
         settings.warmup,
-        patterns=("uniform",),
+        patterns=SPEED_PATTERNS,
         autocast=probe.autocast,
     )
     g = torch.Generator().manual_seed(1)
@@ -120,7 +123,7 @@ def _speed(probe: Probe, settings: CheckSettings, method: str, branches: int) ->
     big = Probe(probe.model, backend, ids.to(backend.device), probe.precision)
     result["baseline"]["saved_bytes"] = saved_bytes(big.model, big.loss)
     for row in result["rows"]:
-        ctl = apply(big.model, row["drop_rate"], seed=0, pattern="uniform", backend=backend)
+        ctl = apply(big.model, row["drop_rate"], seed=0, pattern=row["pattern"], backend=backend)
         row["saved_bytes"] = saved_bytes(big.model, big.loss)
         ctl.remove()
     backend.graph_break()
@@ -130,10 +133,12 @@ def _speed(probe: Probe, settings: CheckSettings, method: str, branches: int) ->
         else ("no allocator peak on this device")
     )
     result["note"] = (
-        f"pattern uniform (every branch at the rate), batch {settings.batch_size} x {settings.seq_len} tokens, "
+        "patterns uniform (every branch at the rate) and cut (every branch below a random depth; the rate is "
+        f"the FLOP-weighted mean), batch {settings.batch_size} x {settings.seq_len} tokens, "
         f"{settings.rounds} interleaved rounds after {settings.warmup} warm-up; speedup: median of per-round "
         "ratios to the model without the library; ideal: F + B0 + O0 + (1-p)(B - B0 + O - O0) "
         f"(efficiency = ideal / measured); {memory}; saved for backward: bytes autograd keeps per step"
+        + "".join(f"; {c} refused: {why}" for c, why in result.get("refused", {}).items())
     )
     return result
 
