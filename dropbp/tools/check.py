@@ -7,8 +7,9 @@ contract (:mod:`.check_grads`), and what DropBP buys there (``dropbp bench``'s i
 measurement, :func:`dropbp.tools.bench.measure_model`). ``run_check`` is the notebook entry point;
 the command writes ``check.json`` and ``check.md`` to attach to an issue.
 
-Every place whose result depends on the pattern shape names it (``pattern="uniform"``, or both
-shapes for the gradient check), so a change of ``dropbp.apply``'s default shape changes no check.
+Every place whose result depends on the pattern shape names it (``pattern="uniform"`` where one
+shape is enough, both shapes for the gradient check and the speed figures), so a change of
+``dropbp.apply``'s default shape changes no check.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ SPEED_RATES = (0.0, 0.5, 0.875)
 #: Both pattern shapes, named (``dropbp.apply``'s default shape may change): the paper's uniform
 #: patterns, and cuts below a random depth.
 SPEED_PATTERNS = ("uniform", "cut")
+#: Training forwards whose saved bytes are averaged per configuration.
+SAVED_STEPS = 4
 
 
 class CheckSetupError(RuntimeError):
@@ -122,22 +125,23 @@ def _speed(probe: Probe, settings: CheckSettings, method: str, branches: int) ->
     ids = torch.randint(0, probe.model.config.vocab_size, (settings.batch_size, settings.seq_len), generator=g)
     big = Probe(probe.model, backend, ids.to(backend.device), probe.precision)
     result["baseline"]["saved_bytes"] = saved_bytes(big.model, big.loss)
-    for row in result["rows"]:
+    for row in result["rows"]:  # a mean over steps: a cut's depth, hence its saving, changes every step
         ctl = apply(big.model, row["drop_rate"], seed=0, pattern=row["pattern"], backend=backend)
-        row["saved_bytes"] = saved_bytes(big.model, big.loss)
+        row["saved_bytes"] = round(sum(saved_bytes(big.model, big.loss) for _ in range(SAVED_STEPS)) / SAVED_STEPS)
         ctl.remove()
     backend.graph_break()
     memory = (
         "peak allocated memory from the device allocator"
         if backend.has_allocator_stats
-        else ("no allocator peak on this device")
+        else "no allocator peak on this device"
     )
     result["note"] = (
         "patterns uniform (every branch at the rate) and cut (every branch below a random depth; the rate is "
         f"the FLOP-weighted mean), batch {settings.batch_size} x {settings.seq_len} tokens, "
         f"{settings.rounds} interleaved rounds after {settings.warmup} warm-up; speedup: median of per-round "
         "ratios to the model without the library; ideal: F + B0 + O0 + (1-p)(B - B0 + O - O0) "
-        f"(efficiency = ideal / measured); {memory}; saved for backward: bytes autograd keeps per step"
+        f"(efficiency = ideal / measured); {memory}; saved for backward: bytes autograd keeps per step "
+        f"(mean of {SAVED_STEPS} steps)"
         + "".join(f"; {c} refused: {why}" for c, why in result.get("refused", {}).items())
     )
     return result
