@@ -24,7 +24,15 @@ from .cuda import CUDABackend
 from .hpu import HPUBackend
 from .xpu import XPUBackend
 
-__all__ = ["ENTRY_POINT_GROUP", "Backend", "BackendUnavailable", "UnknownBackend", "available", "get"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Backend",
+    "BackendUnavailable",
+    "UnknownBackend",
+    "available",
+    "detection",
+    "get",
+]
 
 ENTRY_POINT_GROUP = "dropbp.backends"
 ENV_VAR = "DROPBP_BACKEND"
@@ -47,6 +55,15 @@ def _plugins() -> dict[str, EntryPoint]:
 def available() -> list[str]:
     """Names of the registered backends (built-in and plugins), whether or not their device is here."""
     return sorted({*_BUILTIN, *_plugins()})
+
+
+def detection() -> list[tuple[str, str | None]]:
+    """Each built-in device in auto-detection order with why it is unavailable (None: available).
+
+    What :func:`get` would detect, and why the devices before it were passed over: reports such as
+    ``dropbp check`` show it, since "why did it pick the CPU?" is the first question on a GPU host.
+    """
+    return [(n, _BUILTIN[n].unavailable_reason()) for n in _DETECTION_ORDER]
 
 
 def _load_plugin(name: str, ep: EntryPoint) -> type[Backend]:

@@ -138,5 +138,13 @@ class Backend(ABC):
         """Step boundary after ``optimizer.step()``: the update graph ends here on lazy devices."""
         self.graph_break()
 
+    def environment(self) -> dict[str, object]:
+        """Device name, device count and the device stack's versions, for reports (``dropbp check``).
+
+        Bug reports from hardware this project cannot run on are only useful with these facts, so
+        each backend states them in its own terms; nothing here may raise on a working device.
+        """
+        return {"device_name": self.device.type, "device_count": None}
+
     def __repr__(self) -> str:
         return f"<dropbp backend {self.name!r} on {self.device}>"

@@ -16,6 +16,7 @@ import functools
 import importlib
 import importlib.metadata
 import logging
+import platform
 import sys
 from contextlib import AbstractContextManager, nullcontext
 from types import ModuleType
@@ -71,6 +72,18 @@ def ipex() -> ModuleType | None:
     return module
 
 
+def _cpu_name() -> str:
+    """The CPU model (Linux's ``/proc/cpuinfo``), else what :mod:`platform` knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 class CPUBackend(Backend):
     name = "cpu"
     distributed_backend = "gloo"
@@ -95,6 +108,15 @@ class CPUBackend(Backend):
     def training_autocast(self) -> AbstractContextManager:
         """No autocast: the CPU trains in float32 (see :attr:`training_dtype`)."""
         return nullcontext()
+
+    def environment(self) -> dict[str, object]:
+        """Cores PyTorch uses, and IPEX's version when it is installed (used only when it matches torch)."""
+        return {
+            "device_name": _cpu_name(),
+            "device_count": 1,
+            "cpu_threads": torch.get_num_threads(),
+            "intel_extension_for_pytorch": _installed_ipex_version(),
+        }
 
     def prepare(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None

@@ -47,6 +47,22 @@ class CUDABackend(Backend):
         """bf16 where the GPU has it (Ampere and later), else fp16."""
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
+    def environment(self) -> dict[str, object]:
+        """GPU name and count, CUDA (or HIP) and cuDNN versions, and NCCL's where it is built in."""
+        try:
+            nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
+        except Exception:  # no NCCL in this build (Windows, some ROCm builds): not an error for a report
+            nccl = None
+        return {
+            "device_name": torch.cuda.get_device_name(),
+            "device_count": torch.cuda.device_count(),
+            "cuda": torch.version.cuda,
+            "hip": getattr(torch.version, "hip", None),
+            "cudnn": torch.backends.cudnn.version(),
+            "nccl": nccl,
+            "bf16_supported": torch.cuda.is_bf16_supported(),
+        }
+
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 

@@ -28,6 +28,7 @@ else from ``PT_HPU_LAZY_MODE`` (unset means lazy, as on the stacks before 1.21).
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import os
 
 import torch
@@ -49,6 +50,14 @@ def _lazy_mode() -> bool:
     except ImportError:
         return os.environ.get("PT_HPU_LAZY_MODE", "1").strip() != "0"
     return bool(internal.is_lazy())
+
+
+def _bridge_version() -> str | None:
+    """The Gaudi PyTorch bridge's version: its distribution's metadata, else the module's attribute."""
+    try:
+        return importlib.metadata.version("habana-torch-plugin")
+    except importlib.metadata.PackageNotFoundError:
+        return getattr(importlib.import_module("habana_frameworks.torch"), "__version__", None)
 
 
 class HPUBackend(Backend):
@@ -92,6 +101,18 @@ class HPUBackend(Backend):
     @property
     def autocast_dtype(self) -> torch.dtype:
         return torch.bfloat16
+
+    def environment(self) -> dict[str, object]:
+        """Gaudi name and count, the bridge's version, lazy or eager mode and ``PT_HPU_LAZY_MODE``."""
+        hpu = importlib.import_module("habana_frameworks.torch.hpu")
+        name = getattr(hpu, "get_device_name", None)
+        return {
+            "device_name": name() if callable(name) else "Gaudi",
+            "device_count": int(hpu.device_count()),
+            "habana_frameworks": _bridge_version(),
+            "mode": "lazy" if self.lazy else "eager",
+            "PT_HPU_LAZY_MODE": os.environ.get("PT_HPU_LAZY_MODE"),
+        }
 
     def synchronize(self) -> None:
         """Waits for launched graphs; in lazy mode ops after the last break have not been launched yet."""

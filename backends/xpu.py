@@ -49,6 +49,14 @@ class XPUBackend(Backend):
     def autocast_dtype(self) -> torch.dtype:
         return torch.bfloat16
 
+    def environment(self) -> dict[str, object]:
+        """Intel GPU name and count, and the SYCL/oneAPI version this PyTorch was built with."""
+        return {
+            "device_name": torch.xpu.get_device_name(),
+            "device_count": torch.xpu.device_count(),
+            "xpu": getattr(torch.version, "xpu", None),
+        }
+
     def synchronize(self) -> None:
         torch.xpu.synchronize()
 

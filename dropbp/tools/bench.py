@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -29,7 +30,16 @@ from ..backends import Backend
 from ..imports import require
 from ..no_grad import attach_no_grad_hooks
 
-__all__ = ["PRESETS", "Point", "build_model", "check_allocator", "measure", "max_seq_len", "write_outputs"]
+__all__ = [
+    "PRESETS",
+    "Point",
+    "build_model",
+    "check_allocator",
+    "measure",
+    "measure_model",
+    "max_seq_len",
+    "write_outputs",
+]
 
 # Llama-architecture shapes. "1b" is TinyLlama-1.1B's; "7b" is Llama-2-7B's layer with 4 layers.
 PRESETS: dict[str, dict] = {
@@ -94,12 +104,22 @@ def build_model(preset: str, method: str, seq_len: int, dtype: torch.dtype, devi
 
 
 class _Bench:
-    """One model and optimizer shared by every configuration: only the library differs."""
+    """One model and optimizer shared by every configuration: only the library differs.
 
-    def __init__(self, model: nn.Module, backend: Backend, seq_len: int) -> None:
+    ``autocast`` is the context the forward runs in (mixed precision on fp32 weights).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        backend: Backend,
+        seq_len: int,
+        autocast: Callable[[], AbstractContextManager] = nullcontext,
+    ) -> None:
         self.model = model
         self.backend = backend
         self.seq_len = seq_len
+        self.autocast = autocast
         self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
         probe = apply(model, 0.0, backend=backend)
         self.branch_modules = [b.module for b in probe.branches]
@@ -119,15 +139,23 @@ class _Bench:
         return [apply(self.model, rate, seed=seed, seq_len=self.seq_len, backend=self.backend, pattern=pattern)]
 
     def step(self, ids: torch.Tensor) -> tuple[float, float, float]:
-        """Forward, backward and optimizer seconds of one training step."""
+        """Forward, backward and optimizer seconds of one training step.
+
+        Each phase ends with a graph break (nothing on eager devices): on a lazily compiled device
+        the phase's work is otherwise only recorded, not run, and its clock would read nothing.
+        """
         with self.backend.timer() as forward:
-            loss = self.model(input_ids=ids, labels=ids).loss
+            with self.autocast():
+                loss = self.model(input_ids=ids, labels=ids).loss
+            self.backend.graph_break()
         with self.backend.timer() as backward:
             if loss.requires_grad:  # LoRA with every branch dropped has nothing to train
                 loss.backward()
+            self.backend.after_backward()
         with self.backend.timer() as update:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
+            self.backend.after_optimizer_step()
         return forward.seconds, backward.seconds, update.seconds
 
 
@@ -168,7 +196,34 @@ def measure(
 ) -> dict:
     """All figures for one grid point (see the module docstring); ``patterns``: ``apply``'s shapes to time."""
     model = build_model(point.preset, point.method, point.seq_len, dtype, backend.device)
-    bench = _Bench(model, backend, point.seq_len)
+    summary = measure_model(model, point, rates, backend, rounds, warmup, progress, patterns=patterns)
+    if memory and not backend.has_allocator_stats:
+        peaks = {c: _cpu_peak_rss(point, c, dtype) for c in ["baseline", *_row_configs(summary)]}
+        summary["baseline"]["peak_memory_bytes"] = peaks["baseline"]
+        for row, config in zip(summary["rows"], _row_configs(summary), strict=True):
+            row["peak_memory_bytes"] = peaks[config]
+    return summary
+
+
+def _row_configs(summary: dict) -> list[str]:
+    return [f"{row['pattern']}@{row['drop_rate']}" for row in summary["rows"]]
+
+
+def measure_model(
+    model: nn.Module,
+    point: Point,
+    rates: Sequence[float],
+    backend: Backend,
+    rounds: int,
+    warmup: int,
+    progress: Callable[[str], None] | None = None,
+    *,
+    patterns: Sequence[str] = ("uniform",),
+    autocast: Callable[[], AbstractContextManager] = nullcontext,
+) -> dict:
+    """The figures of :func:`measure` for a model already on ``backend``'s device (``dropbp check``
+    measures the user's own model); ``point`` gives the batch shape and labels the result."""
+    bench = _Bench(model, backend, point.seq_len, autocast)
     configs = _configs(rates, patterns)
     refused = refused_configs(model, configs, point.seq_len, backend)
     configs = [c for c in configs if c not in refused]
@@ -190,8 +245,6 @@ def measure(
                 times[name].append(t)
         if progress is not None:
             progress(f"{point.preset}/{point.method} s={point.seq_len} b={point.batch_size} round {rnd + 1}")
-    if memory and not backend.has_allocator_stats:
-        peaks = {c: _cpu_peak_rss(point, c, dtype) for c in configs}
     summary = _summarise(point, configs, times, peaks, model, len(bench.branch_modules))
     summary["refused"] = refused
     return summary

