@@ -36,6 +36,7 @@ def apply(
     dropped_grads: str = DEFAULT_DROPPED_GRADS,
     warmup_steps: int = 0,
     pattern: str = "uniform",
+    chunked_loss: bool | int = False,
 ) -> DropBPController:
     """Attach DropBP to ``model``: each training step drops the backward of random residual branches.
 
@@ -74,7 +75,15 @@ def apply(
             its own rate wherever it sits. ``"cut"``: each step draws a depth and drops every branch
             below it, so a kept branch's gradient misses no path through a dropped branch above it;
             the rates fall with depth (:func:`dropbp.allocation.cut_rates`), their FLOP-weighted mean
-            is ``drop_rate``, and the top branch is always kept. ``ctl.pattern``, settable.
+            is ``drop_rate``, and the top branch is always kept. ``ctl.pattern``, settable. Memory:
+            only ``"uniform"`` lowers the peak, since it drops about ``drop_rate`` of the branches
+            every step; ``"cut"`` drops nothing in some steps, which then need full backprop's memory.
+        chunked_loss: for a Hugging Face causal LM called with ``labels`` in training, compute the
+            LM head and cross-entropy in chunks recomputed in backward (:mod:`dropbp.chunked_loss`):
+            same loss and gradients, but the full logits and their gradient never exist at once, so
+            they no longer cap the memory dropping saves. ``True``: chunks of 64 MiB of float32
+            logits; an int: tokens per chunk. Such forwards return ``logits=None``. Works at any
+            rate, 0 included; ``ctl.remove()`` restores the model's forward.
 
     Returns:
         The :class:`DropBPController`; ``ctl.remove()`` restores the model exactly.
@@ -91,4 +100,6 @@ def apply(
     found = find_branches(inner, None if branches is None else list(branches), check_int("seq_len", seq_len, 1))
     bound = backend.default_max_patterns if max_patterns is None else max_patterns
     policy = DropPolicy([b.flops for b in found], drop_rate, seed, bound, warmup_steps, pattern)
-    return DropBPController(model, found, policy, backend, unbiased=unbiased, dropped_grads=dropped_grads)
+    return DropBPController(
+        model, found, policy, backend, unbiased=unbiased, dropped_grads=dropped_grads, chunked_loss=chunked_loss
+    )
