@@ -138,6 +138,8 @@ def attach(
     unbiased: bool = False,
     dropped_grads: str = DEFAULT_DROPPED_GRADS,
     warmup: float = 0.2,
+    pattern: str | None = None,
+    chunked_loss: bool | int = False,
 ) -> DropBPCallback:
     """Attach DropBP to ``trainer.model`` and register its callback; call before ``trainer.train()``.
 
@@ -147,6 +149,9 @@ def attach(
     in an optimizer pre-step hook, after the Trainer's gradient clipping. ``warmup``: fraction of the
     training steps over which the rates rise from 0 (``dropbp.apply``'s ``warmup_steps``); 0.2, the
     best setting measured (README, "When does DropBP pay off?"), 0 to drop from the first step.
+    ``pattern``: :func:`dropbp.apply`'s (None: its default); pass ``"uniform"`` for the memory saving
+    (every step then drops about ``drop_rate`` of the branches). ``chunked_loss``: :func:`dropbp.apply`'s,
+    the memory-lean head and loss for long sequences (:mod:`dropbp.chunked_loss`).
     Returns the callback; its ``controller`` is the :class:`DropBPController`.
     """
     if not isinstance(trainer, Trainer):
@@ -162,6 +167,8 @@ def attach(
         max_patterns=max_patterns,
         unbiased=unbiased,
         dropped_grads=dropped_grads,
+        chunked_loss=chunked_loss,
+        **({} if pattern is None else {"pattern": pattern}),
     )
     _let_ddp_skip_unused_parameters(trainer)
     callback = DropBPCallback(trainer, controller, calibrate_at, warmup)
