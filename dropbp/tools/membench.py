@@ -118,7 +118,10 @@ def longest_sequence(
         low, high = fit_k, None  # low fits, high does not
         step = 4  # x2
         k = 0 if low is None else low + step
-        while grid_length(k) <= limit:
+        while True:
+            if grid_length(k) > limit:
+                high = k  # past the limit: treated as not fitting, the bisection stays under it
+                break
             if fits(k):
                 low, k = k, k + step
             else:
