@@ -229,12 +229,15 @@ def _memory(args: argparse.Namespace, backend, dtype, budget: int | None, out: P
             if args.memory:
                 results["memory"] += memory_table(preset, method, args.seq_lens, args.rates, chunked, common, say)
             if args.max_seq_len:
-                results["max_seq_len"][f"{preset}/{method}"] = {
-                    ("chunked" if c else "plain"): longest_sequence(
-                        preset, method, args.rates, c, budget, common, say=say
+                found: dict = {}
+                results["max_seq_len"][f"{preset}/{method}"] = found
+                for c in chunked:  # plain first: what it fits, the chunked loss fits too
+                    plain = found.get("plain", {})
+                    known = {r: v["longest"] for r, v in plain.items()}
+                    found["chunked" if c else "plain"] = longest_sequence(
+                        preset, method, args.rates, c, budget, common, say=say, known=known
                     )
-                    for c in chunked
-                }
+                    write(results, out)
             write(results, out)  # after each model: a stopped run keeps what it measured
     paths = write(results, out)
     print((out / "memory.md").read_text())

@@ -102,11 +102,19 @@ def longest_sequence(
     common: dict[str, Any],
     limit: int = 1 << 17,
     say: Callable[[str], None] = print,
+    known: dict[str, int] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Per drop rate (ascending), the longest grid length whose training step peaks within ``budget``."""
+    """Per drop rate (ascending), the longest grid length whose training step peaks within ``budget``.
+
+    ``known``: per rate (as a string), a grid length already measured to fit (e.g. the plain loss's
+    longest, which the chunked loss, never needing more memory, fits too); the search starts there.
+    """
     out: dict[str, dict[str, Any]] = {}
     fit_k = None  # grid index known to fit (a lower rate's longest)
     for rate in sorted(rates):
+        if known and known.get(str(rate)):
+            k_known = max(k for k in range(200) if grid_length(k) <= known[str(rate)])
+            fit_k = k_known if fit_k is None else max(fit_k, k_known)
         probes: list[dict[str, Any]] = []
 
         def fits(k: int, rate: float = rate, probes: list = probes) -> bool:
