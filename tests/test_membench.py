@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -80,3 +81,14 @@ def test_a_real_probe_in_a_fresh_process():
     out = subprocess.run([*run, json.dumps(spec | {"budget": 1})], capture_output=True, text=True, check=True)
     stopped = json.loads(out.stdout.strip().splitlines()[-1])
     assert stopped["fits"] is False and stopped["stopped_at_bytes"] > 1
+
+
+def test_memory_docs_cite_only_recorded_results():
+    """docs/memory.md's figures come from files in benchmarks/results/ that are in the repository."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "docs" / "memory.md").read_text()
+    cited = set(re.findall(r"benchmarks/results/[\w./-]+\.(?:md|png|json)", text))
+    assert cited
+    assert not sorted(p for p in cited if not (root / p).is_file())

@@ -227,7 +227,12 @@ def _memory(args: argparse.Namespace, backend, dtype, budget: int | None, out: P
     for preset in args.presets:
         for method in args.methods:
             if args.memory:
-                results["memory"] += memory_table(preset, method, args.seq_lens, args.rates, chunked, common, say)
+
+                def keep(row: dict) -> None:
+                    results["memory"].append(row)
+                    write(results, out)
+
+                memory_table(preset, method, args.seq_lens, args.rates, chunked, common, say, on_row=keep)
             if args.max_seq_len:
                 found: dict = {}
                 results["max_seq_len"][f"{preset}/{method}"] = found

@@ -83,14 +83,18 @@ def memory_table(
     chunked: Sequence[bool],
     common: dict[str, Any],
     say: Callable[[str], None] = print,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Peak memory and saved-activation bytes per sequence length, drop rate and loss path."""
-    return [
-        run_probe(_spec(preset, method, s, r, c, common | {"account": True}), say)
-        for c in chunked
-        for s in seq_lens
-        for r in rates
-    ]
+    """Peak memory and saved-activation bytes per sequence length, drop rate and loss path;
+    ``on_row`` sees each row as it comes (to save it: a stopped run keeps what it measured)."""
+    rows = []
+    for c in chunked:
+        for s in seq_lens:
+            for r in rates:
+                rows.append(run_probe(_spec(preset, method, s, r, c, common | {"account": True}), say))
+                if on_row is not None:
+                    on_row(rows[-1])
+    return rows
 
 
 def longest_sequence(
