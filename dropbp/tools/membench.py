@@ -215,17 +215,22 @@ def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
-    rows = results.get("memory") or []
-    for key in sorted({(r["chunked"], r["rate"] or 0) for r in rows}):
-        pts = sorted(
-            (r["seq_len"], r["peak_above_level_bytes"] / 2**30) for r in rows if (r["chunked"], r["rate"] or 0) == key
+    points: dict[tuple[bool, float], list[tuple[int, float]]] = {}
+    for r in results.get("memory") or []:
+        points.setdefault((r["chunked"], r["rate"] or 0), []).append(
+            (r["seq_len"], r["peak_above_level_bytes"] / 2**30)
         )
-        left.plot(
-            *zip(*pts, strict=True),
-            marker="o",
-            linestyle="-" if key[0] else "--",
-            label=f"rate {key[1]}, {'chunked' if key[0] else 'plain'} loss",
-        )
+    for by_loss in (results.get("max_seq_len") or {}).values():  # the search's fitting probes are real steps too
+        for loss, by_rate in by_loss.items():
+            for rate, found in by_rate.items():
+                for p in found["probes"]:
+                    if p["fits"]:
+                        above = (p["peak_bytes"] - p["level_bytes"]) / 2**30
+                        points.setdefault((loss == "chunked", float(rate)), []).append((p["seq_len"], above))
+    for (chunked, rate), pts in sorted(points.items()):
+        style = "-" if chunked else "--"
+        label = f"rate {rate}, {'chunked' if chunked else 'plain'} loss"
+        left.plot(*zip(*sorted(pts), strict=True), marker="o", linestyle=style, label=label)
     left.set_xlabel("sequence length (tokens)")
     left.set_ylabel("peak memory above load (GiB)")
     left.legend(fontsize=7)
