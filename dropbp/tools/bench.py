@@ -34,9 +34,7 @@ __all__ = [
     "PRESETS",
     "Point",
     "build_model",
-    "check_allocator",
     "measure",
-    "max_seq_len",
     "write_outputs",
 ]
 
@@ -247,45 +245,6 @@ def _cpu_peak_rss(point: Point, config: str, dtype: torch.dtype) -> int:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return int(out.stdout.strip().splitlines()[-1])
-
-
-def check_allocator(backend: Backend) -> None:
-    """Out-of-memory searches need allocator figures; the CPU backend has none."""
-    if not backend.has_allocator_stats:
-        raise ValueError(f"--max-seq-len needs a device with an allocator (cuda, hpu); {backend.name} has none")
-
-
-def max_seq_len(
-    preset: str, method: str, rate: float | None, backend: Backend, dtype: torch.dtype, limit: int = 1 << 17
-) -> int:
-    """The longest sequence (micro-batch 1, a power-of-two search refined by bisection) whose training
-    step fits in device memory, without the library (``rate=None``) or with it at ``rate``."""
-    check_allocator(backend)
-    model = build_model(preset, method, 64, dtype, backend.device)
-    bench = _Bench(model, backend, 64)
-    model.config.max_position_embeddings = limit
-
-    def fits(seq: int) -> bool:
-        attached = [] if rate is None else bench.attach(f"dropbp@{rate}")
-        try:
-            ids = torch.randint(0, model.config.vocab_size, (1, seq)).to(backend.device)
-            bench.step(ids)
-            return True
-        except torch.OutOfMemoryError:
-            return False
-        finally:
-            for handle in attached:
-                handle.remove()
-            bench.opt.zero_grad(set_to_none=True)
-            backend.empty_cache()
-
-    low, high = 0, 256
-    while high <= limit and fits(high):
-        low, high = high, high * 2
-    while high - low > max(64, low // 16):
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return low
 
 
 def write_outputs(results: dict, out: Path) -> list[Path]:
