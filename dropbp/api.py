@@ -36,6 +36,7 @@ def apply(
     dropped_grads: str = DEFAULT_DROPPED_GRADS,
     warmup_steps: int = 0,
     pattern: str = "cut",
+    chunked_loss: bool | int = False,
 ) -> DropBPController:
     """Attach DropBP to ``model``: each training step drops the backward of random residual branches.
 
@@ -85,6 +86,12 @@ def apply(
             ``"uniform"``: the paper's, every branch dropped at its own rate wherever it sits, the same
             number in every step (steady memory: use it to train longer sequences), and the only shape
             ``calibrate`` can allocate for. ``ctl.pattern``, settable.
+        chunked_loss: for a Hugging Face causal LM called with ``labels`` in training, compute the
+            LM head and cross-entropy in chunks recomputed in backward (:mod:`dropbp.chunked_loss`):
+            same loss and gradients, but the full logits and their gradient never exist at once, so
+            they no longer cap the memory dropping saves. ``True``: chunks of 64 MiB of float32
+            logits; an int: tokens per chunk. Such forwards return ``logits=None``. Works at any
+            rate, 0 included; ``ctl.remove()`` restores the model's forward.
 
     Returns:
         The :class:`DropBPController`; ``ctl.remove()`` restores the model exactly.
@@ -101,4 +108,6 @@ def apply(
     found = find_branches(inner, None if branches is None else list(branches), check_int("seq_len", seq_len, 1))
     bound = backend.default_max_patterns if max_patterns is None else max_patterns
     policy = DropPolicy([b.flops for b in found], drop_rate, seed, bound, warmup_steps, pattern)
-    return DropBPController(model, found, policy, backend, unbiased=unbiased, dropped_grads=dropped_grads)
+    return DropBPController(
+        model, found, policy, backend, unbiased=unbiased, dropped_grads=dropped_grads, chunked_loss=chunked_loss
+    )

@@ -21,6 +21,7 @@ from . import sensitivity
 from .allocation import allocate_rates
 from .backends import Backend
 from .checks import check_bool, check_choice, check_int, fit_rates
+from .chunked_loss import ChunkedLoss
 from .discovery import Branch
 from .distributed import check_ddp, unwrap
 from .dropped_grads import DEFAULT_DROPPED_GRADS, DROPPED_GRADS
@@ -50,6 +51,17 @@ def _policy_setting(name: str, doc: str) -> property:
     return property(get, set, doc=f"{doc} Settable: validated, and effective from the next step.")
 
 
+def _chunked_loss(model: nn.Module, setting: object) -> ChunkedLoss | None:
+    """``chunked_loss``: False (off), True (default chunks) or a positive int (tokens per chunk)."""
+    if setting is False:
+        return None
+    if setting is True:
+        return ChunkedLoss(model)
+    if isinstance(setting, int) and setting >= 1:
+        return ChunkedLoss(model, setting)
+    raise ValueError(f"chunked_loss must be False, True or a positive int (tokens per chunk), got {setting!r}")
+
+
 class DropBPController:
     """Drop policy attached to one model; made by :func:`dropbp.apply`, which documents the arguments."""
 
@@ -62,6 +74,7 @@ class DropBPController:
         *,
         unbiased: bool = False,
         dropped_grads: str = DEFAULT_DROPPED_GRADS,
+        chunked_loss: bool | int = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -88,6 +101,7 @@ class DropBPController:
         self._found = list(branches)
         self._modules = [b.module for b in branches]
         flops = [b.flops for b in branches]
+        self._chunked = _chunked_loss(model, chunked_loss)  # first: a model it cannot handle leaves no hooks
         self._hooks = StepHooks(
             model, self._modules, flops, policy, [b.name for b in self._found], lambda: self._unbiased, dropped_grads
         )
@@ -135,6 +149,11 @@ class DropBPController:
     @unbiased.setter
     def unbiased(self, value: bool) -> None:
         self._unbiased = check_bool("unbiased", value)
+
+    @property
+    def chunked_loss(self) -> int | None:
+        """Tokens per chunk of the memory-lean head and loss (:mod:`dropbp.chunked_loss`); None when off."""
+        return None if self._chunked is None else self._chunked.chunk_tokens
 
     @property
     def dropped_grads(self) -> str:
@@ -278,6 +297,8 @@ class DropBPController:
         if self._removed:
             return
         self._hooks.remove()
+        if self._chunked is not None:
+            self._chunked.remove()
         for module in (self._model, *self._modules):
             if _ATTACHED.get(module) is self:
                 del _ATTACHED[module]

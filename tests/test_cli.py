@@ -148,29 +148,16 @@ def test_unwritable_output_folder(tmp_path, capsys):
     assert code == 2 and "cannot create the output folder" in err and err.count("\n") == 1
 
 
-def test_max_seq_len_needs_an_allocator(tmp_path, capsys):
-    argv = [
-        "bench",
-        "--presets",
-        "tiny",
-        "--methods",
-        "lora",
-        "--rates",
-        "0",
-        "--seq-lens",
-        "16",
-        "--batch-sizes",
-        "1",
-        "--rounds",
-        "1",
-        "--warmup",
-        "0",
-        "--max-seq-len",
-        "--out",
-        str(tmp_path),
-    ]
-    code, _, err = _run(argv, capsys)
-    assert code == 2 and "needs a device with an allocator (cuda, hpu); cpu has none" in err
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--max-seq-len", "--memory-budget", "lots"], "--memory-budget: expected a size such as 6GiB"),
+        (["--no-speed"], "--no-speed leaves nothing to run: add --memory or --max-seq-len"),
+    ],
+)
+def test_memory_arguments_are_checked(extra, message, tmp_path, capsys):
+    code, _, err = _run(["bench", "--presets", "tiny", "--out", str(tmp_path), *extra], capsys)
+    assert code == 2 and message in err and err.count("\n") == 1
 
 
 def test_missing_model_package_says_what_to_install(tmp_path, monkeypatch, capsys):

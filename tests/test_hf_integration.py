@@ -211,3 +211,17 @@ def test_warmup_fraction_becomes_training_forwards(tmp_path):
     assert patterns[0] == ()  # the first forward runs full backprop
     with pytest.raises(ValueError, match=r"warmup must be a fraction of the training steps in \[0, 1\), got 1.5"):
         attach(_trainer(tmp_path), warmup=1.5)
+
+
+def test_chunked_loss_trains_as_the_plain_loss(tmp_path):
+    """attach(chunked_loss=True): the Trainer (gradient accumulation: num_items_in_batch) ends with the
+    same weights as the plain loss, with the same patterns."""
+    weights = []
+    for chunked in (False, True):
+        trainer = _trainer(tmp_path, max_steps=3, gradient_accumulation_steps=2)
+        callback = attach(trainer, 0.5, calibrate_at=None, warmup=0.0, pattern="uniform", chunked_loss=chunked)
+        assert (callback.controller.chunked_loss is not None) == chunked
+        trainer.train()
+        weights.append({n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad})
+    for name, want in weights[0].items():
+        torch.testing.assert_close(weights[1][name], want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")

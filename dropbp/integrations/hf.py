@@ -142,6 +142,7 @@ def attach(
     dropped_grads: str = DEFAULT_DROPPED_GRADS,
     warmup: float = 0.2,
     pattern: str = "cut",
+    chunked_loss: bool | int = False,
 ) -> DropBPCallback:
     """Attach DropBP to ``trainer.model`` and register its callback; call before ``trainer.train()``.
 
@@ -152,7 +153,10 @@ def attach(
     ``unbiased`` and ``dropped_grads`` are :func:`dropbp.apply`'s; the dropped gradients are filled
     in an optimizer pre-step hook, after the Trainer's gradient clipping. ``warmup``: fraction of the
     training steps over which the rates rise from 0 (``dropbp.apply``'s ``warmup_steps``); 0.2, the
-    best setting measured (README, "When does DropBP pay off?"), 0 to drop from the first step.
+    best setting measured (docs/convergence.md), 0 to drop from the first step. Pass
+    ``pattern="uniform"`` for the memory saving too (every step then drops about ``drop_rate`` of the
+    branches; a cut drops none in some steps). ``chunked_loss``: :func:`dropbp.apply`'s,
+    the memory-lean head and loss for long sequences (:mod:`dropbp.chunked_loss`).
     Returns the callback; its ``controller`` is the :class:`DropBPController`.
     """
     if not isinstance(trainer, Trainer):
@@ -177,6 +181,7 @@ def attach(
         unbiased=unbiased,
         dropped_grads=dropped_grads,
         pattern=pattern,
+        chunked_loss=chunked_loss,
     )
     _let_ddp_skip_unused_parameters(trainer)
     callback = DropBPCallback(trainer, controller, calibrate_at, warmup)

