@@ -8,7 +8,16 @@ import torch
 from conftest import tiny_model
 
 from dropbp import backends
-from dropbp.tools.compare import Run, RunResult, compare, loss_at_time, summarise, time_to_target, timing_check
+from dropbp.tools.compare import (
+    Run,
+    RunResult,
+    compare,
+    loss_at_time,
+    summarise,
+    time_to_target,
+    timing_check,
+    timing_verdict,
+)
 from dropbp.tools.textdata import CORPORA, TokenData, stdlib_docstrings
 
 
@@ -159,3 +168,17 @@ def test_the_demo_table_carries_the_warning():
     assert table(record).endswith("UNRELIABLE TIMING: ...")
     record["timing"] = {"warning": None}
     assert "UNRELIABLE" not in table(record)
+
+
+def test_bench_flags_a_busy_baseline_like_the_demo():
+    from dropbp.tools.bench import markdown_table
+
+    quiet, busy = timing_verdict([1.0, 1.02, 0.99, 1.01]), timing_verdict([1.0, 9.0, 1.1, 8.0, 1.0])
+    assert quiet["reliable"] and quiet["warning"] is None
+    assert not busy["reliable"] and busy["baseline_spread"] == pytest.approx(7.9)
+    base = {"step_s": 1.0, "tokens_per_s": 1.0, "peak_memory_bytes": None}
+    point = {"preset": "tiny", "method": "full", "seq_len": 16, "batch_size": 1, "baseline": base, "rows": []}
+    results = {"device": "cpu", "dtype": "float32", "torch": "x", "date": "d", "rounds": 5}
+    assert "UNRELIABLE" not in markdown_table({**results, "points": [{**point, "timing": quiet}]})
+    table = markdown_table({**results, "points": [{**point, "timing": busy}]})
+    assert "- tiny/full seq 16 batch 1: UNRELIABLE TIMING" in table

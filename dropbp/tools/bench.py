@@ -29,6 +29,7 @@ from .. import apply
 from ..backends import Backend
 from ..imports import require
 from ..no_grad import attach_no_grad_hooks
+from .compare import timing_verdict
 
 __all__ = [
     "PRETRAINED",
@@ -266,6 +267,7 @@ def _summarise(point: Point, configs: Sequence[str], times, peaks, model: nn.Mod
     f, b, o = (phase("baseline", i) for i in range(3))
     b0, o0 = phase("all_dropped", 1), phase("all_dropped", 2)
     base_step = statistics.median(total["baseline"])
+    timing = timing_verdict(total["baseline"])
     tokens = point.batch_size * point.seq_len
     rows = []
     for name in configs[2:]:
@@ -301,6 +303,7 @@ def _summarise(point: Point, configs: Sequence[str], times, peaks, model: nn.Mod
         },
         "all_dropped": {"backward_s": b0, "optimizer_s": o0},
         "rows": rows,
+        "timing": timing,
     }
 
 
@@ -355,6 +358,13 @@ def markdown_table(results: dict) -> str:
             )
         for config in p.get("refused", {}):  # the reason is in the JSON ("refused")
             lines.append(f"| | | | | {config.replace('@', ' @ ')} | refused by apply (see bench.json) | | | | | |")
+    warnings = [
+        f"- {p['preset']}/{p['method']} seq {p['seq_len']} batch {p['batch_size']}: {p['timing']['warning']}"
+        for p in results["points"]
+        if p.get("timing", {}).get("warning")
+    ]
+    if warnings:
+        lines += ["", *warnings]
     return "\n".join(lines) + "\n"
 
 

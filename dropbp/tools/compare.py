@@ -106,9 +106,7 @@ def control_rates(kind: str, flops: Sequence[float], drop_rate: float) -> list[f
             below += f
         rates[-1] = 0.0
         return rates
-    raise ValueError(
-        f"rates must be 'cut-marginals', 'cut-capped', 'cut-uncapped' or 'frozen-bottom', got {kind!r}"
-    )
+    raise ValueError(f"rates must be 'cut-marginals', 'cut-capped', 'cut-uncapped' or 'frozen-bottom', got {kind!r}")
 
 
 _CUT_SHAPED_CONTROLS = ("frozen-bottom", "cut-capped", "cut-uncapped")
@@ -288,15 +286,16 @@ def _timed(result: RunResult) -> list[float]:
     return result.step_seconds[_TIMED_FROM:] or result.step_seconds
 
 
-def timing_check(results: list[RunResult]) -> dict:
-    """Whether the step times can be trusted: the spread of the baseline's own step times.
+def timing_verdict(baseline_seconds: Sequence[float]) -> dict:
+    """Whether step times can be trusted, from the spread of the baseline's own step times.
 
     Full backprop does the same work every step, so on a quiet machine its step times agree
     closely; another process taking the cores shows up as outliers there. Returns the spread
     (10th-90th percentile over the median) and, when it exceeds :data:`UNRELIABLE_SPREAD`, a warning
-    that says the step speedups and times to target are not to be trusted.
+    that says the speedups (and times to target) are not to be trusted. Used by ``dropbp demo`` and
+    ``dropbp bench``.
     """
-    times = sorted(_timed(results[0]))
+    times = sorted(baseline_seconds)
     if len(times) < 3:
         spread = 0.0
     else:
@@ -312,6 +311,11 @@ def timing_check(results: list[RunResult]) -> dict:
             "quiet machine."
         )
     return {"baseline_spread": spread, "reliable": reliable, "warning": warning}
+
+
+def timing_check(results: list[RunResult]) -> dict:
+    """:func:`timing_verdict` of a comparison's baseline (``results[0]``), its first step left out."""
+    return timing_verdict(_timed(results[0]))
 
 
 def summarise(results: list[RunResult], steps: int) -> list[dict]:
