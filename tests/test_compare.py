@@ -175,7 +175,7 @@ def test_bench_flags_a_busy_baseline_like_the_demo():
 
     quiet, busy = timing_verdict([1.0, 1.02, 0.99, 1.01]), timing_verdict([1.0, 9.0, 1.1, 8.0, 1.0])
     assert quiet["reliable"] and quiet["warning"] is None
-    assert not busy["reliable"] and busy["baseline_spread"] == pytest.approx(7.9)
+    assert not busy["reliable"] and busy["baseline_spread"] == pytest.approx(8.0 / 1.1)  # (9 - 1) / median
     base = {"step_s": 1.0, "tokens_per_s": 1.0, "peak_memory_bytes": None}
     point = {"preset": "tiny", "method": "full", "seq_len": 16, "batch_size": 1, "baseline": base, "rows": []}
     results = {"device": "cpu", "dtype": "float32", "torch": "x", "date": "d", "rounds": 5}
