@@ -24,34 +24,24 @@ class UsageError(Exception):
     """A problem with what the user asked for: reported in one line, exit code 2."""
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _number(convert: type, ok, expected: str):
+    """An argparse type: ``convert`` the text, then require ``ok(value)``; else say what was expected."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def _rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a drop rate in [0, 1), got {text!r}") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"expected a drop rate in [0, 1), got {text!r}")
-    return value
+_positive = _number(int, lambda v: v >= 1, "a positive integer")
+_non_negative = _number(int, lambda v: v >= 0, "an integer >= 0")
+_rate = _number(float, lambda v: 0 <= v < 1, "a drop rate in [0, 1)")
 
 
 class _Parser(argparse.ArgumentParser):
