@@ -78,6 +78,7 @@ class DropBPController:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        wrapper = model
         model, ddp = unwrap(model)
         if ddp is not None:
             check_ddp(ddp)
@@ -95,6 +96,10 @@ class DropBPController:
         self._policy = policy
         self.unbiased = unbiased
         check_choice("dropped_grads", dropped_grads, DROPPED_GRADS)
+        if ddp is None and wrapper is not model:  # a DeepSpeedEngine
+            from .integrations.deepspeed import check_config
+
+            check_config(wrapper.config, dropped_grads)
         #: The device backend whose step boundaries :meth:`backward` and :meth:`optimizer_step` place.
         self.backend = backend
         self._model = model

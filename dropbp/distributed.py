@@ -20,6 +20,8 @@ Every rank draws the same pattern without communicating (a pure function of seed
 
 from __future__ import annotations
 
+import sys
+
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -27,9 +29,15 @@ __all__ = ["check_ddp", "check_running_ddp", "check_running_ddp_checkpointing", 
 
 
 def unwrap(model: nn.Module) -> tuple[nn.Module, DistributedDataParallel | None]:
-    """The module DropBP attaches to (a DDP wrapper's ``.module``) and the DDP wrapper, if any."""
+    """The module DropBP attaches to (a DDP wrapper's or a ``DeepSpeedEngine``'s ``.module``) and
+    the DDP wrapper, if any."""
     if isinstance(model, DistributedDataParallel):
         return model.module, model
+    if "deepspeed" in sys.modules:
+        from .integrations.deepspeed import is_engine
+
+        if is_engine(model):
+            return model.module, None
     return model, None
 
 

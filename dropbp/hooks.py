@@ -11,6 +11,7 @@ again by checkpointing (:mod:`dropbp.recompute`); a kept one may get its incomin
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -71,6 +72,7 @@ class StepHooks:
         self.tally = DropTally()
         self._recompute = RecomputeCache(self._modules)
         self.fill = DroppedGrads(dropped_grads, self._modules)
+        self._zero = None  # a dropbp.integrations.deepspeed.ZeroGuard, once a ZeRO optimizer holds the model
         self._handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(self._on_model_forward),
             model.register_forward_hook(self._after_model_forward, always_call=True),
@@ -109,6 +111,9 @@ class StepHooks:
             check_running_ddp()  # a DDP wrapper added after apply() must cope with unused parameters
         self._recompute.begin_forward()
         self.fill.note_dropped(self.dropped)
+        self._watch_zero()
+        if self._zero is not None:
+            self._zero.begin_forward(self.dropped)
         self.step += 1
         self.last = self.dropped
         self.tally.record(self.dropped, self._flops)
@@ -144,6 +149,21 @@ class StepHooks:
             "branches=[f'bert.encoder.layer.{i}.attention.self', f'bert.encoder.layer.{i}.intermediate' ...]"
         )
 
+    def _watch_zero(self) -> None:
+        """Install the DeepSpeed ZeRO guard at the first training forward under a ZeRO optimizer.
+
+        ``deepspeed.initialize`` may run before or after ``apply`` (the Hugging Face Trainer runs it in
+        ``train()``), so it is looked for at each forward until found; never when deepspeed was not imported.
+        """
+        if self._zero is not None or "deepspeed" not in sys.modules:
+            return
+        from .integrations.deepspeed import ZeroGuard, zero_stage
+
+        params = [p for p in self._model.parameters() if p.requires_grad]
+        stage = zero_stage(params)
+        if stage is not None:
+            self._zero = ZeroGuard(stage, params, self._modules, self.fill.mode)
+
     def _trainable_branches(self) -> list[bool] | None:
         """Per branch, whether it holds a trainable parameter; ``None`` if something outside does.
 
@@ -173,4 +193,7 @@ class StepHooks:
         self._handles = []
         self._recompute.clear()
         self.fill.remove()
+        if self._zero is not None:
+            self._zero.remove()
+            self._zero = None
         self.dropped = frozenset()

@@ -1,0 +1,254 @@
+"""DropBP under DeepSpeed ZeRO stages 1, 2 and 3: a dropped branch's parameters are treated as on one process.
+
+What ZeRO does with a parameter that got no gradient in a step (DeepSpeed 0.19, from its source):
+
+- **Stages 1 and 2** (with ``ignore_unused_parameters``, the default) give it a zero gradient in
+  the flat gradient partition. The optimizer then still decays it and moves it along its momentum:
+  what :mod:`dropbp.dropped_grads` calls ``"zero"``, not ``"skip"``.
+- **Stage 3** keeps each rank's gradient partitions in one flat buffer that it never clears: the
+  first micro-step of a gradient-accumulation window copies the new partitions in, later ones add.
+  A parameter that got no gradient keeps the previous window's value, so a stale gradient is
+  applied (and counted in the clipping norm); one dropped in the first micro-step and kept in a
+  later one gets the stale gradient plus the new one.
+
+:class:`ZeroGuard` fixes both. It is installed by the step hooks at the first training forward that
+finds ZeRO's marks on the parameters (``ds_id``: stage 3; ``_hp_mapping``: stages 1 and 2), so
+``dropbp.apply`` works before or after ``deepspeed.initialize`` and under the Hugging Face Trainer.
+
+- Stage 3: at the first training forward of each accumulation window (the optimizer's
+  ``micro_step_id`` is 0) the flat gradient buffer is zeroed, so a window's gradient is the sum of
+  its micro-steps' and a parameter used in none of them has a zero gradient, as in stages 1 and 2.
+  That alone makes ``dropped_grads="zero"`` exact under every stage.
+- ``dropped_grads="skip"``: around the inner (torch) optimizer's step, which ZeRO runs on flat fp32
+  partitions, this rank's slices of the fp32 master weights and of every optimizer state of the
+  flat partition's shape (Adam's ``exp_avg``, ``exp_avg_sq``; SGD's ``momentum_buffer``) are saved
+  for the parameters of the branches dropped in the window and put back right after the step,
+  before ZeRO copies the master weights into the model's parameters. Those parameters and their
+  optimizer state are therefore exactly as before the step: no stale gradient, no weight decay, no
+  momentum. A state the step created (the first step) is zero on those slices, as if never used.
+  The hooks are torch's global optimizer step hooks, so they also run for DeepSpeed's own torch
+  optimizers (``DeepSpeedCPUAdam``, ``FusedAdam``).
+- ``dropped_grads="reuse"`` is refused: the stored gradient would have to enter ZeRO's gradient
+  partitions before it computes the clipping norm, where no hook runs.
+
+One difference from one process remains, and it is DeepSpeed's: an optimizer keeps its step count
+per flat partition, not per parameter, so Adam's bias correction for a branch kept in k of t steps
+uses t instead of k (the two agree within a few percent once t reaches the tens of steps; SGD, with
+or without momentum and weight decay, has no step count and matches exactly).
+
+Under fp16 dynamic loss scaling a step skipped for an overflow runs no optimizer, so the branches
+dropped in that window count as dropped in the next one too and stay unchanged there.
+
+Nothing here imports ``deepspeed`` unless a model already carries its marks; ``import dropbp`` never does.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+__all__ = ["CALIBRATION_UNDER_ZERO3", "ZeroGuard", "check_config", "is_engine", "is_partitioned", "zero_stage"]
+
+
+def zero_stage(params: Iterable[nn.Parameter]) -> int | None:
+    """3 for parameters a ZeRO-3 optimizer holds, 1 for stage 1 or 2 (one mechanism), None otherwise.
+
+    Read from the attributes DeepSpeed's ZeRO optimizers set on the parameters they hold, so nothing
+    is imported. (``deepspeed.zero.Init`` partitions parameters before any optimizer exists: None then.)"""
+    for p in params:
+        if hasattr(p, "_z3_optimizer"):
+            return 3
+        if hasattr(p, "_hp_mapping"):
+            return 1
+    return None
+
+
+def is_partitioned(params: Iterable[nn.Parameter]) -> bool:
+    """Whether ZeRO-3 holds these parameters as shards (``deepspeed.zero.Init`` or a stage-3 engine)."""
+    return any(hasattr(p, "ds_id") for p in params)
+
+
+def is_engine(model: object) -> bool:
+    """Whether ``model`` is a ``deepspeed.DeepSpeedEngine`` (False whenever deepspeed was never imported)."""
+    ds = sys.modules.get("deepspeed")
+    engine = getattr(ds, "DeepSpeedEngine", None)
+    return engine is not None and isinstance(model, engine)
+
+
+def check_config(config: Mapping[str, Any], dropped_grads: str, *, calibrate: bool = False) -> None:
+    """Raise ``ValueError`` for a DeepSpeed configuration DropBP cannot train with, saying what to change.
+
+    Args:
+        config: the DeepSpeed configuration (the JSON's dict).
+        dropped_grads: the controller's setting (:mod:`dropbp.dropped_grads`).
+        calibrate: whether sensitivities will be measured (``calibrate_at`` in the Trainer).
+    """
+    zero = config.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0) or 0)
+    if dropped_grads == "reuse":
+        raise ValueError(
+            "dropped_grads='reuse' cannot work under DeepSpeed: a stored gradient would have to enter ZeRO's "
+            "gradient partitions before it computes the clipping norm; use dropped_grads='skip' (dropped branches "
+            "unchanged by the step) or 'zero' (a zero gradient: weight decay and momentum still move them)"
+        )
+    if stage in (1, 2) and zero.get("ignore_unused_parameters", True) is False:
+        raise ValueError(
+            "DropBP leaves the parameters of dropped branches without a gradient, which ZeRO stages 1 and 2 "
+            "refuse with zero_optimization.ignore_unused_parameters=false: set it to true (the default)"
+        )
+    if stage == 3 and calibrate:
+        raise ValueError(CALIBRATION_UNDER_ZERO3)
+
+
+#: Why calibration is refused under ZeRO-3, and what to do instead.
+CALIBRATION_UNDER_ZERO3 = (
+    "calibrate cannot run under DeepSpeed ZeRO-3: it measures each branch's effect on the full gradient of "
+    "every parameter, and ZeRO-3 keeps only a shard of each parameter on a rank and takes gradients over in "
+    "its own hooks. Calibrate before deepspeed.initialize (or with ZeRO stage 1 or 2) and carry the rates over "
+    "with ctl.state_dict() / ctl.load_state_dict(), keep the pattern's own rates (Hugging Face attach: "
+    "calibrate_at=None), or use the default pattern='cut', which needs no calibration"
+)
+
+
+def _master_fragment(p: nn.Parameter) -> torch.Tensor | None:
+    """This rank's slice of ``p``'s fp32 master weights: a view into a flat partition the optimizer steps."""
+    if hasattr(p, "ds_id"):
+        from deepspeed.utils import safe_get_local_fp32_param
+
+        return safe_get_local_fp32_param(p)
+    mapping = getattr(p, "_hp_mapping", None)
+    return None if mapping is None else mapping.hp_fragment
+
+
+def _slice_of(fragment: torch.Tensor, flat: torch.Tensor) -> slice | None:
+    """Where ``fragment`` lies inside ``flat`` (both 1-D views of one storage), or None if it does not."""
+    if fragment.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+        return None
+    start = (fragment.data_ptr() - flat.data_ptr()) // flat.element_size()
+    if start < 0 or start + fragment.numel() > flat.numel():
+        return None
+    return slice(start, start + fragment.numel())
+
+
+class ZeroGuard:
+    """Makes a ZeRO optimizer leave alone what one process would leave alone, per ``dropped_grads``.
+
+    On one process a parameter without a gradient (``.grad is None``) is skipped by the optimizer:
+    under ``"skip"`` every parameter that got no gradient in the window (a dropped branch's, and the
+    norm feeding only that branch), under ``"zero"`` those outside the dropped branches (the branches'
+    own get a zero gradient). The guard records which parameters got a gradient in the window
+    (a post-accumulate-grad hook each) and keeps the others exactly as they were through the step.
+
+    Args:
+        stage: :func:`zero_stage` of the model's parameters (1 for stages 1 and 2, or 3).
+        params: the model's trainable parameters.
+        modules: the branch modules, in branch order.
+        dropped_grads: "skip" or "zero" ("reuse" is refused by :func:`check_config`).
+    """
+
+    def __init__(
+        self, stage: int, params: Sequence[nn.Parameter], modules: Sequence[nn.Module], dropped_grads: str
+    ) -> None:
+        check_config({"zero_optimization": {"stage": stage}}, dropped_grads)
+        self._z3 = next((p._z3_optimizer for p in params if hasattr(p, "_z3_optimizer")), None)
+        zero = self._z3 or next((p._zero_optimizer for p in params if hasattr(p, "_zero_optimizer")), None)
+        #: The torch optimizer ZeRO steps on its flat partitions (None: not found; every optimizer is watched).
+        self._inner = getattr(zero, "optimizer", None)
+        self._params = list(params)
+        self._modules = list(modules)
+        self._mode = dropped_grads
+        self._used: set[int] = set()  # ids of the parameters that got a gradient in the window
+        self._dropped: set[int] = set()  # branches dropped in some micro-step of the window
+        self._first = True  # no forward seen yet
+        self._stepped = False  # the inner optimizer stepped since the last training forward
+        self._saved: list[tuple[torch.Tensor, slice, torch.Tensor, dict[str, torch.Tensor]]] = []
+        this = weakref.ref(self)
+
+        def used(p: nn.Parameter) -> None:
+            guard = this()
+            if guard is not None:
+                guard._used.add(id(p))
+
+        def before(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+            guard = this()
+            if guard is not None:
+                guard._save(optimizer)
+
+        def after(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+            guard = this()
+            if guard is not None:
+                guard._restore(optimizer)
+
+        self._handles = [p.register_post_accumulate_grad_hook(used) for p in self._params]
+        self._handles += [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
+
+    def begin_forward(self, dropped: Iterable[int]) -> None:
+        """Called at every training forward with the branches it drops; the first forward after an
+        optimizer step starts a new gradient-accumulation window."""
+        new_window = self._stepped or self._first
+        if self._z3 is not None and self._z3.micro_step_id == 0:
+            self._z3.grad_partitions_flat_buffer.zero_()  # no stale gradient from the previous window
+            new_window = True
+        if new_window:
+            self._used, self._dropped = set(), set()
+            self._stepped = self._first = False
+        self._dropped.update(dropped)
+
+    def _left_alone(self) -> list[nn.Parameter]:
+        """The parameters one process would not step: no gradient, and none filled in by ``dropped_grads``."""
+        filled = set()
+        if self._mode == "zero":
+            filled = {id(p) for i in self._dropped for p in self._modules[i].parameters()}
+        return [p for p in self._params if id(p) not in self._used and id(p) not in filled]
+
+    def _watches(self, optimizer: torch.optim.Optimizer) -> bool:
+        return self._inner is None or optimizer is self._inner
+
+    def _save(self, optimizer: torch.optim.Optimizer) -> None:
+        self._saved = []
+        if not self._watches(optimizer):
+            return
+        flats = [p for group in optimizer.param_groups for p in group["params"]]
+        for p in self._left_alone():
+            fragment = _master_fragment(p)
+            if fragment is None or not fragment.numel():
+                continue  # no slice of it on this rank
+            for flat in flats:
+                where = _slice_of(fragment, flat)
+                if where is None:
+                    continue
+                state = {
+                    k: v[where].clone()
+                    for k, v in optimizer.state.get(flat, {}).items()
+                    if torch.is_tensor(v) and v.shape == flat.shape
+                }
+                self._saved.append((flat, where, flat.detach()[where].clone(), state))
+                break
+
+    @torch.no_grad()
+    def _restore(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self._watches(optimizer):
+            return
+        self._stepped = True
+        for flat, where, value, state in self._saved:
+            flat[where] = value
+            for k, v in optimizer.state.get(flat, {}).items():
+                if torch.is_tensor(v) and v.shape == flat.shape:
+                    if k in state:
+                        v[where] = state[k]
+                    else:  # created by this step: as if these slices had never been stepped
+                        v[where] = 0
+        self._saved = []
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._saved = []
+        self._used.clear()

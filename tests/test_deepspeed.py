@@ -1,0 +1,216 @@
+"""DeepSpeed ZeRO stages 1, 2 and 3 on two CPU processes (gloo), with a hand-written
+``deepspeed.initialize`` loop and with the Hugging Face Trainer.
+
+Every rank draws the same patterns; every rank's parameters are identical after every step; the
+parameters of branches dropped in a step are exactly as before it (``dropped_grads="skip"``); and every
+parameter after every step is what one process computes on both ranks' batches with the same patterns
+and the same optimizer, written out by hand here (to float rounding: two ranks average two half-batch
+gradients where one process takes the mean over the whole batch). The loss falls over 20 steps.
+Every job has a time limit: a hang fails the test.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import VOCAB, detach_outputs, tiny_model
+
+pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install dropbp[deepspeed])")
+
+import dropbp  # noqa: E402
+
+WORLD = 2
+STEPS = 20
+JOB_TIMEOUT = 240  # seconds for one two-process job, start-up (importing deepspeed) included
+LR = {"sgd": 0.05, "adamw": 0.01}
+# Two ranks average two half-batch gradients, one process takes the mean over the whole batch: float
+# rounding apart. Measured over the 20 steps: SGD within 1.2e-7; AdamW within 1.2e-5 (dividing by
+# sqrt(v) magnifies the rounding of small gradients).
+ATOL = {"sgd": 1e-6, "adamw": 5e-5}
+CLIP = 1.0  # DeepSpeed's default gradient clipping, written out; the norm must not count stale gradients
+
+# (name, ZeRO stage, optimizer, dropped_grads, gradient accumulation steps, apply before deepspeed.initialize)
+CASES = [
+    ("z1-sgd", 1, "sgd", "skip", 1, True),
+    ("z2-adamw", 2, "adamw", "skip", 1, False),
+    ("z2-adamw-accum", 2, "adamw", "skip", 2, True),
+    ("z3-sgd", 3, "sgd", "skip", 1, False),
+    ("z3-adamw", 3, "adamw", "skip", 1, True),
+    ("z3-adamw-accum", 3, "adamw", "skip", 2, False),
+    ("z3-adamw-zero", 3, "adamw", "zero", 1, True),
+]
+
+
+def _run_ranks(target, *args) -> None:
+    """Run ``target(rank, *args)`` in WORLD spawned processes; fail on a non-zero exit or a hang."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(rank, *args)) for rank in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=JOB_TIMEOUT)
+    hung = [p.is_alive() for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not any(hung), f"ranks {hung} did not finish within {JOB_TIMEOUT} s (a hang)"
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def _ids(step: int, micro: int, rank: int) -> torch.Tensor:
+    """Two counting sequences (each token the previous plus one): learnable in a few steps."""
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    start = torch.randint(3, VOCAB - 12, (2, 1), generator=g)
+    return start + torch.arange(12)
+
+
+def _optimizer(kind: str, params) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=LR[kind], momentum=0.9, weight_decay=0.1)
+    return torch.optim.AdamW(params, lr=LR[kind], weight_decay=0.1)
+
+
+def _config(stage: int, accumulation: int) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": accumulation,
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": CLIP,
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+def _full_params(model: torch.nn.Module, stage: int) -> dict[str, torch.Tensor]:
+    if stage == 3:  # ZeRO-3 holds one shard per rank: gather (a collective)
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _train_case(stage: int, kind: str, dropped_grads: str, accumulation: int, apply_first: bool) -> dict:
+    import deepspeed
+
+    model = tiny_model("llama", layers=3)
+    if apply_first:
+        ctl = dropbp.apply(model, 0.5, seed=0, pattern="uniform", dropped_grads=dropped_grads)
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=_optimizer(kind, model.parameters()), config=_config(stage, accumulation)
+    )
+    if not apply_first:
+        ctl = dropbp.apply(engine, 0.5, seed=0, pattern="uniform", dropped_grads=dropped_grads)
+    rank = dist.get_rank()
+    record = {"initial": _full_params(model, stage), "steps": []}
+    for step in range(STEPS):
+        patterns, losses = [], []
+        for micro in range(accumulation):
+            ids = _ids(step, micro, rank)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()  # steps the optimizer at the end of the accumulation window only
+            patterns.append(ctl.last_dropped)
+            losses.append(loss.item())
+        record["steps"].append({"patterns": patterns, "losses": losses, "after": _full_params(model, stage)})
+    ctl.remove()
+    engine.destroy()
+    return record
+
+
+def _rank_main(rank: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)  # as a launcher does: two processes share the cores
+    env = dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=WORLD, LOCAL_WORLD_SIZE=WORLD)
+    os.environ.update({k: str(v) for k, v in env.items()})
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:  # deepspeed.initialize uses the process group opened here
+        result = {case[0]: _train_case(*case[1:]) for case in CASES}
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _shared_step_count(optimizer: torch.optim.Optimizer, steps_done: int) -> None:
+    """Give every parameter the optimizer's step count, as ZeRO's one flat partition has.
+
+    AdamW keeps a step count per parameter; ZeRO's optimizer holds one flat tensor per rank, so a
+    parameter that was skipped still has its bias correction advance with the others."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if not state:  # what torch.optim.AdamW creates at a parameter's first step
+                state.update(
+                    step=torch.tensor(0.0),
+                    exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                    exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format),
+                )
+            state["step"].fill_(steps_done)
+
+
+def _reference(kind: str, dropped_grads: str, accumulation: int, steps: list[dict]) -> list[dict]:
+    """One process, written out by hand: both ranks' micro-batches, the recorded patterns applied by
+    detaching the dropped branches' outputs, for "zero" a zero gradient for the dropped branches'
+    parameters, the gradient clipped to norm CLIP, the optimizer step."""
+    model = tiny_model("llama", layers=3)
+    optimizer = _optimizer(kind, model.parameters())
+    modules = dict(model.named_modules())
+    after = []
+    for step, record in enumerate(steps):
+        for micro, pattern in enumerate(record["patterns"]):
+            handles = detach_outputs(model, pattern)
+            ids = torch.cat([_ids(step, micro, rank) for rank in range(WORLD)])
+            (model(input_ids=ids, labels=ids).loss / accumulation).backward()
+            for h in handles:
+                h.remove()
+        if dropped_grads == "zero":
+            for name in {n for pattern in record["patterns"] for n in pattern}:
+                for p in modules[name].parameters():
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        if kind == "adamw":
+            _shared_step_count(optimizer, step)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        after.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return after
+
+
+def _in_branch(name: str, branches) -> bool:
+    return any(name.startswith(b + ".") for b in branches)
+
+
+@pytest.fixture(scope="module")
+def zero_runs():
+    with tempfile.TemporaryDirectory() as tmp:
+        _run_ranks(_rank_main, os.path.join(tmp, "init"), tmp)
+        yield [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_zero_trains_as_one_process(zero_runs, case):
+    name, stage, kind, dropped_grads, accumulation, _ = case
+    a, b = (r[name] for r in zero_runs)
+    assert all(torch.equal(a["initial"][n], b["initial"][n]) for n in a["initial"])
+    reference = _reference(kind, dropped_grads, accumulation, a["steps"])
+    previous = a["initial"]
+    skipped = 0
+    for step, (sa, sb, want) in enumerate(zip(a["steps"], b["steps"], reference, strict=True)):
+        assert sa["patterns"] == sb["patterns"] and all(len(p) == 3 for p in sa["patterns"]), step
+        dropped_all = set.intersection(*(set(p) for p in sa["patterns"]))  # no gradient in the window
+        for n, value in sa["after"].items():
+            assert torch.equal(value, sb["after"][n]), (step, n)  # every rank alike
+            if dropped_grads == "skip" and _in_branch(n, dropped_all):
+                assert torch.equal(value, previous[n]), (step, n)  # untouched: no stale gradient, no decay
+                skipped += 1
+            torch.testing.assert_close(
+                value, want[n], atol=ATOL[kind], rtol=0, msg=lambda m, s=step, n=n: f"{s} {n}: {m}"
+            )
+        previous = sa["after"]
+    assert dropped_grads != "skip" or skipped > 0
+    losses = [sum(s["losses"]) / accumulation for s in a["steps"]]
+    assert sum(losses[-5:]) < 0.8 * sum(losses[:5]), losses
