@@ -9,6 +9,7 @@ next step; the :class:`~dropbp.discovery.Branch` objects it hands out are read-o
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -97,9 +98,9 @@ class DropBPController:
         self.unbiased = unbiased
         check_choice("dropped_grads", dropped_grads, DROPPED_GRADS)
         if ddp is None and wrapper is not model:  # a DeepSpeedEngine
-            from .integrations.deepspeed import check_config
+            from .integrations.deepspeed import check_engine
 
-            check_config(wrapper.config, dropped_grads)
+            check_engine(wrapper, dropped_grads)
         #: The device backend whose step boundaries :meth:`backward` and :meth:`optimizer_step` place.
         self.backend = backend
         self._model = model
@@ -225,6 +226,10 @@ class DropBPController:
                 "before calibrating, or keep the cut's rates"
             )
         boundary = self.backend.graph_break  # lazy devices: one graph per pass, not one for all
+        if "deepspeed" in sys.modules:  # a DeepSpeed engine's forward cannot take calibration passes
+            from .integrations.deepspeed import calibration_closure
+
+            closure = calibration_closure(closure)
         sens = sensitivity.measure(
             self._model, self._modules, closure, self._hooks.force, gradnorm=gradnorm, method=method, boundary=boundary
         )

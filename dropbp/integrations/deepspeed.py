@@ -12,32 +12,39 @@ What ZeRO does with a parameter that got no gradient in a step (DeepSpeed 0.19, 
   later one gets the stale gradient plus the new one.
 
 :class:`ZeroGuard` fixes both. It is installed by the step hooks at the first training forward that
-finds ZeRO's marks on the parameters (``ds_id``: stage 3; ``_hp_mapping``: stages 1 and 2), so
+finds a ZeRO optimizer's marks on the parameters (``_z3_optimizer``: stage 3; ``_hp_mapping``: 1 and 2), so
 ``dropbp.apply`` works before or after ``deepspeed.initialize`` and under the Hugging Face Trainer.
 
 - Stage 3: at the first training forward of each accumulation window (the optimizer's
   ``micro_step_id`` is 0) the flat gradient buffer is zeroed, so a window's gradient is the sum of
   its micro-steps' and a parameter used in none of them has a zero gradient, as in stages 1 and 2.
-  That alone makes ``dropped_grads="zero"`` exact under every stage.
-- ``dropped_grads="skip"``: around the inner (torch) optimizer's step, which ZeRO runs on flat fp32
-  partitions, this rank's slices of the fp32 master weights and of every optimizer state of the
-  flat partition's shape (Adam's ``exp_avg``, ``exp_avg_sq``; SGD's ``momentum_buffer``) are saved
-  for the parameters of the branches dropped in the window and put back right after the step,
-  before ZeRO copies the master weights into the model's parameters. Those parameters and their
-  optimizer state are therefore exactly as before the step: no stale gradient, no weight decay, no
-  momentum. A state the step created (the first step) is zero on those slices, as if never used.
-  The hooks are torch's global optimizer step hooks, so they also run for DeepSpeed's own torch
-  optimizers (``DeepSpeedCPUAdam``, ``FusedAdam``).
+- ``dropped_grads="skip"``: every parameter that got no gradient in the window (a dropped branch's,
+  and a norm that feeds only dropped branches) is left exactly as one process leaves it: untouched.
+  A post-accumulate-grad hook on each trainable parameter records which ones got a gradient. Around
+  the inner (torch) optimizer's step, which ZeRO runs on flat fp32 partitions, this rank's slices of
+  the fp32 master weights and of every optimizer state of the flat partition's shape (Adam's
+  ``exp_avg``, ``exp_avg_sq``; SGD's ``momentum_buffer``) are saved for the others and put back right
+  after the step, before ZeRO copies the master weights into the model's parameters: no stale
+  gradient, no weight decay, no momentum. A state the step created (the first step) is zero on those
+  slices, as if never used. The hooks are torch's global optimizer step hooks, so they also run for
+  DeepSpeed's own torch optimizers (``DeepSpeedCPUAdam``, ``FusedAdam``).
+- ``dropped_grads="zero"``: the same, except that the dropped branches' own parameters step with
+  their zero gradient, as on one process.
 - ``dropped_grads="reuse"`` is refused: the stored gradient would have to enter ZeRO's gradient
   partitions before it computes the clipping norm, where no hook runs.
 
-One difference from one process remains, and it is DeepSpeed's: an optimizer keeps its step count
-per flat partition, not per parameter, so Adam's bias correction for a branch kept in k of t steps
-uses t instead of k (the two agree within a few percent once t reaches the tens of steps; SGD, with
-or without momentum and weight decay, has no step count and matches exactly).
+Calibration (``ctl.calibrate``) works under every stage when its closure calls the model the engine
+wraps (``engine.module``; the Hugging Face Trainer's ``attach`` does): ZeRO-3 gathers the parameters
+for that forward and its backward passes as in training, and ``torch.autograd.grad`` leaves ZeRO's
+gradient hooks alone. A closure that calls the engine itself is refused (:func:`calibration_closure`).
 
-Under fp16 dynamic loss scaling a step skipped for an overflow runs no optimizer, so the branches
-dropped in that window count as dropped in the next one too and stay unchanged there.
+One difference from one process remains, and it is DeepSpeed's: the optimizer keeps its step count
+per flat partition, not per parameter, so Adam's bias correction for a parameter stepped in k of t
+steps uses t instead of k. (SGD, with or without momentum and weight decay, keeps no step count.)
+
+Under fp16 dynamic loss scaling with ZeRO 1 or 2, a step skipped for an overflow runs no optimizer
+step, so the window after it is counted together with it: a parameter that got a gradient only in
+the skipped window steps with a zero gradient in the next one. (ZeRO-3 starts each window afresh.)
 
 Nothing here imports ``deepspeed`` unless a model already carries its marks; ``import dropbp`` never does.
 """
@@ -46,14 +53,22 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-__all__ = ["CALIBRATION_UNDER_ZERO3", "ZeroGuard", "check_config", "is_engine", "is_partitioned", "zero_stage"]
+__all__ = [
+    "ZeroGuard",
+    "calibration_closure",
+    "check_config",
+    "check_engine",
+    "check_setup",
+    "is_engine",
+    "zero_stage",
+]
 
 
 def zero_stage(params: Iterable[nn.Parameter]) -> int | None:
@@ -69,11 +84,6 @@ def zero_stage(params: Iterable[nn.Parameter]) -> int | None:
     return None
 
 
-def is_partitioned(params: Iterable[nn.Parameter]) -> bool:
-    """Whether ZeRO-3 holds these parameters as shards (``deepspeed.zero.Init`` or a stage-3 engine)."""
-    return any(hasattr(p, "ds_id") for p in params)
-
-
 def is_engine(model: object) -> bool:
     """Whether ``model`` is a ``deepspeed.DeepSpeedEngine`` (False whenever deepspeed was never imported)."""
     ds = sys.modules.get("deepspeed")
@@ -81,39 +91,67 @@ def is_engine(model: object) -> bool:
     return engine is not None and isinstance(model, engine)
 
 
-def check_config(config: Mapping[str, Any], dropped_grads: str, *, calibrate: bool = False) -> None:
-    """Raise ``ValueError`` for a DeepSpeed configuration DropBP cannot train with, saying what to change.
+def check_setup(stage: int, dropped_grads: str, *, ignore_unused_parameters: bool = True) -> None:
+    """Raise ``ValueError`` for a DeepSpeed set-up DropBP cannot train with, saying what to change.
 
     Args:
-        config: the DeepSpeed configuration (the JSON's dict).
+        stage: the ZeRO stage (0: none).
         dropped_grads: the controller's setting (:mod:`dropbp.dropped_grads`).
-        calibrate: whether sensitivities will be measured (``calibrate_at`` in the Trainer).
+        ignore_unused_parameters: ``zero_optimization.ignore_unused_parameters``.
     """
-    zero = config.get("zero_optimization") or {}
-    stage = int(zero.get("stage", 0) or 0)
     if dropped_grads == "reuse":
         raise ValueError(
             "dropped_grads='reuse' cannot work under DeepSpeed: a stored gradient would have to enter ZeRO's "
             "gradient partitions before it computes the clipping norm; use dropped_grads='skip' (dropped branches "
             "unchanged by the step) or 'zero' (a zero gradient: weight decay and momentum still move them)"
         )
-    if stage in (1, 2) and zero.get("ignore_unused_parameters", True) is False:
+    if stage in (1, 2) and not ignore_unused_parameters:
         raise ValueError(
             "DropBP leaves the parameters of dropped branches without a gradient, which ZeRO stages 1 and 2 "
             "refuse with zero_optimization.ignore_unused_parameters=false: set it to true (the default)"
         )
-    if stage == 3 and calibrate:
-        raise ValueError(CALIBRATION_UNDER_ZERO3)
 
 
-#: Why calibration is refused under ZeRO-3, and what to do instead.
-CALIBRATION_UNDER_ZERO3 = (
-    "calibrate cannot run under DeepSpeed ZeRO-3: it measures each branch's effect on the full gradient of "
-    "every parameter, and ZeRO-3 keeps only a shard of each parameter on a rank and takes gradients over in "
-    "its own hooks. Calibrate before deepspeed.initialize (or with ZeRO stage 1 or 2) and carry the rates over "
-    "with ctl.state_dict() / ctl.load_state_dict(), keep the pattern's own rates (Hugging Face attach: "
-    "calibrate_at=None), or use the default pattern='cut', which needs no calibration"
-)
+def check_engine(engine: nn.Module, dropped_grads: str) -> None:
+    """:func:`check_setup` for a ``DeepSpeedEngine`` given to ``dropbp.apply``."""
+    check_setup(
+        engine.zero_optimization_stage(),
+        dropped_grads,
+        ignore_unused_parameters=engine.zero_ignore_unused_parameters(),
+    )
+
+
+def check_config(config: Mapping[str, Any], dropped_grads: str) -> None:
+    """:func:`check_setup` for a DeepSpeed configuration dict (the Hugging Face Trainer's ``deepspeed``)."""
+    zero = config.get("zero_optimization") or {}
+    check_setup(
+        int(zero.get("stage", 0) or 0),
+        dropped_grads,
+        ignore_unused_parameters=zero.get("ignore_unused_parameters", True) is not False,
+    )
+
+
+def calibration_closure(closure: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """``closure``, stopped with advice if its loss came out of a ``DeepSpeedEngine`` forward.
+
+    Calibration runs several backward passes over one forward with ``torch.autograd.grad``; the
+    engine hooks its outputs so that each of them would run its end-of-backward gradient reduction
+    (ZeRO-2 fails with an IndexError in ``reduce_ipg_grads``, ZeRO-3 with a size mismatch). The model
+    the engine wraps computes the same loss, and ZeRO-3 gathers its parameters for it as in training.
+    """
+
+    def checked() -> torch.Tensor:
+        loss = closure()
+        hooks = getattr(loss, "_backward_hooks", None) or {}
+        if any(getattr(h, "__module__", "").startswith("deepspeed") for h in hooks.values()):
+            raise ValueError(
+                "the calibration closure called the DeepSpeed engine, whose backward hooks would reduce "
+                "gradients at every calibration pass: call the model it wraps instead, "
+                "e.g. lambda: engine.module(**batch).loss (the Hugging Face Trainer's attach already does)"
+            )
+        return loss
+
+    return checked
 
 
 def _master_fragment(p: nn.Parameter) -> torch.Tensor | None:
@@ -149,13 +187,13 @@ class ZeroGuard:
         stage: :func:`zero_stage` of the model's parameters (1 for stages 1 and 2, or 3).
         params: the model's trainable parameters.
         modules: the branch modules, in branch order.
-        dropped_grads: "skip" or "zero" ("reuse" is refused by :func:`check_config`).
+        dropped_grads: "skip" or "zero" ("reuse" is refused by :func:`check_setup`).
     """
 
     def __init__(
         self, stage: int, params: Sequence[nn.Parameter], modules: Sequence[nn.Module], dropped_grads: str
     ) -> None:
-        check_config({"zero_optimization": {"stage": stage}}, dropped_grads)
+        check_setup(stage, dropped_grads)
         self._z3 = next((p._z3_optimizer for p in params if hasattr(p, "_z3_optimizer")), None)
         zero = self._z3 or next((p._zero_optimizer for p in params if hasattr(p, "_zero_optimizer")), None)
         #: The torch optimizer ZeRO steps on its flat partitions (None: not found; every optimizer is watched).

@@ -27,6 +27,9 @@ The trainer places its own step boundaries; nothing here adds graph breaks.
 Multi-process (``torchrun`` / ``accelerate launch``): every rank draws the same patterns. DDP must
 accept parameters left without a gradient, so when ``ddp_find_unused_parameters`` is left unset
 (the Trainer would turn it off under activation checkpointing) ``attach`` sets it to True.
+DeepSpeed ZeRO stages 1 to 3 (``deepspeed=`` in the arguments, or ``accelerate launch`` with a
+DeepSpeed config) work as they are; a configuration DropBP cannot train with is refused here, before
+anything is attached (:mod:`dropbp.integrations.deepspeed`).
 """
 
 from __future__ import annotations
@@ -172,6 +175,10 @@ def attach(
                 f"pattern={pattern!r} cannot realise them; pass pattern='uniform' to calibrate, or calibrate_at=None"
             )
     warmup = check_fraction("warmup", warmup, what="a fraction of the training steps")
+    if getattr(trainer, "is_deepspeed_enabled", False):  # --deepspeed, or accelerate launch with DeepSpeed
+        from .deepspeed import check_config
+
+        check_config(trainer.accelerator.state.deepspeed_plugin.deepspeed_config, dropped_grads)
     controller = apply(
         trainer.model,
         drop_rate,
