@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
+import os
+import subprocess
+import sys
 
 import pytest
-from conftest import tiny_model, with_lora
+from conftest import VOCAB, tiny_model, with_lora
 
 transformers = pytest.importorskip("transformers")
 pydantic = pytest.importorskip("pydantic")
@@ -30,7 +34,11 @@ try:
     import axolotl.integrations.base as axolotl_base
 except ImportError as err:  # not installed, or installed but unable to import here
     axolotl_base = None
-    AXOLOTL_MISSING = f"axolotl is not importable here ({err}); see docs/axolotl.md"
+    AXOLOTL_MISSING = (
+        f"axolotl is not importable ({err}); it is not in CI's environment because axolotl 0.19.0 pins "
+        "transformers 5.16.1 and peft 0.20.0, older than dropbp's hf extra asks for: bash ci/axolotl.sh runs "
+        "these tests in an environment of their own (docs/axolotl.md)"
+    )
 needs_axolotl = pytest.mark.skipif(axolotl_base is None, reason=AXOLOTL_MISSING if axolotl_base is None else "")
 
 
@@ -177,3 +185,77 @@ def test_axolotl_calls_every_hook_and_only_the_trainer_hook_applies(tmp_path):
         assert len(callbacks) == 1 and callbacks[0].controller.step == 5
     finally:
         manager.plugins.pop(PLUGIN, None)
+
+
+_TRAIN_CONFIG = """
+base_model: {model}
+tokenizer_type: PreTrainedTokenizerFast
+datasets:
+  - path: {data}
+    ds_type: json
+    type: completion
+dataset_prepared_path: {tmp}/prepared
+output_dir: {tmp}/out
+sequence_len: 32
+adapter: lora
+lora_r: 4
+lora_alpha: 8
+lora_target_linear: true
+lora_mlp_kernel: false  # axolotl's fused LoRA kernels need CUDA; turned off for this CPU run
+lora_qkv_kernel: false
+lora_o_kernel: false
+micro_batch_size: 2
+max_steps: 20
+num_epochs: 1
+learning_rate: 0.001
+optimizer: adamw_torch
+lr_scheduler: constant
+logging_steps: 5
+save_strategy: steps
+save_steps: 20
+bf16: false
+fp16: false
+tf32: false
+seed: 7
+val_set_size: 0
+plugins:
+  - dropbp.integrations.axolotl.DropBPPlugin
+dropbp_drop_rate: 0.5
+dropbp_pattern: uniform
+dropbp_warmup: 0.0
+dropbp_calibrate_at: 0.1
+"""
+
+
+@needs_axolotl
+def test_axolotl_train_runs_the_plugin_from_a_yaml_config(tmp_path):
+    """``axolotl train config.yml`` (its own process, as a user runs it) with a tiny random llama
+    saved locally: the plugin is loaded from ``plugins:``, the run calibrates once and drops branches,
+    and the checkpoint carries DropBP's state."""
+    tokenizers = pytest.importorskip("tokenizers")
+    words = {f"w{i}": i for i in range(VOCAB)}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="w3"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    model_dir = tmp_path / "model"
+    tiny_model("llama", layers=4).save_pretrained(model_dir)
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="w0", bos_token="w1", eos_token="w2", unk_token="w3"
+    ).save_pretrained(model_dir)
+    data = tmp_path / "data.jsonl"
+    rows = (" ".join(f"w{3 + (7 * i + 5 * j) % (VOCAB - 3)}" for j in range(30)) for i in range(64))
+    data.write_text("".join(json.dumps({"text": row}) + "\n" for row in rows))
+    config = tmp_path / "config.yml"
+    config.write_text(_TRAIN_CONFIG.format(model=model_dir, data=data, tmp=tmp_path))
+    env = {**os.environ, "AXOLOTL_DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    env["HF_HOME"] = str(tmp_path / "hf")  # the dataset cache stays in the test's folder
+    run = subprocess.run(
+        [sys.executable, "-m", "axolotl.cli.train", str(config)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    checkpoint = tmp_path / "out" / "checkpoint-20"
+    state = json.loads((checkpoint / "dropbp_state.json").read_text())
+    assert state["calibrated"] and state["controller"]["seed"] == 7 and state["controller"]["step"] == 20
+    history = json.loads((checkpoint / "trainer_state.json").read_text())["log_history"]
+    assert len([h for h in history if "dropbp/rate_mean" in h]) == 1
+    drops = [h for h in history if "dropbp/dropped_branches" in h]
+    assert len(drops) == 4 and all(0 < h["dropbp/dropped_branches"] < 8 for h in drops)
