@@ -129,6 +129,17 @@ def test_plugin_settings_reach_the_controller(tmp_path):
     assert ctl.dropped_grads == "zero"
 
 
+def test_register_lets_ddp_leave_dropped_parameters_without_a_gradient_unless_the_config_says():
+    """axolotl turns an unset ``ddp_find_unused_parameters`` into False under DDP; ``register`` sees
+    the config first."""
+    cfg = {"plugins": [PLUGIN]}
+    _load_plugin().register(cfg)
+    assert cfg["ddp_find_unused_parameters"] is True
+    chosen = {"plugins": [PLUGIN], "ddp_find_unused_parameters": False}
+    _load_plugin().register(chosen)
+    assert chosen["ddp_find_unused_parameters"] is False
+
+
 def test_a_model_too_shallow_for_the_rate_fails_when_the_trainer_is_built(tmp_path):
     """The per-model limit needs the model, so it is checked at the trainer hook, with the largest
     rate that fits."""

@@ -13,23 +13,23 @@ axolotl imports this module by that dotted name, makes an instance of the class,
 is checked, before any model is loaded) and calls the plugin's hooks. The plugin does what
 :func:`dropbp.integrations.hf.attach` does, at the hook that hands it the trainer:
 ``add_callbacks_post_trainer`` applies DropBP to ``trainer.model`` (the model with its LoRA
-adapters, after axolotl's freezing) and returns the callback, which axolotl adds to the trainer.
+adapters, after axolotl's freezing) and returns the callback, which axolotl adds to the trainer;
+``register`` sets ``ddp_find_unused_parameters: true`` when the config leaves it unset.
 
 It does not use ``post_model_load``/``post_lora_load``: axolotl calls those for every model it loads
 (the reference model of a DPO run too, and the model of ``axolotl inference``/``merge-lora``), and
 ``unfrozen_parameters`` freezes weights only after them, which changes what DropBP may leave
 without a gradient.
 
-Checked against axolotl 0.19.0's source (``axolotl/integrations/base.py``, ``config.py``,
-``loaders/model.py``, ``core/builders/``). axolotl itself is not installed in dropbp's CI (it pins
-older transformers and peft than dropbp's lower bounds; docs/axolotl.md), so this module also
-imports without it: the plugin then subclasses ``object`` and can be driven by hand in the order
-axolotl calls it (tests/test_axolotl.py).
+Tested against axolotl 0.19.0 itself (``bash ci/axolotl.sh``: its plugin manager, its config
+merging, and ``axolotl train`` on a tiny model), in an environment of its own: axolotl pins older
+transformers and peft than dropbp's hf extra, so CI's environment has no axolotl and this module
+imports without it (the plugin then subclasses ``object``; tests/test_axolotl.py drives it by hand).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, model_validator
@@ -158,6 +158,16 @@ class DropBPArgs(BaseModel):
 
 class DropBPPlugin(BasePlugin):
     """The axolotl plugin: its config keys, and DropBP applied to the trainer's model with its callback."""
+
+    def register(self, cfg: MutableMapping[str, Any]) -> None:
+        """``ddp_find_unused_parameters: true`` unless the config sets it: what ``attach`` does for a Trainer.
+
+        axolotl hands over the config before checking it. Under DDP it turns an unset
+        ``ddp_find_unused_parameters`` into False, which stops DropBP at the first training forward
+        (a dropped branch's parameters get no gradient); an explicit value is left alone.
+        """
+        if cfg.get("ddp_find_unused_parameters") is None:
+            cfg["ddp_find_unused_parameters"] = True
 
     def get_input_args(self) -> str:
         """The dotted name of :class:`DropBPArgs`, which axolotl imports and merges into its config model."""
