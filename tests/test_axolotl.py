@@ -32,6 +32,8 @@ PLUGIN = "dropbp.integrations.axolotl.DropBPPlugin"
 
 try:
     import axolotl.integrations.base as axolotl_base
+
+    AXOLOTL_MISSING = ""
 except ImportError as err:  # not installed, or installed but unable to import here
     axolotl_base = None
     AXOLOTL_MISSING = (
@@ -39,7 +41,7 @@ except ImportError as err:  # not installed, or installed but unable to import h
         "transformers 5.16.1 and peft 0.20.0, older than dropbp's hf extra asks for: bash ci/axolotl.sh runs "
         "these tests in an environment of their own (docs/axolotl.md)"
     )
-needs_axolotl = pytest.mark.skipif(axolotl_base is None, reason=AXOLOTL_MISSING if axolotl_base is None else "")
+needs_axolotl = pytest.mark.skipif(axolotl_base is None, reason=AXOLOTL_MISSING)
 
 
 def _load_plugin(name: str = PLUGIN):
@@ -53,7 +55,7 @@ def _stored_config(raw: dict) -> dict:
     plugin = _load_plugin()
     module_name, class_name = plugin.get_input_args().rsplit(".", 1)
     args_model = getattr(importlib.import_module(module_name), class_name)
-    return {"seed": 7, "output_dir": "out", **args_model.model_validate(raw).model_dump(exclude_none=True)}
+    return {"seed": 7, **args_model.model_validate(raw).model_dump(exclude_none=True)}
 
 
 def _trainer(tmp_path, **kw) -> transformers.Trainer:
@@ -177,6 +179,9 @@ def test_axolotl_calls_every_hook_and_only_the_trainer_hook_applies(tmp_path):
     manager.register(PLUGIN)
     try:
         cfg = DictDefault(_stored_config({"dropbp_drop_rate": 0.5}))
+        for plugin in manager.plugins.values():  # axolotl's prepare_plugins, before checking the config
+            plugin.register(cfg)
+        assert cfg.ddp_find_unused_parameters is True
         model = tiny_model("llama", layers=4)
         manager.pre_model_load(cfg)
         manager.post_model_build(cfg, model)
