@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The test command (README "Quick start", line 2; .ci/run runs exactly this): set up .venv if needed,
 # then lint and run the CPU test suite. Extra arguments go to pytest. Fails loudly if no test ran.
+# With no arguments it then runs the litgpt tests (and the gradient tests again) in the second
+# environment, .venv-litgpt (transformers 4.57 + litgpt: see ci/install-litgpt.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/ruff ] || [ ! -x .venv/bin/dropbp ]; then
@@ -8,10 +10,21 @@ if [ ! -x .venv/bin/ruff ] || [ ! -x .venv/bin/dropbp ]; then
 fi
 . .venv/bin/activate
 ruff check . || { echo "ci/test.sh: ruff found problems (listed above)" >&2; exit 1; }
-python -m pytest "$@"
-rc=$?
-if [ "$rc" -eq 5 ]; then
-  echo "ci/test.sh: pytest ran no tests - that is a failure, not a pass" >&2
-  exit 1
+
+run_pytest() {  # pytest exits 5 when it ran nothing: a failure, not a pass
+  "$@"
+  local rc=$?
+  if [ "$rc" -eq 5 ]; then
+    echo "ci/test.sh: pytest ran no tests - that is a failure, not a pass" >&2
+    return 1
+  fi
+  return "$rc"
+}
+
+run_pytest python -m pytest "$@" || exit $?
+[ "$#" -gt 0 ] && exit 0
+deactivate
+if [ ! -x .venv-litgpt/bin/litgpt ]; then
+  bash ci/install-litgpt.sh || { echo "ci/test.sh: setting up .venv-litgpt failed (see above)" >&2; exit 1; }
 fi
-exit "$rc"
+run_pytest .venv-litgpt/bin/python -m pytest -p no:cacheprovider tests/test_litgpt.py tests/test_layouts.py tests/test_gradients.py

@@ -9,10 +9,11 @@ edited or replaced. Other models name their branches with ``branches=[...]``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 
 from torch import nn
 
-__all__ = ["Branch", "SUPPORTED_ARCHITECTURES", "find_branches", "branch_flops"]
+__all__ = ["Branch", "POST_NORMS", "SUPPORTED_ARCHITECTURES", "find_branches", "branch_flops"]
 
 log = logging.getLogger("dropbp")
 
@@ -21,7 +22,7 @@ log = logging.getLogger("dropbp")
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("self_attn", "mlp"),
     "mistral": ("self_attn", "mlp"),
-    "mixtral": ("self_attn", "block_sparse_moe"),
+    "mixtral": ("self_attn", "mlp"),
     "qwen2": ("self_attn", "mlp"),
     "qwen3": ("self_attn", "mlp"),
     "qwen3_moe": ("self_attn", "mlp"),
@@ -35,6 +36,24 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "gpt_neox": ("attention", "mlp"),
 }
 
+# model_type -> MLP child names of older transformers releases (before 5.0), tried after the table's.
+OLDER_MLP_NAMES: dict[str, tuple[str, ...]] = {"mixtral": ("block_sparse_moe",)}
+
+# model_type -> (the norm after the attention, the norm after the MLP) of post-norm decoders, which
+# normalise a branch's output before adding it to the residual: ``x = x + norm(f(x))``. Such a norm is
+# part of the branch (the branch is everything between the residual read and the residual add), so a
+# dropped branch's post-norm gets no gradient either.
+POST_NORMS: dict[str, tuple[str, str]] = {
+    "gemma2": ("post_attention_layernorm", "post_feedforward_layernorm"),
+    "olmo2": ("post_attention_layernorm", "post_feedforward_layernorm"),
+}
+
+# litgpt's ``Block`` (and its LoRA/adapter subclasses): attention and MLP children, and the optional
+# post-attention / post-MLP norms of newer configs (``nn.Identity`` otherwise). Recognised by class,
+# so litgpt is never imported here.
+LITGPT_BLOCK = ("attn", "mlp")
+LITGPT_POST_NORMS = ("post_attention_norm", "post_mlp_norm")
+
 _ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
 _MLP_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe")
 _ATTENTION_HINTS = ("attn", "attention")
@@ -45,20 +64,25 @@ class Branch:
 
     ``name`` is the module's path in ``model.named_modules()``; ``kind`` is ``"attn"`` or ``"mlp"``;
     ``flops`` its forward cost per token (used only as ratios, for allocation); ``rate`` its drop
-    probability when the view was taken. Views are read-only so that no assignment can leave the
+    probability when the view was taken; ``tail`` the modules that run on its output before the
+    residual add (a post-norm decoder's norm), dropped with it, and ``parts`` the module and its tail.
+    Views are read-only so that no assignment can leave the
     controller's patterns out of step with what a view shows: rates change through
     ``ctl.set_rates``.
     """
 
-    __slots__ = ("name", "kind", "flops", "rate", "module")
+    __slots__ = ("name", "kind", "flops", "rate", "module", "tail")
     name: str
     kind: str
     flops: float
     rate: float
     module: nn.Module
+    tail: tuple[nn.Module, ...]
 
-    def __init__(self, name: str, kind: str, flops: float, rate: float, module: nn.Module) -> None:
-        for key, value in zip(self.__slots__, (name, kind, flops, rate, module), strict=True):
+    def __init__(
+        self, name: str, kind: str, flops: float, rate: float, module: nn.Module, tail: tuple[nn.Module, ...] = ()
+    ) -> None:
+        for key, value in zip(self.__slots__, (name, kind, flops, rate, module, tuple(tail)), strict=True):
             object.__setattr__(self, key, value)
 
     def __setattr__(self, key: str, value: object) -> None:
@@ -69,10 +93,28 @@ class Branch:
 
     def with_rate(self, rate: float) -> Branch:
         """The same branch viewed at another drop rate."""
-        return Branch(self.name, self.kind, self.flops, rate, self.module)
+        return Branch(self.name, self.kind, self.flops, rate, self.module, self.tail)
+
+    @property
+    def parts(self) -> tuple[nn.Module, ...]:
+        """The branch module, then its tail: the last part's output is what the residual add receives."""
+        return (self.module, *self.tail)
+
+    def holder(self) -> nn.Module:
+        """One module holding every parameter of the branch (tail included): :func:`holder`."""
+        return holder(self.parts)
 
     def __repr__(self) -> str:
         return f"Branch(name={self.name!r}, kind={self.kind!r}, flops={self.flops!r}, rate={self.rate!r})"
+
+
+def holder(parts: Sequence[nn.Module]) -> nn.Module:
+    """One module holding every parameter of a branch's parts, for parameter bookkeeping.
+
+    A tail-less branch is its own module; otherwise an unregistered ``nn.ModuleList`` of the parts
+    (it changes nothing in the model, and reads the parameters at use, so FSDP2 sharding shows).
+    """
+    return parts[0] if len(parts) == 1 else nn.ModuleList(parts)
 
 
 def _model_type(model: nn.Module) -> str | None:
@@ -81,13 +123,14 @@ def _model_type(model: nn.Module) -> str | None:
 
 
 def _attention_width(model: nn.Module) -> int | None:
-    """``n_heads * head_dim`` from the Hugging Face config: the width of the score/value products."""
+    """``n_heads * head_dim`` from the model's config (Hugging Face or litgpt names): the width of the
+    score/value products."""
     config = getattr(model, "config", None)
-    heads = getattr(config, "num_attention_heads", None)
-    hidden = getattr(config, "hidden_size", None)
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
     if not heads or not hidden:
         return None
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    head_dim = getattr(config, "head_dim", None) or getattr(config, "head_size", None) or hidden // heads
     return int(heads * head_dim)
 
 
@@ -96,19 +139,37 @@ def _is_adapter_path(path: str) -> bool:
     return any(part.startswith(("lora_", "adapter", "ia3_", "vera_")) for part in path.split("."))
 
 
-def branch_flops(module: nn.Module, kind: str, seq_len: int, attention_width: int | None) -> float:
+def _expert_share(model: nn.Module) -> float:
+    """The fraction of an MoE layer's experts that each token runs through (top-k over the number of
+    experts, from a Hugging Face or litgpt config); 1.0 for dense models."""
+    config = getattr(model, "config", None)
+    top_k = next((v for k in ("num_experts_per_tok", "n_expert_per_token") if (v := getattr(config, k, None))), None)
+    count = next(
+        (v for k in ("num_experts", "num_local_experts", "n_expert") if (v := getattr(config, k, None))), None
+    )
+    return top_k / count if isinstance(top_k, int) and isinstance(count, int) and count >= top_k > 0 else 1.0
+
+
+def branch_flops(
+    module: nn.Module, kind: str, seq_len: int, attention_width: int | None, expert_share: float = 1.0
+) -> float:
     """Forward FLOPs per token of a branch, from its module shapes (projections plus attention scores).
 
     Every projection costs ``2 * in * out``; adapter (LoRA) weights are left out so the figures are
     the same with and without PEFT. Attention adds ``4 * seq_len * width`` for the scores and the
-    weighted values.
+    weighted values. An MoE layer's experts (linears under an ``experts`` child, or fused 3-D expert
+    weights) count ``expert_share`` of their weights: a token runs through only its top-k experts.
     """
-    weights = 0
+    weights = 0.0
     for path, sub in module.named_modules():
-        if next(sub.children(), None) is not None or _is_adapter_path(path):
+        if _is_adapter_path(path):
+            continue
+        share = expert_share if "experts" in path.split(".") else 1.0
+        weights += share * sum(p.numel() for p in sub.parameters(recurse=False) if p.dim() == 3)  # fused experts
+        if next(sub.children(), None) is not None:
             continue
         if isinstance(getattr(sub, "in_features", None), int) and isinstance(getattr(sub, "out_features", None), int):
-            weights += sub.in_features * sub.out_features
+            weights += share * sub.in_features * sub.out_features
         elif type(sub).__name__ == "Conv1D" and getattr(sub, "weight", None) is not None:
             weights += sub.weight.numel()  # GPT-2's transposed linear
     flops = 2.0 * weights
@@ -124,31 +185,61 @@ def _kind_from_name(name: str) -> str:
     return "attn" if any(h in leaf for h in _ATTENTION_HINTS) else "mlp"
 
 
-def _named_branches(model: nn.Module, attn: tuple[str, ...], mlp: tuple[str, ...]) -> list[tuple[str, str]]:
-    """(name, kind) of the attention and MLP children of every module that has both, in order."""
+Found = tuple[str, str, tuple[str, ...]]  # (branch name, kind, names of its tail modules)
+
+
+def _named_branches(
+    model: nn.Module,
+    attn: tuple[str, ...],
+    mlp: tuple[str, ...],
+    tails: tuple[str, str] | None = None,
+    layer_test: Callable[[nn.Module], bool] | None = None,
+) -> list[Found]:
+    """The attention and MLP children of every module that has both (and passes ``layer_test``), in
+    order, each with its post-norm child from ``tails`` where the layer has one holding parameters (a
+    parameterless one changes nothing: backward is linear, so it needs no gradient of its own)."""
     found = []
     for name, module in model.named_modules():
+        if layer_test is not None and not layer_test(module):
+            continue
         children = dict(module.named_children())
         a = next((c for c in attn if c in children), None)
         m = next((c for c in mlp if c in children), None)
         if a is None or m is None:
             continue
         prefix = f"{name}." if name else ""
-        found += [(prefix + a, "attn"), (prefix + m, "mlp")]
+        after = [t if t in children and any(True for _ in children[t].parameters()) else None for t in tails or ()]
+        after += [None] * (2 - len(after))
+        found += [
+            (prefix + a, "attn", () if after[0] is None else (prefix + after[0],)),
+            (prefix + m, "mlp", () if after[1] is None else (prefix + after[1],)),
+        ]
     return found
+
+
+def _is_litgpt_block(module: nn.Module) -> bool:
+    """litgpt's ``Block`` or a subclass (``litgpt.lora.Block``, ``litgpt.adapter.Block``), by class."""
+    return any(c.__name__ == "Block" and c.__module__.split(".")[0] == "litgpt" for c in type(module).__mro__)
 
 
 def find_branches(model: nn.Module, names: list[str] | None, seq_len: int) -> list[Branch]:
     """The model's branches in forward order, either named by the caller or found by architecture."""
     modules = dict(model.named_modules())
     if names is not None:
-        pairs = _explicit(names, modules)
+        found = [(name, kind, ()) for name, kind in _explicit(names, modules)]
     else:
-        pairs = _detect(model)
-    width = _attention_width(model)
+        found = _detect(model)
+    width, share = _attention_width(model), _expert_share(model)
     return [
-        Branch(name, kind, branch_flops(modules[name], kind, seq_len, width), 0.0, modules[name])
-        for name, kind in pairs
+        Branch(
+            name,
+            kind,
+            branch_flops(modules[name], kind, seq_len, width, share),
+            0.0,
+            modules[name],
+            tuple(modules[t] for t in tail),
+        )
+        for name, kind, tail in found
     ]
 
 
@@ -170,11 +261,14 @@ def _explicit(names: list[str], modules: dict[str, nn.Module]) -> list[tuple[str
     return [(n, _kind_from_name(n)) for n in sorted(names, key=order.__getitem__)]
 
 
-def _detect(model: nn.Module) -> list[tuple[str, str]]:
+def _detect(model: nn.Module) -> list[Found]:
     model_type = _model_type(model)
     if model_type in SUPPORTED_ARCHITECTURES:
         attn, mlp = SUPPORTED_ARCHITECTURES[model_type]
-        found = _named_branches(model, (attn,), (mlp,))
+        older = OLDER_MLP_NAMES.get(model_type, ())
+        found = _named_branches(model, (attn,), (mlp, *older), POST_NORMS.get(model_type))
+    elif any(_is_litgpt_block(m) for m in model.modules()):
+        found = _named_branches(model, LITGPT_BLOCK[:1], LITGPT_BLOCK[1:], LITGPT_POST_NORMS, _is_litgpt_block)
     else:
         found = _named_branches(model, _ATTENTION_NAMES, _MLP_NAMES)
         if found:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .discovery import holder
 from .distributed import check_running_ddp, check_running_ddp_checkpointing
 from .dropped_grads import DroppedGrads
 from .eager import outside_graphs
@@ -37,7 +38,8 @@ class StepHooks:
 
     Args:
         model: the model whose training forwards are the steps.
-        modules: the branch modules, in branch order.
+        parts: per branch, in branch order, its module and then its tail (post-norms between its
+            output and the residual add): every part runs without autograd when the branch drops.
         flops: their costs, for the drop tally.
         policy: decides each step's pattern.
         names: the branches' module names, for messages.
@@ -48,7 +50,7 @@ class StepHooks:
     def __init__(
         self,
         model: nn.Module,
-        modules: Sequence[nn.Module],
+        parts: Sequence[Sequence[nn.Module]],
         flops: Sequence[float],
         policy: DropPolicy,
         names: Sequence[str],
@@ -57,7 +59,9 @@ class StepHooks:
     ) -> None:
         self._model = model
         self._names = list(names)
-        self._modules = list(modules)
+        self._modules = [branch[0] for branch in parts]
+        #: Per branch, one module holding every parameter of it (tail included).
+        self._holders = [holder(branch) for branch in parts]
         self._flops = list(flops)
         self._policy = policy
         self._unbiased = unbiased
@@ -71,15 +75,19 @@ class StepHooks:
         self.forced: frozenset[int] | None = None
         self.tally = DropTally()
         self._recompute = RecomputeCache(self._modules)
-        self.fill = DroppedGrads(dropped_grads, self._modules)
+        self.fill = DroppedGrads(dropped_grads, self._holders)
         self._zero = None  # a dropbp.integrations.deepspeed.ZeroGuard, once a ZeRO optimizer holds the model
         self._handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(self._on_model_forward),
             model.register_forward_hook(self._after_model_forward, always_call=True),
         ]
-        for index, module in enumerate(self._modules):
-            self._handles += attach_no_grad_hooks(module, self._dropped_test(index), self._recompute.branches[index])
-            self._handles.append(attach_gradient_scaling(module, self._scale_for(index)))
+        for index, (module, *tail) in enumerate(parts):
+            dropped = self._dropped_test(index)
+            self._handles += attach_no_grad_hooks(module, dropped, self._recompute.branches[index])
+            for norm in tail:  # checkpointing recomputes a norm cheaply: no held output needed
+                self._handles += attach_no_grad_hooks(norm, dropped)
+            # the gradient entering the branch is the one at the residual add: the last part's output
+            self._handles.append(attach_gradient_scaling(parts[index][-1], self._scale_for(index)))
 
     def pattern(self, step: int) -> frozenset[int]:
         """The pattern the policy draws at ``step`` for this model."""
@@ -162,17 +170,17 @@ class StepHooks:
         params = [p for p in self._model.parameters() if p.requires_grad]
         stage = zero_stage(params)
         if stage is not None:
-            self._zero = ZeroGuard(stage, params, self._modules, self.fill.mode)
+            self._zero = ZeroGuard(stage, params, self._holders, self.fill.mode)
 
     def _trainable_branches(self) -> list[bool] | None:
         """Per branch, whether it holds a trainable parameter; ``None`` if something outside does.
 
         Parameters are read at use: FSDP2 ``fully_shard`` after ``apply`` replaces them.
         """
-        inside = {id(p) for m in self._modules for p in m.parameters()}
+        inside = {id(p) for m in self._holders for p in m.parameters()}
         if any(p.requires_grad and id(p) not in inside for p in self._model.parameters()):
             return None  # e.g. embeddings or a head still receive a gradient
-        return [any(p.requires_grad for p in m.parameters()) for m in self._modules]
+        return [any(p.requires_grad for p in m.parameters()) for m in self._holders]
 
     @contextmanager
     def force(self, pattern: frozenset[int]) -> Iterator[None]:

@@ -95,8 +95,8 @@ def _storage_key(t: torch.Tensor) -> tuple[object, int, int] | None:
 class _Recorder:
     """Counts saved tensors by scope (the branch whose forward is running, or None) while active."""
 
-    def __init__(self, modules: list[nn.Module], dropped: frozenset[int]) -> None:
-        self.modules = modules
+    def __init__(self, parts: list[tuple[nn.Module, ...]], dropped: frozenset[int]) -> None:
+        self.parts = parts  # per branch: its module and its tail (post-norms), all in its scope
         self.dropped = dropped
         self.stack: list[int] = []
         self.packs: list[weakref.ref[_Packed]] = []
@@ -124,9 +124,10 @@ class _Recorder:
             self.stack.pop()  # returns None: the output is left as it is
 
         handles = []
-        for index, module in enumerate(self.modules):
-            handles.append(module.register_forward_pre_hook(enter(index)))
-            handles.append(module.register_forward_hook(leave, always_call=True))
+        for index, parts in enumerate(self.parts):
+            for module in parts:
+                handles.append(module.register_forward_pre_hook(enter(index)))
+                handles.append(module.register_forward_hook(leave, always_call=True))
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
                 yield
@@ -146,7 +147,7 @@ class _Recorder:
             if key is None or key[2] == 0 or key[:2] in excluded:
                 continue
             scopes.setdefault(key, set()).add(packed.scope)
-        per_branch = [0] * len(self.modules)
+        per_branch = [0] * len(self.parts)
         for key, where in scopes.items():
             if len(where) == 1 and (scope := next(iter(where))) is not None:
                 per_branch[scope] += key[2]
@@ -202,7 +203,7 @@ def _measure(
 ) -> tuple[int, list[int], int]:
     model = ctl._model
     excluded = {(str(t.device), t.untyped_storage().data_ptr()) for t in (*model.parameters(), *model.buffers())}
-    recorder = _Recorder([b.module for b in ctl.branches], pattern)
+    recorder = _Recorder([b.parts for b in ctl.branches], pattern)
     with ctl._hooks.force(pattern), recorder.recording():
         loss = run()
     if not isinstance(loss, torch.Tensor):

@@ -29,7 +29,7 @@ TINY_CONFIGS: dict[str, dict] = {
 
 def tiny_model(model_type: str, layers: int = 3, seed: int = 0, **overrides) -> nn.Module:
     """A randomly initialised causal LM of ``model_type`` with ``layers`` decoder layers."""
-    kwargs = {**_COMMON, **TINY_CONFIGS[model_type], **overrides}
+    kwargs = {**_COMMON, **TINY_CONFIGS.get(model_type, {}), **overrides}
     kwargs["n_layer" if model_type == "gpt2" else "num_hidden_layers"] = layers
     config = transformers.AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)

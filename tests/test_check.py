@@ -221,3 +221,13 @@ def test_the_report_says_why_this_backend(monkeypatch):
     monkeypatch.setenv("DROPBP_BACKEND", "auto")
     assert backend_source(None).startswith("auto-detected (the first available of hpu, cuda, xpu, cpu")
     assert backend_source(backends.get("cpu")) == "given as a Backend instance"
+
+
+def test_a_post_norm_model_passes_against_what_the_residual_receives(tmp_path):
+    """gemma2 normalises each branch's output before the residual add: the check's reference detaches
+    the norm's output, and the library drops the norm with its branch, so the gradients agree."""
+    shape = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    tiny_model("gemma2", layers=4, **shape).save_pretrained(tmp_path)
+    statuses = _statuses(run_check("cpu", model=str(tmp_path), settings=TINY))
+    assert statuses["gradients-equal-reference-uniform"] == "PASS", statuses
+    assert statuses["gradients-equal-reference-cut"] == "PASS", statuses

@@ -186,7 +186,8 @@ class ZeroGuard:
     Args:
         stage: :func:`zero_stage` of the model's parameters (1 for stages 1 and 2, or 3).
         params: the model's trainable parameters.
-        modules: the branch modules, in branch order.
+        modules: per branch, in branch order, a module holding all its parameters (what
+            ``dropped_grads="zero"`` fills on one process).
         dropped_grads: "skip" or "zero" ("reuse" is refused by :func:`check_setup`).
     """
 

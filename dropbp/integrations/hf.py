@@ -48,7 +48,7 @@ from ..controller import DropBPController
 from ..dropped_grads import DEFAULT_DROPPED_GRADS
 from ..sampler import SAMPLERS
 
-__all__ = ["STATE_FILE", "DropBPCallback", "attach"]
+__all__ = ["STATE_FILE", "DropBPCallback", "attach", "build_callback", "check_schedule"]
 
 log = logging.getLogger("dropbp")
 
@@ -162,19 +162,46 @@ def attach(
     the memory-lean head and loss for long sequences (:mod:`dropbp.chunked_loss`).
     Returns the callback; its ``controller`` is the :class:`DropBPController`.
     """
+    callback = build_callback(
+        trainer,
+        drop_rate,
+        calibrate_at=calibrate_at,
+        seed=seed,
+        branches=branches,
+        max_patterns=max_patterns,
+        unbiased=unbiased,
+        dropped_grads=dropped_grads,
+        warmup=warmup,
+        pattern=pattern,
+        chunked_loss=chunked_loss,
+    )
+    trainer.add_callback(callback)
+    return callback
+
+
+def build_callback(
+    trainer: Trainer,
+    drop_rate: float = 0.5,
+    *,
+    calibrate_at: float | None | str = "auto",
+    seed: int | None = None,
+    branches: Sequence[str] | None = None,
+    max_patterns: int | None = None,
+    unbiased: bool = False,
+    dropped_grads: str = DEFAULT_DROPPED_GRADS,
+    warmup: float = 0.2,
+    pattern: str = "cut",
+    chunked_loss: bool | int = False,
+) -> DropBPCallback:
+    """:func:`attach` without registering the callback: for frameworks that add callbacks themselves.
+
+    Applies DropBP to ``trainer.model`` (arguments as :func:`attach`) and returns the callback that
+    the caller must add to ``trainer`` exactly once (axolotl's plugin hands it back from
+    ``add_callbacks_post_trainer``, and axolotl adds it).
+    """
     if not isinstance(trainer, Trainer):
         raise TypeError(f"trainer must be a transformers.Trainer, got {type(trainer).__name__}")
-    pattern = check_choice("pattern", pattern, tuple(SAMPLERS))
-    if calibrate_at == "auto":
-        calibrate_at = 0.1 if pattern == "uniform" else None
-    if calibrate_at is not None:
-        calibrate_at = check_fraction("calibrate_at", calibrate_at, what="a fraction of the training steps (or None)")
-        if pattern != "uniform":
-            raise ValueError(
-                f"calibrate_at={calibrate_at} needs pattern='uniform': calibrated rates do not fall with depth, so "
-                f"pattern={pattern!r} cannot realise them; pass pattern='uniform' to calibrate, or calibrate_at=None"
-            )
-    warmup = check_fraction("warmup", warmup, what="a fraction of the training steps")
+    pattern, calibrate_at, warmup = check_schedule(pattern, calibrate_at, warmup)
     if getattr(trainer, "is_deepspeed_enabled", False):  # --deepspeed, or accelerate launch with DeepSpeed
         from .deepspeed import check_config
 
@@ -191,9 +218,33 @@ def attach(
         chunked_loss=chunked_loss,
     )
     _let_ddp_skip_unused_parameters(trainer)
-    callback = DropBPCallback(trainer, controller, calibrate_at, warmup)
-    trainer.add_callback(callback)
-    return callback
+    return DropBPCallback(trainer, controller, calibrate_at, warmup)
+
+
+def check_schedule(
+    pattern: object, calibrate_at: object, warmup: object, *, prefix: str = ""
+) -> tuple[str, float | None, float]:
+    """:func:`attach`'s ``pattern``, ``calibrate_at`` and ``warmup`` checked, ``calibrate_at="auto"`` resolved.
+
+    Separate from :func:`attach` so a config file can be checked before any model is loaded (the
+    axolotl plugin's arguments). ``prefix`` goes before every argument name in the messages, so they
+    name the keys the user wrote (``dropbp_pattern``).
+    """
+    pattern = check_choice(f"{prefix}pattern", pattern, tuple(SAMPLERS))
+    if calibrate_at == "auto":
+        calibrate_at = 0.1 if pattern == "uniform" else None
+    if calibrate_at is not None:
+        calibrate_at = check_fraction(
+            f"{prefix}calibrate_at", calibrate_at, what="a fraction of the training steps (or None)"
+        )
+        if pattern != "uniform":
+            raise ValueError(
+                f"{prefix}calibrate_at={calibrate_at} needs {prefix}pattern='uniform': calibrated rates do not fall "
+                f"with depth, so {prefix}pattern={pattern!r} cannot realise them; pass {prefix}pattern='uniform' to "
+                f"calibrate, or {prefix}calibrate_at=None"
+            )
+    warmup = check_fraction(f"{prefix}warmup", warmup, what="a fraction of the training steps")
+    return pattern, calibrate_at, warmup
 
 
 def _let_ddp_skip_unused_parameters(trainer: Trainer) -> None:

@@ -123,6 +123,14 @@ def _first_dropping_step(ctl, limit: int = 64) -> int:
     return next((s for s in range(limit) if ctl.dropped_at(s)), 0)
 
 
+def _residual_inputs(model: nn.Module, branches: Sequence, dropped: Sequence[str]) -> list[str]:
+    """The modules whose outputs the dropped branches add to the residual stream: each branch's last
+    part (a post-norm decoder's norm after the branch, else the branch itself)."""
+    names = {module: name for name, module in model.named_modules()}
+    last = {b.name: b.parts[-1] for b in branches}
+    return [names[last[d]] for d in dropped]
+
+
 def check_gradients(probe: Probe, pattern: str) -> Outcome:
     """For a fixed ``pattern``-shaped drop pattern, every gradient equals the detached reference's."""
     name = f"gradients-equal-reference-{pattern}" + ("-bf16" if probe.precision == "bf16" else "")
@@ -131,9 +139,10 @@ def check_gradients(probe: Probe, pattern: str) -> Outcome:
         ctl.load_state_dict({**ctl.state_dict(), "step": _first_dropping_step(ctl)})
         got = probe.grads()
         dropped = ctl.last_dropped
+        added = _residual_inputs(probe.model, ctl.branches, dropped)
     finally:
         ctl.remove()
-    with detached(probe.model, dropped):
+    with detached(probe.model, added):
         want = probe.grads()
     ok, detail, figures = compare(got, want, probe.tolerance)
     figures["dropped"] = list(dropped)
