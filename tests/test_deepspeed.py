@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -279,3 +280,96 @@ def test_refused_setups(zero_runs):
     for errors in (r["refusals"] for r in zero_runs):
         assert "dropped_grads='skip'" in errors["reuse"]
         assert "ignore_unused_parameters" in errors["ignore_unused_parameters=false"]
+
+
+def _train_with_trainer(out_dir: str) -> dict:
+    """A ZeRO-3 Trainer (``deepspeed=`` in its arguments, AdamW with weight decay) with ``attach``:
+    calibrated at step 2 of 20 under ZeRO-3, parameters gathered after every step."""
+    import deepspeed
+    import transformers
+    from test_hf_integration import _args, _dataset
+
+    from dropbp.integrations.hf import attach
+
+    config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": 3},
+        "zero_allow_untested_optimizer": True,
+    }
+    args = _args(
+        Path(out_dir), deepspeed=config, max_steps=STEPS, learning_rate=1e-2, weight_decay=0.1, logging_steps=1
+    )
+    args.use_cpu = False  # DeepSpeed's CPU accelerator is the device here
+    trainer = transformers.Trainer(
+        model=tiny_model("llama", layers=3),
+        args=args,
+        train_dataset=_dataset(),
+        data_collator=transformers.default_data_collator,
+    )
+    try:
+        attach(trainer, dropped_grads="reuse")
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
+    callback = attach(trainer, drop_rate=0.5, pattern="uniform")  # calibrates at step 2
+    patterns: list[tuple[str, ...]] = []
+    snapshots: list[dict[str, torch.Tensor]] = []
+
+    def record(module, inputs, output):
+        if module.training and torch.is_grad_enabled() and callback.controller._hooks.forced is None:
+            patterns.append(callback.controller.last_dropped)
+
+    class Snapshot(transformers.TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            self.on_step_end(args, state, control)
+
+        def on_step_end(self, args, state, control, **kw):
+            with deepspeed.zero.GatheredParameters(list(trainer.model.parameters())):
+                snapshots.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+
+    trainer.model.register_forward_hook(record)
+    trainer.add_callback(Snapshot())
+    trainer.train()
+    return {
+        "wrapper": type(trainer.model_wrapped).__name__,
+        "refused": refused,
+        "patterns": patterns,
+        "rates": callback.controller.rates,
+        "snapshots": snapshots,
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+    }
+
+
+def _trainer_rank_main(rank: int, init_file: str, out_dir: str) -> None:
+    """One process of a two-process Trainer job, set up as a launcher would."""
+    torch.set_num_threads(1)
+    env = dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=WORLD, LOCAL_WORLD_SIZE=WORLD, OMP_NUM_THREADS=1)
+    os.environ.update({k: str(v) for k, v in env.items()})
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        result = _train_with_trainer(os.path.join(out_dir, f"rank{rank}"))
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_trainer_with_zero3(tmp_path):
+    _run_ranks(_trainer_rank_main, str(tmp_path / "init"), str(tmp_path))
+    a, b = (torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD))
+    assert a["wrapper"] == "DeepSpeedEngine"
+    assert "dropped_grads='skip'" in a["refused"]
+    assert len(a["patterns"]) == STEPS and a["patterns"] == b["patterns"]
+    assert a["rates"] == b["rates"] and a["rates"] != [0.5] * 6  # calibrated under ZeRO-3, alike on both ranks
+    assert len(a["snapshots"]) == STEPS + 1
+    untouched = 0
+    for step, pattern in enumerate(a["patterns"]):
+        before, after, other = a["snapshots"][step], a["snapshots"][step + 1], b["snapshots"][step + 1]
+        for n in after:
+            assert torch.equal(after[n], other[n]), (step, n)
+            if _in_branch(n, pattern):  # AdamW with weight decay 0.1 would move it
+                assert torch.equal(after[n], before[n]), (step, n)
+                untouched += 1
+    assert untouched > 0
+    assert sum(a["losses"][-5:]) < 0.9 * sum(a["losses"][:5]), a["losses"]

@@ -123,6 +123,7 @@ class DropBPCallback(TrainerCallback):
                     "dropbp/dropped_flops_fraction": stats["dropped_flops_fraction"],
                 }
             )
+            control.should_log = True  # Trainer.log cleared it: the Trainer still logs its loss at this step
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any):
         if not state.is_world_process_zero:
