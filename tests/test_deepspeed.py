@@ -34,15 +34,18 @@ LR = {"sgd": 0.05, "adamw": 0.01}
 ATOL = {"sgd": 1e-6, "adamw": 5e-5}
 CLIP = 1.0  # DeepSpeed's default gradient clipping, written out; the norm must not count stale gradients
 
-# (name, ZeRO stage, optimizer, dropped_grads, gradient accumulation steps, apply before deepspeed.initialize)
+# (name, ZeRO stage, optimizer, dropped_grads, gradient accumulation steps, apply before
+# deepspeed.initialize, optimizer offloaded to the CPU)
 CASES = [
-    ("z1-sgd", 1, "sgd", "skip", 1, True),
-    ("z2-adamw", 2, "adamw", "skip", 1, False),
-    ("z2-adamw-accum", 2, "adamw", "skip", 2, True),
-    ("z3-sgd", 3, "sgd", "skip", 1, False),
-    ("z3-adamw", 3, "adamw", "skip", 1, True),
-    ("z3-adamw-accum", 3, "adamw", "skip", 2, False),
-    ("z3-adamw-zero", 3, "adamw", "zero", 1, True),
+    ("z1-sgd", 1, "sgd", "skip", 1, True, False),
+    ("z2-adamw", 2, "adamw", "skip", 1, False, False),
+    ("z2-adamw-accum", 2, "adamw", "skip", 2, True, False),
+    ("z2-adamw-offload", 2, "adamw", "skip", 1, False, True),
+    ("z3-sgd", 3, "sgd", "skip", 1, False, False),
+    ("z3-adamw", 3, "adamw", "skip", 1, True, False),
+    ("z3-adamw-accum", 3, "adamw", "skip", 2, False, False),
+    ("z3-adamw-zero", 3, "adamw", "zero", 1, True, False),
+    ("z3-adamw-zero-offload", 3, "adamw", "zero", 1, False, True),
 ]
 
 
@@ -76,13 +79,15 @@ def _optimizer(kind: str, params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR[kind], weight_decay=0.1)
 
 
-def _config(stage: int, accumulation: int) -> dict:
+def _config(stage: int, accumulation: int, offload: bool = False) -> dict:
+    zero = {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
     return {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": accumulation,
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": zero,
         "gradient_clipping": CLIP,
         "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,  # offload with torch's AdamW, the reference's optimizer
     }
 
 
@@ -95,14 +100,14 @@ def _full_params(model: torch.nn.Module, stage: int) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _train_case(stage: int, kind: str, dropped_grads: str, accumulation: int, apply_first: bool) -> dict:
+def _train_case(stage: int, kind: str, dropped_grads: str, accumulation: int, apply_first: bool, offload: bool) -> dict:
     import deepspeed
 
     model = tiny_model("llama", layers=3)
     if apply_first:
         ctl = dropbp.apply(model, 0.5, seed=0, pattern="uniform", dropped_grads=dropped_grads)
     engine, *_ = deepspeed.initialize(
-        model=model, optimizer=_optimizer(kind, model.parameters()), config=_config(stage, accumulation)
+        model=model, optimizer=_optimizer(kind, model.parameters()), config=_config(stage, accumulation, offload)
     )
     if not apply_first:
         ctl = dropbp.apply(engine, 0.5, seed=0, pattern="uniform", dropped_grads=dropped_grads)
@@ -152,6 +157,7 @@ def _refusals() -> dict[str, str]:
     errors = {}
     for case, (config, dropped_grads) in {
         "reuse": (_config(3, 1), "reuse"),
+        "offload with accumulation": (_config(2, 2, offload=True), "skip"),
         "ignore_unused_parameters=false": (
             {**_config(2, 1), "zero_optimization": {"stage": 2, "ignore_unused_parameters": False}},
             "skip",
@@ -164,6 +170,17 @@ def _refusals() -> dict[str, str]:
         except ValueError as err:
             errors[case] = str(err)
         engine.destroy()
+    model = tiny_model("llama", layers=2)  # applied before deepspeed.initialize: stopped at the first forward
+    ctl = dropbp.apply(model, 0.5, pattern="uniform")
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=_optimizer("sgd", model.parameters()), config=_config(3, 2, offload=True)
+    )
+    try:
+        engine(input_ids=_ids(0, 0, 0), labels=_ids(0, 0, 0))
+    except ValueError as err:
+        errors["offload with accumulation, at the forward"] = str(err)
+    ctl.remove()
+    engine.destroy()
     return errors
 
 
@@ -240,7 +257,7 @@ def zero_runs():
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_zero_trains_as_one_process(zero_runs, case):
-    name, stage, kind, dropped_grads, accumulation, _ = case
+    name, stage, kind, dropped_grads, accumulation, *_ = case
     a, b = (r[name] for r in zero_runs)
     assert all(torch.equal(a["initial"][n], b["initial"][n]) for n in a["initial"])
     reference = _reference(kind, dropped_grads, accumulation, a["steps"])
@@ -280,6 +297,8 @@ def test_refused_setups(zero_runs):
     for errors in (r["refusals"] for r in zero_runs):
         assert "dropped_grads='skip'" in errors["reuse"]
         assert "ignore_unused_parameters" in errors["ignore_unused_parameters=false"]
+        assert "gradient_accumulation_steps=1" in errors["offload with accumulation"]
+        assert errors["offload with accumulation, at the forward"] == errors["offload with accumulation"]
 
 
 def _train_with_trainer(out_dir: str) -> dict:

@@ -206,7 +206,8 @@ def build_callback(
     if getattr(trainer, "is_deepspeed_enabled", False):  # --deepspeed, or accelerate launch with DeepSpeed
         from .deepspeed import check_config
 
-        check_config(trainer.accelerator.state.deepspeed_plugin.deepspeed_config, dropped_grads)
+        config = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
+        check_config(config, dropped_grads, trainer.args.gradient_accumulation_steps)
     controller = apply(
         trainer.model,
         drop_rate,
