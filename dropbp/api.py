@@ -48,7 +48,8 @@ def apply(
         model: a Hugging Face, PEFT or custom ``nn.Module``, possibly wrapped in
             ``DistributedDataParallel`` (which must have ``find_unused_parameters=True``): the
             branches are then found in its ``.module`` and named as there. Wrapping after ``apply``
-            works the same; so does FSDP2 ``fully_shard`` before or after.
+            works the same; so does FSDP2 ``fully_shard`` before or after, and a DeepSpeed engine
+            (``deepspeed.initialize`` before or after; :mod:`dropbp.integrations.deepspeed`).
         drop_rate: the FLOP-weighted mean drop probability of the branches, in [0, 1): with the cut
             shape, spread over the depth; with the uniform shape, every branch's (``calibrate`` or
             ``set_rates`` can make them differ); ``ctl.drop_rate``.

@@ -16,6 +16,9 @@ Every rank draws the same pattern without communicating (a pure function of seed
   is given to ``dropbp.apply`` and, for a model wrapped after ``apply``, at its first training forward
   (DDP names the wrapper running a forward in ``DistributedDataParallel._active_ddp_module``). With
   ``find_unused_parameters=True`` DDP leaves the gradient of a parameter unused on every rank untouched.
+- **DeepSpeed** ZeRO treats a parameter without a gradient differently per stage, never as one process
+  does; :mod:`dropbp.integrations.deepspeed` makes it (here: a ``DeepSpeedEngine`` given to ``apply``
+  is unwrapped like DDP).
 """
 
 from __future__ import annotations
