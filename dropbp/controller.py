@@ -236,7 +236,7 @@ class DropBPController:
                 "before calibrating, or keep the cut's rates"
             )
         boundary = self.backend.graph_break  # lazy devices: one graph per pass, not one for all
-        if "deepspeed" in sys.modules:  # a DeepSpeed engine's forward cannot take calibration passes
+        if "deepspeed" in sys.modules and callable(closure):  # a DeepSpeed engine cannot take calibration passes
             from .integrations.deepspeed import calibration_closure
 
             closure = calibration_closure(closure)
