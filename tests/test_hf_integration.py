@@ -70,6 +70,8 @@ def _check_logs(history: list[dict]) -> None:
     assert len(drops) == 4  # every logging step (5, 10, 15, 20)
     assert all(0 < h["dropbp/dropped_branches"] < 8 for h in drops)
     assert all(0 < h["dropbp/dropped_flops_fraction"] < 1 for h in drops)
+    losses = [h["step"] for h in history if "loss" in h]
+    assert losses == [5, 10, 15, 20]  # the Trainer's own loss log is still there at every logging step
 
 
 def test_trainer_calibrates_once_and_logs(tmp_path):
