@@ -50,6 +50,7 @@ CASES = [
     ("z2-adamw", 2, "adamw", "skip", 1, False, False),
     ("z2-adamw-accum", 2, "adamw", "skip", 2, True, False),
     ("z2-adamw-offload", 2, "adamw", "skip", 1, False, True),
+    ("z2-sgd-zero", 2, "sgd", "zero", 1, True, False),
     ("z3-sgd", 3, "sgd", "skip", 1, False, False),
     ("z3-adamw", 3, "adamw", "skip", 1, True, False),
     ("z3-adamw-accum", 3, "adamw", "skip", 2, False, False),

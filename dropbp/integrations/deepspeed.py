@@ -181,11 +181,17 @@ def calibration_closure(closure: Callable[[], torch.Tensor]) -> Callable[[], tor
 
 
 def _master_fragment(p: nn.Parameter) -> torch.Tensor | None:
-    """This rank's slice of ``p``'s fp32 master weights: a view into a flat partition the optimizer steps."""
-    if hasattr(p, "ds_id"):
-        from deepspeed.utils import safe_get_local_fp32_param
+    """This rank's slice of ``p``'s fp32 master weights: a view into a flat partition the optimizer steps.
 
-        return safe_get_local_fp32_param(p)
+    (Not ``deepspeed.utils.safe_get_local_fp32_param``: it moves the slice to the accelerator, a copy
+    where the optimizer is offloaded to the CPU.)"""
+    z3 = getattr(p, "_z3_optimizer", None)
+    if z3 is not None:
+        position = z3.grad_position.get(z3.get_param_id(p))
+        if position is None:
+            return None  # not one of the optimizer's parameters
+        group, offset, numel = position
+        return z3.fp32_partitioned_groups_flat[group].narrow(0, offset, numel)
     mapping = getattr(p, "_hp_mapping", None)
     return None if mapping is None else mapping.hp_fragment
 
@@ -209,6 +215,8 @@ def _check_internals(z3: object | None, params: Sequence[nn.Parameter]) -> None:
             "fp32_partitioned_groups_flat",
             "offload_optimizer",
             "gradient_accumulation_steps",
+            "grad_position",
+            "get_param_id",
             "optimizer",
         )
         missing = [a for a in needed if not hasattr(z3, a)]
