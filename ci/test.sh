@@ -5,6 +5,9 @@
 # environment, .venv-litgpt (transformers 4.57 + litgpt: see ci/install-litgpt.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# Tiny models: one intra-op thread is as fast, and OpenMP threads never spin against other processes
+# (on a busy 2-core machine they made the suite 10-50x slower).
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 if [ ! -x .venv/bin/ruff ] || [ ! -x .venv/bin/dropbp ] || { [ ! -x .venv/bin/ds_report ] && [ ! -f .venv/deepspeed-unavailable ]; }; then
   bash ci/install.sh || { echo "ci/test.sh: setting up .venv failed (see above)" >&2; exit 1; }
 fi
