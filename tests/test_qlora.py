@@ -93,3 +93,37 @@ def test_bench_runs_qlora_and_writes_results(tmp_path, capsys):
     for row in qlora["rows"]:
         assert row["efficiency"] > 0 and row["ideal_step_s"] > 0
     assert "| tiny | qlora | 16 | 1 | baseline |" in capsys.readouterr().out
+
+
+def test_lockstep_comparison_trains_4bit_copies_alike(qlora_model):
+    """The convergence benchmark's engine on a 4-bit model: every run trains its own copy from the
+    same start; full backprop twice gives the same curve, and DropBP at rate 0 the same again."""
+    from dropbp import backends
+    from dropbp.tools.compare import Run, compare
+    from dropbp.tools.textdata import TokenData
+
+    g = torch.Generator().manual_seed(0)
+    data = TokenData(torch.randint(3, 96, (16, 12), generator=g), torch.randint(3, 96, (4, 12), generator=g))
+    runs = [Run("full backprop"), Run("again"), Run("rate 0", 0.0), Run("DropBP 0.5", 0.5, pattern="cut")]
+    cpu = backends.get("cpu")
+    results = compare(qlora_model, runs, data, steps=3, lr=1e-2, batch_size=4, backend=cpu, eval_every=1)
+    base, again, rate0, dropbp_run = (r.val_loss for r in results)
+    assert base == again == rate0 and base[-1] != base[0]  # the adapters trained
+    assert dropbp_run[0] == base[0] and len(dropbp_run) == len(base)
+
+
+def test_convergence_qlora_takes_loras_learning_rate_without_its_own_sweep(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "convergence.py"
+    spec = importlib.util.spec_from_file_location("convergence_bench", path)
+    convergence = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convergence)
+    runs = [{"val_loss": [3.0, 2.0], "config": {"lr": 1e-3}}, {"val_loss": [3.0, 2.5], "config": {"lr": 1e-4}}]
+    sweep = {"runs": runs}
+    (tmp_path / "convergence_lr_lora_pydoc.json").write_text(json.dumps(sweep))
+    assert convergence.swept_lr(tmp_path, "qlora") == 1e-3
+    sweep["runs"][0]["val_loss"][-1] = 2.9  # a sweep of its own wins
+    (tmp_path / "convergence_lr_qlora_pydoc.json").write_text(json.dumps(sweep))
+    assert convergence.swept_lr(tmp_path, "qlora") == 1e-4
