@@ -90,9 +90,12 @@ def test_bench_runs_qlora_and_writes_results(tmp_path, capsys):
     lora, qlora = results["points"]
     assert qlora["trainable_parameters"] == lora["trainable_parameters"]
     assert qlora["parameters"] == lora["parameters"]  # a 4-bit weight counted by its shape
+    assert lora["four_bit_layers"] == 0 and lora["baseline"]["dequantize_s"] is None
+    assert qlora["four_bit_layers"] == 7 * 4 and qlora["baseline"]["dequantize_s"] > 0  # tiny: 4 layers
     for row in qlora["rows"]:
         assert row["efficiency"] > 0 and row["ideal_step_s"] > 0
-    assert "| tiny | qlora | 16 | 1 | baseline |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| tiny | qlora | 16 | 1 | baseline |" in out and "(28 4-bit layers)" in out
 
 
 def test_lockstep_comparison_trains_4bit_copies_alike(qlora_model):

@@ -24,9 +24,9 @@ import tempfile
 import torch
 from torch import nn
 
-from ..imports import require
+from ..imports import is_available, require
 
-__all__ = ["LORA_TARGETS", "count_4bit_layers", "quantize_4bit", "with_lora"]
+__all__ = ["LORA_TARGETS", "count_4bit_layers", "dequantize_all", "four_bit_layers", "quantize_4bit", "with_lora"]
 
 #: The LoRA targets of the ``lora`` and ``qlora`` methods (every linear layer but the LM head).
 LORA_TARGETS = "all-linear"
@@ -70,10 +70,25 @@ def with_lora(model: nn.Module, r: int = 8, alpha: int = 16, **kwargs) -> nn.Mod
     return peft.get_peft_model(model, peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=LORA_TARGETS, **kwargs))
 
 
+def four_bit_layers(model: nn.Module) -> list[nn.Module]:
+    """The ``bitsandbytes.nn.Linear4bit`` layers of ``model`` (none without bitsandbytes)."""
+    if not is_available("bitsandbytes"):
+        return []
+    import bitsandbytes as bnb
+
+    return [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+
+
 def count_4bit_layers(model: nn.Module) -> int:
     """How many ``bitsandbytes.nn.Linear4bit`` layers ``model`` holds (0 without bitsandbytes)."""
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        return 0
-    return sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+    return len(four_bit_layers(model))
+
+
+@torch.no_grad()
+def dequantize_all(layers: list[nn.Module]) -> None:
+    """Dequantise every layer's weight once, as its forward does (and its backward again where the
+    layer's input needs a gradient): the bench's measure of what 4-bit weights add to a step."""
+    import bitsandbytes.functional as bnbf
+
+    for layer in layers:
+        bnbf.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
