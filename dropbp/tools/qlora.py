@@ -56,7 +56,7 @@ def quantize_4bit(model: nn.Module, compute_dtype: torch.dtype, device: torch.de
                 folder,
                 quantization_config=config,
                 dtype=compute_dtype,
-                device_map={"": device.index if device.type == "cuda" and device.index is not None else device.type},
+                device_map={"": str(device)},  # quantised where it will train
                 attn_implementation=getattr(model.config, "_attn_implementation", None),
             )
     finally:
