@@ -15,7 +15,9 @@ from conftest import assert_same_grads, batch, detach_outputs, loss_and_grads, t
 
 import dropbp
 
-bnb = pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes: pip install 'dropbp[qlora]'")
+bnb = pytest.importorskip(
+    "bitsandbytes", reason="QLoRA needs bitsandbytes: pip install 'dropbp[qlora]'", exc_type=ImportError
+)
 
 from dropbp.tools.qlora import count_4bit_layers, quantize_4bit  # noqa: E402
 

@@ -74,8 +74,10 @@ def four_bit_layers(model: nn.Module) -> list[nn.Module]:
     """The ``bitsandbytes.nn.Linear4bit`` layers of ``model`` (none without bitsandbytes)."""
     if not is_available("bitsandbytes"):
         return []
-    import bitsandbytes as bnb
-
+    try:
+        import bitsandbytes as bnb
+    except ImportError:  # installed but unusable here: then no model holds its layers either
+        return []
     return [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
 
 
