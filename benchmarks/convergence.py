@@ -13,6 +13,7 @@ baseline's final validation loss, as a ratio to the baseline's own.
     python benchmarks/convergence.py --grid levers               # each lever on and off at 0.5
     python benchmarks/convergence.py --grid schedules            # warm-up and annealing at 0.5
     python benchmarks/convergence.py --grid rates --method full  # 0.5 and 0.875
+    python benchmarks/convergence.py --grid rates --method qlora # LoRA on nf4 4-bit weights (bitsandbytes)
 Writes benchmarks/results/convergence_<grid>_<method>_<corpus>.json, .md and .png.
 """
 
@@ -31,6 +32,7 @@ import transformers
 from dropbp import backends
 from dropbp.tools.compare import Run, RunResult, compare, summarise
 from dropbp.tools.pretrained import DEFAULT_MODEL, load_causal_lm
+from dropbp.tools.qlora import quantize_4bit
 from dropbp.tools.report import plot_curves
 from dropbp.tools.textdata import CORPORA
 
@@ -92,6 +94,10 @@ GRIDS = {
 
 # The baseline's learning rate is chosen first (lowest validation loss after --steps), then fixed.
 LR_CANDIDATES = {"lora": (1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 4e-3), "full": (1e-5, 3e-5, 1e-4, 3e-4)}
+LR_CANDIDATES["qlora"] = LR_CANDIDATES["lora"]
+# QLoRA trains the same adapters as LoRA (on 4-bit base weights): without a sweep of its own it takes
+# LoRA's learning rate, as QLoRA recipes do.
+LR_FALLBACK = {"qlora": "lora"}
 
 
 def swept_lr(results: Path, method: str) -> float:
@@ -102,6 +108,8 @@ def swept_lr(results: Path, method: str) -> float:
         for path in sorted(results.glob(f"convergence_lr_{method}_pydoc*.json"))
         for run in json.loads(path.read_text())["runs"]
     ]
+    if not rows and method in LR_FALLBACK:
+        return swept_lr(results, LR_FALLBACK[method])
     if not rows:
         raise SystemExit(f"no learning-rate sweep for {method} in {results}: run --grid lr --method {method} first")
     return min(rows)[1]
@@ -119,7 +127,12 @@ def main() -> None:
     parser.add_argument("--grid", choices=[*sorted(GRIDS), "lr"], default="levers")
     parser.add_argument("--lrs", type=float, nargs="+", help="--grid lr: these learning rates instead")
     parser.add_argument("--corpus", choices=sorted(CORPORA), default="pydoc")
-    parser.add_argument("--method", choices=["lora", "full"], default="lora")
+    parser.add_argument(
+        "--method",
+        choices=["lora", "qlora", "full"],
+        default="lora",
+        help="qlora: LoRA on nf4 4-bit base weights (needs bitsandbytes: pip install 'dropbp[qlora]')",
+    )
     parser.add_argument("--steps", type=int, default=60, help="baseline steps")
     parser.add_argument("--dropbp-steps", type=int, default=90, help="DropBP runs' steps (budget)")
     parser.add_argument("--lr", type=float, default=None, help="default: the best of --grid lr on pydoc")
@@ -137,11 +150,13 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     lr = args.lr if args.lr is not None else swept_lr(args.out, args.method)
     model, tokenizer = load_causal_lm(args.model)
-    if args.method == "lora":
+    backend = backends.get()
+    if args.method == "qlora":  # float32 weights become nf4 4-bit; accelerators still train under autocast
+        model = quantize_4bit(model, torch.float32, backend.device)
+    if args.method in ("lora", "qlora"):
         torch.manual_seed(0)  # LoRA's A matrices start random: the same start in every invocation
         model = with_lora(model)
     data = CORPORA[args.corpus](tokenizer, args.seq_len, max_val_windows=16)
-    backend = backends.get()
     if args.grid == "lr":
         runs = [Run(f"full backprop, lr {x:g}", lr=x) for x in args.lrs or LR_CANDIDATES[args.method]]
     else:

