@@ -209,7 +209,7 @@ def test_a_model_that_cannot_be_loaded_is_one_line(tmp_path, capsys):
     _, err = capsys.readouterr()
     assert code == 2 and len(err.strip().splitlines()) == 1 and "does not exist" in err
     with pytest.raises(CheckSetupError, match="unknown method"):
-        run_check("cpu", method="qlora")
+        run_check("cpu", method="dora")
 
 
 def test_the_report_says_why_this_backend(monkeypatch):
@@ -231,3 +231,14 @@ def test_a_post_norm_model_passes_against_what_the_residual_receives(tmp_path):
     statuses = _statuses(run_check("cpu", model=str(tmp_path), settings=TINY))
     assert statuses["gradients-equal-reference-uniform"] == "PASS", statuses
     assert statuses["gradients-equal-reference-cut"] == "PASS", statuses
+
+
+def test_qlora_checks_the_4bit_model(model_dir):
+    """--method qlora: the same LoRA on nf4 4-bit base weights; every correctness check passes."""
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (pip install 'dropbp[qlora]')")
+    result = run_check("cpu", model=model_dir, method="qlora", settings=TINY)
+    statuses = _statuses(result)
+    assert result.passed, statuses
+    assert all(statuses[name] == "PASS" for name in CORRECTNESS)
+    assert result.model["method"] == "qlora" and result.model["trainable_parameters"] < result.model["parameters"]
+    assert result.model["four_bit_layers"] == 4 * 7  # every linear of the 4 decoder layers

@@ -32,10 +32,11 @@ from .check_grads import Probe, correctness_checks, saved_bytes
 from .check_graphs import graph_checks
 from .check_report import FAIL, CheckResult, Outcome, render, write
 from .pretrained import DEFAULT_MODEL, load_causal_lm
+from .qlora import count_4bit_layers, quantize_4bit, with_lora
 
 __all__ = ["CheckResult", "CheckSettings", "CheckSetupError", "render", "run_check", "write"]
 
-METHODS = ("full", "lora")
+METHODS = ("full", "lora", "qlora")
 DTYPES = ("fp32", "bf16")
 #: The drop rates whose speed and memory are measured (0: the library's own overhead).
 SPEED_RATES = (0.0, 0.5, 0.875)
@@ -83,11 +84,12 @@ def _load(model: str | None, method: str, backend: Backend, settings: CheckSetti
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise CheckSetupError(f"cannot load the model {model!r}: {first}") from None
         name = model
-    if method == "lora":
-        peft = require("peft", "dropbp check --method lora")
+    if method == "qlora":  # nf4 4-bit base weights, quantised on the device they will train on
+        net = quantize_4bit(net, torch.float32, backend.device)
+    if method in ("lora", "qlora"):
+        require("peft", f"dropbp check --method {method}")
         # init_lora_weights=False: non-zero adapters, so every adapter gets a gradient worth comparing
-        config = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
-        net = peft.get_peft_model(net, config)
+        net = with_lora(net, init_lora_weights=False)
     net, _ = backend.prepare(net)
     return net.train(), name
 
@@ -96,7 +98,9 @@ def _model_facts(model: nn.Module, name: str, method: str, dtype: str, backend: 
     probe = apply(model, 0.0, pattern="uniform", backend=backend)
     branches = len(probe.branches)
     probe.remove()
+    four_bit = {"four_bit_layers": count_4bit_layers(model)} if method == "qlora" else {}
     return {
+        **four_bit,
         "name": name,
         "method": method,
         "dtype": dtype if dtype == "fp32" else f"{dtype} (autocast {str(backend.autocast_dtype).split('.')[1]})",
@@ -163,7 +167,8 @@ def run_check(
         backend: a backend name or instance; default ``$DROPBP_BACKEND``, else detection.
         model: a local path or model id of a causal LM (``"SmolLM2-135M-Instruct"``: the bundled
             one); default a small random Llama, so nothing is downloaded.
-        method: ``"full"`` fine-tuning or ``"lora"`` (PEFT LoRA on every linear layer).
+        method: ``"full"`` fine-tuning, ``"lora"`` (PEFT LoRA on every linear layer) or ``"qlora"``
+            (the same LoRA on nf4 4-bit base weights: bitsandbytes, :mod:`dropbp.tools.qlora`).
         dtype: ``"fp32"`` or ``"bf16"`` (autocast; the gradients are also checked in fp32); default
             the backend's training dtype (fp32 on the CPU, bf16 on accelerators).
         out: a folder to write ``check.json`` and ``check.md`` to; nothing is written without it.

