@@ -106,10 +106,6 @@ class DropBPController:
         self._model = model
         self._found = list(branches)
         self._modules = [b.module for b in branches]
-        #: Per branch, one module holding all its parameters (post-norm tail included).
-        self._holders = [b.holder() for b in branches]
-        #: Per branch, the module whose output the residual add receives (the tail's last, if any).
-        self._outputs = [b.parts[-1] for b in branches]
         flops = [b.flops for b in branches]
         self._chunked = _chunked_loss(model, chunked_loss)  # first: a model it cannot handle leaves no hooks
         self._hooks = StepHooks(
@@ -241,7 +237,13 @@ class DropBPController:
 
             closure = calibration_closure(closure)
         sens = sensitivity.measure(
-            self._model, self._outputs, closure, self._hooks.force, gradnorm=gradnorm, method=method, boundary=boundary
+            self._model,
+            [b.parts[-1] for b in self._found],  # what the residual add receives: the tail's last part
+            closure,
+            self._hooks.force,
+            gradnorm=gradnorm,
+            method=method,
+            boundary=boundary,
         )
         flops = [b.flops for b in self._found]
         rates = allocate_rates(sens, flops, self.drop_rate, min_rate=min_rate, max_rate=max_rate)
@@ -252,7 +254,7 @@ class DropBPController:
         """Optimizer parameter groups with learning-rate compensation (:mod:`dropbp.optimizer`): a
         branch dropped with rate ``r`` gets ``lr / (1 - r)``. After the rates change (``calibrate``,
         ``set_rates``) call :meth:`update_param_groups` on the optimizer."""
-        return lr_compensation.param_groups(self._model, self._holders, self.rates, lr, **options)
+        return lr_compensation.param_groups(self._model, self._hooks.holders, self.rates, lr, **options)
 
     def update_param_groups(
         self, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None

@@ -100,10 +100,6 @@ class Branch:
         """The branch module, then its tail: the last part's output is what the residual add receives."""
         return (self.module, *self.tail)
 
-    def holder(self) -> nn.Module:
-        """One module holding every parameter of the branch (tail included): :func:`holder`."""
-        return holder(self.parts)
-
     def __repr__(self) -> str:
         return f"Branch(name={self.name!r}, kind={self.kind!r}, flops={self.flops!r}, rate={self.rate!r})"
 
@@ -208,13 +204,15 @@ def _named_branches(
         if a is None or m is None:
             continue
         prefix = f"{name}." if name else ""
-        after = [t if t in children and any(True for _ in children[t].parameters()) else None for t in tails or ()]
-        after += [None] * (2 - len(after))
-        found += [
-            (prefix + a, "attn", () if after[0] is None else (prefix + after[0],)),
-            (prefix + m, "mlp", () if after[1] is None else (prefix + after[1],)),
-        ]
+        after = [_tail(children, tails[i] if tails else None, prefix) for i in (0, 1)]
+        found += [(prefix + a, "attn", after[0]), (prefix + m, "mlp", after[1])]
     return found
+
+
+def _tail(children: dict[str, nn.Module], child: str | None, prefix: str) -> tuple[str, ...]:
+    """``(prefix + child,)`` if the layer has that child and it holds parameters, else ``()``."""
+    has_params = child in children and next(children[child].parameters(), None) is not None
+    return (prefix + child,) if has_params else ()
 
 
 def _is_litgpt_block(module: nn.Module) -> bool:

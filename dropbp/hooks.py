@@ -61,7 +61,7 @@ class StepHooks:
         self._names = list(names)
         self._modules = [branch[0] for branch in parts]
         #: Per branch, one module holding every parameter of it (tail included).
-        self._holders = [holder(branch) for branch in parts]
+        self.holders = [holder(branch) for branch in parts]
         self._flops = list(flops)
         self._policy = policy
         self._unbiased = unbiased
@@ -75,7 +75,7 @@ class StepHooks:
         self.forced: frozenset[int] | None = None
         self.tally = DropTally()
         self._recompute = RecomputeCache(self._modules)
-        self.fill = DroppedGrads(dropped_grads, self._holders)
+        self.fill = DroppedGrads(dropped_grads, self.holders)
         self._zero = None  # a dropbp.integrations.deepspeed.ZeroGuard, once a ZeRO optimizer holds the model
         self._handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(self._on_model_forward),
@@ -170,17 +170,17 @@ class StepHooks:
         params = [p for p in self._model.parameters() if p.requires_grad]
         stage = zero_stage(params)
         if stage is not None:
-            self._zero = ZeroGuard(stage, params, self._holders, self.fill.mode)
+            self._zero = ZeroGuard(stage, params, self.holders, self.fill.mode)
 
     def _trainable_branches(self) -> list[bool] | None:
         """Per branch, whether it holds a trainable parameter; ``None`` if something outside does.
 
         Parameters are read at use: FSDP2 ``fully_shard`` after ``apply`` replaces them.
         """
-        inside = {id(p) for m in self._holders for p in m.parameters()}
+        inside = {id(p) for m in self.holders for p in m.parameters()}
         if any(p.requires_grad and id(p) not in inside for p in self._model.parameters()):
             return None  # e.g. embeddings or a head still receive a gradient
-        return [any(p.requires_grad for p in m.parameters()) for m in self._holders]
+        return [any(p.requires_grad for p in m.parameters()) for m in self.holders]
 
     @contextmanager
     def force(self, pattern: frozenset[int]) -> Iterator[None]:

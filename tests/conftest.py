@@ -83,3 +83,20 @@ def assert_same_grads(got: dict, want: dict, atol: float = 1e-6) -> None:
 @pytest.fixture
 def clone():
     return copy.deepcopy
+
+
+def run_ranks(target, *args, world: int, timeout: float) -> None:
+    """Run ``target(rank, *args)`` in ``world`` spawned processes; fail on a non-zero exit or a hang."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(rank, *args)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    hung = [p.is_alive() for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not any(hung), f"ranks {hung} did not finish within {timeout} s (a hang)"
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]

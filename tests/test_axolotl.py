@@ -22,7 +22,7 @@ from conftest import VOCAB, tiny_model, with_lora
 
 transformers = pytest.importorskip("transformers")
 pydantic = pytest.importorskip("pydantic")
-from test_hf_integration import _args, _dataset  # noqa: E402
+from test_hf_integration import _args, _dataset, _trainer  # noqa: E402
 
 import dropbp  # noqa: E402
 from dropbp.integrations.axolotl import DropBPArgs, DropBPPlugin  # noqa: E402
@@ -56,15 +56,6 @@ def _stored_config(raw: dict) -> dict:
     module_name, class_name = plugin.get_input_args().rsplit(".", 1)
     args_model = getattr(importlib.import_module(module_name), class_name)
     return {"seed": 7, **args_model.model_validate(raw).model_dump(exclude_none=True)}
-
-
-def _trainer(tmp_path, **kw) -> transformers.Trainer:
-    return transformers.Trainer(
-        model=with_lora(tiny_model("llama", layers=4)),
-        args=_args(tmp_path, **kw),
-        train_dataset=_dataset(),
-        data_collator=transformers.default_data_collator,
-    )
 
 
 def test_config_keys_default_to_attach_defaults():

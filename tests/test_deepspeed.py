@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import VOCAB, detach_outputs, tiny_model
+from conftest import VOCAB, detach_outputs, run_ranks, tiny_model
 
 
 def _why_no_deepspeed() -> str:
@@ -60,20 +60,7 @@ CASES = [
 
 
 def _run_ranks(target, *args) -> None:
-    """Run ``target(rank, *args)`` in WORLD spawned processes; fail on a non-zero exit or a hang."""
-    ctx = torch.multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=target, args=(rank, *args)) for rank in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=JOB_TIMEOUT)
-    hung = [p.is_alive() for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not any(hung), f"ranks {hung} did not finish within {JOB_TIMEOUT} s (a hang)"
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    run_ranks(target, *args, world=WORLD, timeout=JOB_TIMEOUT)
 
 
 def _ids(step: int, micro: int, rank: int) -> torch.Tensor:

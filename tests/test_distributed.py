@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import assert_same_grads, batch, detach_outputs, tiny_model, with_lora
+from conftest import assert_same_grads, batch, detach_outputs, run_ranks, tiny_model, with_lora
 from torch.nn.parallel import DistributedDataParallel
 
 import dropbp
@@ -26,20 +26,7 @@ JOB_TIMEOUT = 150  # seconds for one two-process job, start-up included
 
 
 def _run_ranks(target, *args) -> None:
-    """Run ``target(rank, *args)`` in WORLD spawned processes; fail on a non-zero exit or a hang."""
-    ctx = torch.multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=target, args=(rank, *args)) for rank in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=JOB_TIMEOUT)
-    hung = [p.is_alive() for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not any(hung), f"ranks {hung} did not finish within {JOB_TIMEOUT} s (a hang)"
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    run_ranks(target, *args, world=WORLD, timeout=JOB_TIMEOUT)
 
 
 def _ids(step: int, rank: int) -> torch.Tensor:
