@@ -14,6 +14,12 @@ baseline's final validation loss, as a ratio to the baseline's own.
     python benchmarks/convergence.py --grid schedules            # warm-up and annealing at 0.5
     python benchmarks/convergence.py --grid rates --method full  # 0.5 and 0.875
     python benchmarks/convergence.py --grid rates --method qlora # LoRA on nf4 4-bit weights (bitsandbytes)
+
+Where people fine-tune (issue 23): accumulated micro-batches (a pattern each), a learning rate with
+linear warm-up and cosine decay over each run's own steps, AdamW weight decay as the research code:
+
+    python benchmarks/convergence.py --grid time-schedules --regime accumulate --lr 2e-3 --dropbp-steps 120
+    python benchmarks/convergence.py --grid default --regime accumulate --method full --lr 1e-4 --dropbp-steps 135
 Writes benchmarks/results/convergence_<grid>_<method>_<corpus>.json, .md and .png.
 """
 
@@ -23,6 +29,8 @@ import argparse
 import json
 import platform
 import sys
+import time
+from dataclasses import replace
 from datetime import date
 from pathlib import Path
 
@@ -92,6 +100,35 @@ GRIDS = {
 }
 
 
+# The regime people fine-tune in (issue 23), each DropBP run with its own complete schedules: a time
+# schedule of the drop rate whose mean over the run is the drop rate, against the constant rate with a
+# warm-up (whose mean is kept by the same total_steps), and the same at the baseline's number of steps.
+_CUT_WARMUP = {"pattern": "cut", "schedule": "warmup", "drop_schedule": "constant"}
+_CUT_LINEAR = {"pattern": "cut", "drop_schedule": "linear", "ramp": 0.5}
+GRIDS["time-schedules"] = [
+    Run("full backprop"),
+    Run("cut 0.5 + warm-up (mean kept)", 0.5, **_CUT_WARMUP),
+    Run("cut 0.5, linear rise over half", 0.5, **_CUT_LINEAR),
+]
+# The shipped default (cut, warm-up over 20%, mean kept) at equal steps and at equal time.
+GRIDS["time-schedules"].append(Run("cut 0.5 + warm-up (mean kept), equal steps", 0.5, steps=-1, **_CUT_WARMUP))
+GRIDS["default"] = [
+    Run("full backprop"),
+    Run("DropBP 0.5, equal steps", 0.5, steps=-1, **_CUT_WARMUP),
+    Run("DropBP 0.5, equal time", 0.5, **_CUT_WARMUP),
+]
+
+# Regimes (--regime): "step" is the one every run before issue 23 used (one pattern per optimizer step,
+# a constant learning rate, no weight decay); "accumulate" is the research code's shape on a CPU budget.
+REGIMES = {
+    "step": {"accumulation": 1, "lr_schedule": "constant", "weight_decay": {"lora": 0.0, "qlora": 0.0, "full": 0.0}},
+    "accumulate": {
+        "accumulation": 8,
+        "lr_schedule": "cosine",
+        "weight_decay": {"lora": 0.01, "qlora": 0.01, "full": 0.02},  # the research code's
+    },
+}
+
 # The baseline's learning rate is chosen first (lowest validation loss after --steps), then fixed.
 LR_CANDIDATES = {"lora": (1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 4e-3), "full": (1e-5, 3e-5, 1e-4, 3e-4)}
 LR_CANDIDATES["qlora"] = LR_CANDIDATES["lora"]
@@ -138,7 +175,10 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=None, help="default: the best of --grid lr on pydoc")
     parser.add_argument("--tag", default="", help="appended to the output file names")
     parser.add_argument("--render", type=Path, help="only rewrite the summary, .md and .png of a recorded .json")
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--regime", choices=sorted(REGIMES), default="step")
+    parser.add_argument(
+        "--batch-size", type=int, default=None, help="sequences per optimizer step (default: 4, or 8 when accumulating)"
+    )
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--model", default=DEFAULT_MODEL)
@@ -157,14 +197,18 @@ def main() -> None:
         torch.manual_seed(0)  # LoRA's A matrices start random: the same start in every invocation
         model = with_lora(model)
     data = CORPORA[args.corpus](tokenizer, args.seq_len, max_val_windows=16)
+    regime = REGIMES[args.regime]
+    batch_size = args.batch_size or (8 if args.regime == "accumulate" else 4)
     if args.grid == "lr":
         runs = [Run(f"full backprop, lr {x:g}", lr=x) for x in args.lrs or LR_CANDIDATES[args.method]]
-    else:
-        runs = GRIDS[args.grid]
+    else:  # steps=-1 in a grid: the baseline's number of steps
+        runs = [replace(r, steps=args.steps) if r.steps == -1 else r for r in GRIDS[args.grid]]
+
+    started = time.perf_counter()
 
     def progress(step: int, latest: dict[str, float]) -> None:
         losses = " | ".join(f"{k}: {v:.3f}" for k, v in latest.items())
-        print(f"step {step}  val {losses}", file=sys.stderr, flush=True)
+        print(f"step {step} ({time.perf_counter() - started:.0f} s)  val {losses}", file=sys.stderr, flush=True)
 
     results = compare(
         model,
@@ -172,15 +216,20 @@ def main() -> None:
         data,
         steps=args.steps,
         lr=lr,
-        batch_size=args.batch_size,
+        batch_size=batch_size,
         backend=backend,
         eval_every=args.eval_every,
         dropbp_steps=args.dropbp_steps,
         progress=progress,
+        accumulation=regime["accumulation"],
+        lr_schedule=regime["lr_schedule"],
+        weight_decay=regime["weight_decay"][args.method],
     )
     stem = f"convergence_{args.grid}_{args.method}_{args.corpus}"
     if args.grid == "lr" and args.lrs:
         stem += "_" + "_".join(f"{x:g}" for x in args.lrs)
+    if args.regime != "step":
+        stem += f"_{args.regime}"
     if args.tag:
         stem += f"_{args.tag}"
     record = {
@@ -193,8 +242,13 @@ def main() -> None:
         "lr": lr,
         "steps": args.steps,
         "dropbp_steps": args.dropbp_steps,
-        "batch_size": args.batch_size,
+        "batch_size": batch_size,
         "seq_len": args.seq_len,
+        "regime": args.regime,
+        "accumulation": regime["accumulation"],
+        "lr_schedule": regime["lr_schedule"],
+        "weight_decay": regime["weight_decay"][args.method],
+        "command": "python " + " ".join(sys.argv),
         "device": str(backend.device),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -225,10 +279,14 @@ def render(path: Path) -> None:
 
 
 def _setting(record: dict) -> str:
-    return (
-        f"{record['model']}, {record['method']} on {record.get('corpus', 'pydoc')}, "
-        f"batch {record['batch_size']} x {record['seq_len']}"
+    accumulation = record.get("accumulation", 1)
+    regime = (
+        f"{accumulation} micro-batches of {record['batch_size'] // accumulation} x {record['seq_len']} per step "
+        f"(a pattern each), lr warm-up + cosine over each run's steps, weight decay {record['weight_decay']:g}"
+        if record.get("regime", "step") != "step"
+        else f"batch {record['batch_size']} x {record['seq_len']}"
     )
+    return f"{record['model']}, {record['method']} on {record.get('corpus', 'pydoc')}, {regime}"
 
 
 def _lr_sweep_table(record: dict) -> list[str]:
@@ -243,6 +301,8 @@ def _lr_sweep_table(record: dict) -> list[str]:
 
 def _comparison_table(record: dict) -> list[str]:
     rows, steps = record["summary"], record["steps"]
+    if record.get("regime", "step") != "step":
+        return _regime_table(record)
     lines = [
         f"{_setting(record)}, lr {record['lr']:g}, {steps} baseline steps ({record['dropbp_steps']} for DropBP), "
         f"{record['device']} ({record['date']}); target = the baseline's final validation loss "
@@ -259,6 +319,32 @@ def _comparison_table(record: dict) -> list[str]:
         lines.append(
             f"| {r['run']} | {r['step_s']:.2f} | {r['step_speedup']:.2f}x | {r['val_loss_at_equal_steps']:.3f} | "
             f"{'-' if at_time is None else f'{at_time:.3f}'} | {r['final_val_loss']:.3f} | {ttt} | {sp} |"
+        )
+    return lines
+
+
+def _regime_table(record: dict) -> list[str]:
+    """Each run over its own steps: final loss and its gap to the baseline's, training time saved, the loss
+    at the baseline's training time (equal time) and the time to reach the baseline's final loss."""
+    rows = record["summary"]
+    base = rows[0]
+    lines = [
+        f"{_setting(record)}, lr {record['lr']:g}, {record['device']} ({record['date']}); "
+        f"target = the baseline's final validation loss {base['final_val_loss']:.3f}. Command: `{record['command']}`",
+        "",
+        "| run | steps | step speedup | training time (s) | time saved | final val loss | gap | "
+        "val loss @ baseline's time | time to target (s) | time-to-target speedup |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        at_time = r.get("val_loss_at_equal_time")
+        ttt = "not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.0f}"
+        sp = "-" if r["time_to_target_speedup"] is None else f"{r['time_to_target_speedup']:.2f}x"
+        gap = r["final_val_loss"] / base["final_val_loss"] - 1
+        lines.append(
+            f"| {r['run']} | {r['steps']} | {r['step_speedup']:.2f}x | {r['train_s']:.0f} | "
+            f"{1 - r['train_s'] / base['train_s']:+.0%} | {r['final_val_loss']:.3f} | {gap:+.2%} | "
+            f"{'-' if at_time is None else f'{at_time:.3f}'} | {ttt} | {sp} |"
         )
     return lines
 

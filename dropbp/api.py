@@ -18,7 +18,7 @@ from .controller import DropBPController
 from .discovery import find_branches
 from .distributed import unwrap
 from .dropped_grads import DEFAULT_DROPPED_GRADS
-from .policy import DropPolicy
+from .policy import DEFAULT_RAMP, DropPolicy
 
 __all__ = ["apply"]
 
@@ -37,6 +37,9 @@ def apply(
     warmup_steps: int = 0,
     pattern: str = "cut",
     chunked_loss: bool | int = False,
+    total_steps: int | None = None,
+    drop_schedule: str = "constant",
+    ramp: float = DEFAULT_RAMP,
 ) -> DropBPController:
     """Attach DropBP to ``model``: each training step drops the backward of random residual branches.
 
@@ -93,6 +96,17 @@ def apply(
             they no longer cap the memory dropping saves. ``True``: chunks of 64 MiB of float32
             logits; an int: tokens per chunk. Such forwards return ``logits=None``. Works at any
             rate, 0 included; ``ctl.remove()`` restores the model's forward.
+        total_steps: the run's length in training forwards (micro-batches: optimizer steps times
+            gradient accumulation), counted like ``warmup_steps``; ``attach`` passes it itself. Given,
+            the rates follow ``drop_schedule`` over the run and are scaled so that the run's mean drop
+            rate, warm-up included, is ``drop_rate`` (the compute it asks to save); without it, the
+            rates stay as set after the warm-up. ``ctl.total_steps``, saved in ``state_dict``.
+        drop_schedule: how the rates move over a run of known length (:mod:`dropbp.schedule`):
+            ``"constant"`` (only the warm-up), or rising from 0 over the first ``ramp`` of the run,
+            ``"linear"``, ``"cosine"`` or ``"step"``, then held at the peak that keeps the mean: with the
+            cut shape, a randomised progressive freezing from the bottom. A peak the pattern shape cannot
+            take (a rate above 1) is refused. ``ctl.drop_schedule``.
+        ramp: the share of the run, in (0, 1], over which a rising ``drop_schedule`` rises; ``ctl.ramp``.
 
     Returns:
         The :class:`DropBPController`; ``ctl.remove()`` restores the model exactly.
@@ -108,7 +122,9 @@ def apply(
         raise TypeError(f"branches must be a list of module names, got {type(branches).__name__}")
     found = find_branches(inner, None if branches is None else list(branches), check_int("seq_len", seq_len, 1))
     bound = backend.default_max_patterns if max_patterns is None else max_patterns
-    policy = DropPolicy([b.flops for b in found], drop_rate, seed, bound, warmup_steps, pattern)
+    policy = DropPolicy(
+        [b.flops for b in found], drop_rate, seed, bound, warmup_steps, pattern, total_steps, drop_schedule, ramp
+    )
     return DropBPController(
         model, found, policy, backend, unbiased=unbiased, dropped_grads=dropped_grads, chunked_loss=chunked_loss
     )

@@ -149,6 +149,15 @@ class DropBPController:
     seed = _policy_setting("seed", "The seed of every pattern.")
     max_patterns = _policy_setting("max_patterns", "Bound on distinct patterns (``None``: unbounded).")
     warmup_steps = _policy_setting("warmup_steps", "Training forwards over which the rates rise linearly from 0.")
+    total_steps = _policy_setting(
+        "total_steps",
+        "The run's length in training forwards (``None``: unknown); known, the rates follow ``drop_schedule`` "
+        "with the run's mean drop rate equal to ``drop_rate``.",
+    )
+    drop_schedule = _policy_setting(
+        "drop_schedule", 'How the rates move over a run of known length: "constant", "linear", "cosine" or "step".'
+    )
+    ramp = _policy_setting("ramp", "The share of the run over which a rising drop schedule rises, in (0, 1].")
     pattern = _policy_setting(
         "pattern", 'The shape of the patterns, "uniform" or "cut"; setting it resets the rates to its own.'
     )
@@ -264,7 +273,8 @@ class DropBPController:
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue with the same patterns: rates, seed, step counter, bound, warm-up."""
+        """Everything needed to continue with the same patterns: rates, seed, step counter, bound, warm-up,
+        time schedule."""
         names = [b.name for b in self._found]
         return {"version": _STATE_VERSION, "branches": names, **self._policy.state_dict(), "step": self._hooks.step}
 

@@ -1,4 +1,4 @@
-"""The drop policy: per-branch rates, seed, pattern bound and warm-up, turned into each step's pattern.
+"""The drop policy: per-branch rates, seed, pattern bound, warm-up and time schedule, turned into each step's pattern.
 
 Everything that decides which branches drop lives here, behind setters that validate and take
 effect from the next pattern drawn: the samplers are derived from the settings and rebuilt when one
@@ -12,9 +12,20 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .allocation import cut_rates
-from .checks import check_choice, check_cut_rates, check_drop_rate, check_int, check_rates, keep_a_trainable_branch
+from .checks import (
+    check_choice,
+    check_cut_rates,
+    check_drop_rate,
+    check_fraction,
+    check_int,
+    check_rates,
+    keep_a_trainable_branch,
+)
 from .sampler import SAMPLERS, PatternSampler
-from .schedule import BOUNDED_WARMUP_LEVELS, warmup_factor
+from .schedule import BOUNDED_WARMUP_LEVELS, DROP_SCHEDULES, SCHEDULE_LEVELS, TimeSchedule, warmup_factor
+
+#: The ramp of a rising drop schedule when none is given: the share of the run over which it rises.
+DEFAULT_RAMP = 0.5
 
 __all__ = ["DropPolicy"]
 
@@ -31,6 +42,11 @@ class DropPolicy:
         pattern: the shape of the patterns: ``"cut"`` (each step drops every branch below a random
             depth; :func:`dropbp.allocation.cut_rates` gives the rates) or ``"uniform"`` (the paper:
             every branch drops at ``drop_rate``, independently of depth).
+        total_steps: the run's length in training forwards; ``None``: unknown (the rates stay as set,
+            after the warm-up). Known, the rates follow a :class:`~dropbp.schedule.TimeSchedule` whose
+            mean over the run is 1, so the run drops ``drop_rate`` on average, warm-up included.
+        drop_schedule: how the rates move over a run of known length (:data:`dropbp.schedule.DROP_SCHEDULES`).
+        ramp: the share of the run over which a rising schedule rises, in (0, 1].
     """
 
     def __init__(
@@ -41,15 +57,27 @@ class DropPolicy:
         max_patterns: int | None,
         warmup_steps: int,
         pattern: str = "cut",
+        total_steps: int | None = None,
+        drop_schedule: str = "constant",
+        ramp: float = DEFAULT_RAMP,
     ) -> None:
         self._flops = list(flops)
         self._num_branches = check_int("number of branches", len(self._flops), 1)
-        self._samplers: dict[float, PatternSampler] = {}  # by warm-up factor; derived, rebuilt on change
+        self._samplers: dict[float, PatternSampler] = {}  # by the step's factor; derived, rebuilt on change
+        self._time: TimeSchedule | None = None  # derived from the schedule's settings, rebuilt on change
         self._pattern = check_choice("pattern", pattern, tuple(SAMPLERS))
+        self._max_patterns: int | None = None
+        self._warmup_steps = 0
+        self._total_steps: int | None = None
+        self._drop_schedule = check_choice("drop_schedule", drop_schedule, DROP_SCHEDULES)
+        self._ramp = check_fraction("ramp", ramp, 0.0, 1.0, high_inclusive=True, what="a fraction of the run")
+        if self._ramp == 0.0:
+            raise ValueError("ramp must be a fraction of the run in (0, 1], got 0")
         self.drop_rate = drop_rate
         self.seed = seed
         self.max_patterns = max_patterns
         self.warmup_steps = warmup_steps
+        self.total_steps = total_steps
 
     @property
     def num_branches(self) -> int:
@@ -65,9 +93,23 @@ class DropPolicy:
     @drop_rate.setter
     def drop_rate(self, value: float) -> None:
         p = check_drop_rate(value, self._num_branches) if self._pattern == "uniform" else value
-        rates = [p] * self._num_branches if self._pattern == "uniform" else cut_rates(self._flops, p)
-        self.set_rates(rates)
+        self._rates = self._shape_rates(p, self._time)
+        self._own_rates = True
+        self._samplers.clear()
         self._drop_rate = float(p)
+
+    def _shape_rates(self, p: float, time: TimeSchedule | None) -> list[float]:
+        """The pattern shape's own rates for drop rate ``p`` under ``time``: those of ``p`` times its peak,
+        divided by the peak, so that they are the shape's at the peak and average ``p`` over the run."""
+        peak = 1.0 if time is None else time.peak
+        try:
+            if self._pattern == "uniform":
+                return [check_drop_rate(p * peak, self._num_branches) / peak] * self._num_branches
+            return [r / peak for r in cut_rates(self._flops, p * peak)]
+        except ValueError as error:
+            if peak == 1.0:
+                raise
+            raise self._peak_error(time, f"drop rate {p:g} x {peak:.3g} = {p * peak:.3g}: {error}") from None
 
     @property
     def pattern(self) -> str:
@@ -94,7 +136,10 @@ class DropPolicy:
         """Set one rate per branch: for the uniform shape each in [0, 1), summing to at most N - 1; for
         the cut shape each in [0, 1], not rising with depth, the last 0 (:mod:`dropbp.checks`)."""
         check = check_rates if self._pattern == "uniform" else check_cut_rates
-        self._rates = check(rates, self._num_branches)
+        checked = check(rates, self._num_branches)
+        self._check_peak(checked, self._time)
+        self._rates = checked
+        self._own_rates = False  # given rates are kept as they are when the time schedule changes
         self._samplers.clear()
 
     @property
@@ -114,8 +159,8 @@ class DropPolicy:
 
     @max_patterns.setter
     def max_patterns(self, value: int | None) -> None:
-        self._max_patterns = None if value is None else check_int("max_patterns", value, 1)
-        self._samplers.clear()
+        bound = None if value is None else check_int("max_patterns", value, 1)
+        self._retime(max_patterns=bound)
 
     @property
     def warmup_steps(self) -> int:
@@ -124,7 +169,90 @@ class DropPolicy:
 
     @warmup_steps.setter
     def warmup_steps(self, value: int) -> None:
-        self._warmup_steps = check_int("warmup_steps", value, 0)
+        self._retime(warmup_steps=check_int("warmup_steps", value, 0))
+
+    @property
+    def total_steps(self) -> int | None:
+        """The run's length in training forwards (``None``: unknown, no time schedule)."""
+        return self._total_steps
+
+    @total_steps.setter
+    def total_steps(self, value: int | None) -> None:
+        self._retime(total_steps=None if value is None else check_int("total_steps", value, 1))
+
+    @property
+    def drop_schedule(self) -> str:
+        """How the rates move over a run of known length (:data:`dropbp.schedule.DROP_SCHEDULES`)."""
+        return self._drop_schedule
+
+    @drop_schedule.setter
+    def drop_schedule(self, value: str) -> None:
+        self._retime(drop_schedule=check_choice("drop_schedule", value, DROP_SCHEDULES))
+
+    @property
+    def ramp(self) -> float:
+        """The share of the run over which a rising drop schedule rises."""
+        return self._ramp
+
+    @ramp.setter
+    def ramp(self, value: float) -> None:
+        ramp = check_fraction("ramp", value, 0.0, 1.0, high_inclusive=True, what="a fraction of the run")
+        if ramp == 0.0:
+            raise ValueError("ramp must be a fraction of the run in (0, 1], got 0")
+        self._retime(ramp=ramp)
+
+    def factor(self, step: int) -> float:
+        """The factor on every rate at training forward ``step``: the time schedule's, else the warm-up's."""
+        if self._time is not None:
+            return self._time.factor(step)
+        levels = None if self._max_patterns is None else BOUNDED_WARMUP_LEVELS
+        return warmup_factor(step, self._warmup_steps, levels)
+
+    def _retime(self, **change: Any) -> None:
+        """Apply a change to the schedule's settings if the rates stay valid at its peak; else change nothing."""
+        settings = {
+            "max_patterns": self._max_patterns,
+            "warmup_steps": self._warmup_steps,
+            "total_steps": self._total_steps,
+            "drop_schedule": self._drop_schedule,
+            "ramp": self._ramp,
+            **change,
+        }
+        time = None
+        if settings["total_steps"] is not None:
+            levels = SCHEDULE_LEVELS if settings["max_patterns"] is None else BOUNDED_WARMUP_LEVELS
+            time = TimeSchedule(
+                settings["total_steps"], settings["drop_schedule"], settings["ramp"], settings["warmup_steps"], levels
+            )
+        rates = self._shape_rates(self._drop_rate, time) if self._own_rates else self._rates
+        self._check_peak(rates, time)
+        for name, value in settings.items():
+            setattr(self, f"_{name}", value)
+        self._time = time
+        self._rates = rates
+        self._samplers.clear()
+
+    def _check_peak(self, rates: Sequence[float], time: TimeSchedule | None) -> None:
+        """Refuse a time schedule whose peak would lift some rate past what the pattern shape allows.
+
+        Keeping the run's mean at the drop rate while dropping less early means dropping more late:
+        the rates at the peak are the rates times ``time.peak``.
+        """
+        if time is None or time.peak <= 1.0:
+            return
+        peak = [min(1.0, r * time.peak) if r * time.peak <= 1.0 + 1e-9 else r * time.peak for r in rates]
+        check = check_rates if self._pattern == "uniform" else check_cut_rates
+        try:
+            check(peak, self._num_branches)
+        except ValueError as error:
+            raise self._peak_error(time, str(error)) from None
+
+    def _peak_error(self, time: TimeSchedule, detail: str) -> ValueError:
+        return ValueError(
+            f"the time schedule ({time.describe()}) keeps the run's mean drop rate by peaking at {time.peak:.3g}x the "
+            f"rates, which the {self._pattern!r} shape cannot take ({detail}); lower drop_rate, use a shorter ramp "
+            "or warm-up, or drop_schedule='constant'"
+        )
 
     # -- patterns --------------------------------------------------------------------------------
     def draw(self, step: int, trainable: Callable[[], list[bool] | None] = lambda: None) -> frozenset[int]:
@@ -135,14 +263,14 @@ class DropPolicy:
             trainable: per branch, whether it holds a trainable parameter, or ``None`` when something
                 outside the branches is trainable (see :func:`dropbp.checks.keep_a_trainable_branch`).
         """
-        levels = None if self._max_patterns is None else BOUNDED_WARMUP_LEVELS
-        sampler = self._sampler(warmup_factor(step, self._warmup_steps, levels))
+        sampler = self._sampler(self.factor(step))
         return keep_a_trainable_branch(sampler.pattern(step), self._rates, trainable)
 
     def _sampler(self, factor: float) -> PatternSampler:
         sampler = self._samplers.get(factor)
         if sampler is None:
-            sampler = SAMPLERS[self._pattern]([r * factor for r in self._rates], self._seed, self._max_patterns)
+            rates = [min(1.0, r * factor) for r in self._rates]  # a peak's rounding must not pass 1
+            sampler = SAMPLERS[self._pattern](rates, self._seed, self._max_patterns)
             self._samplers[factor] = sampler
         return sampler
 
@@ -156,6 +284,10 @@ class DropPolicy:
             "max_patterns": self._max_patterns,
             "warmup_steps": self._warmup_steps,
             "pattern": self._pattern,
+            "total_steps": self._total_steps,
+            "drop_schedule": self._drop_schedule,
+            "ramp": self._ramp,
+            "rates_follow_drop_rate": self._own_rates,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -163,5 +295,10 @@ class DropPolicy:
         shape = state.get("pattern", "uniform")  # absent in states saved before the cut shape existed
         trial = DropPolicy(self._flops, state["drop_rate"], state["seed"], state["max_patterns"], 0, shape)
         trial.warmup_steps = state.get("warmup_steps", 0)  # absent in states saved before warm-up existed
+        # absent in states saved before time schedules existed: none
+        trial.drop_schedule = state.get("drop_schedule", "constant")
+        trial.ramp = state.get("ramp", DEFAULT_RAMP)
         trial.set_rates(state["rates"])
+        trial.total_steps = state.get("total_steps")
+        trial._own_rates = bool(state.get("rates_follow_drop_rate", False))  # the saved rates are kept as saved
         self.__dict__.update(trial.__dict__)

@@ -3,21 +3,38 @@
 A schedule multiplies the rates by a factor in ``[0, 1]`` that depends only on the step, so the
 pattern of a step stays a pure function of (seed, step, rates) and a resumed run repeats an
 uninterrupted one. The controller uses :func:`warmup_factor` (``apply(..., warmup_steps=N)``,
-``attach(trainer, warmup=0.2)``); :func:`anneal_factor` is the measured alternative the convergence
-benchmark compares against (applied there with ``ctl.set_rates`` each step).
+``attach(trainer, warmup=0.2)``) and, when it knows the run's length (``apply(..., total_steps=T)``,
+``attach`` always), a :class:`TimeSchedule`; :func:`anneal_factor` is the measured alternative the
+convergence benchmark compares against (applied there with ``ctl.set_rates`` each step).
 
 Warm-up exists because the first steps of a fine-tune are where it learns most: running them with
-(nearly) full backprop closed about a fifth of DropBP's gap at equal time in the recorded runs.
+(nearly) full backprop closed about a fifth of DropBP's gap at equal time in the recorded runs. A
+warm-up alone saves less compute than the drop rate asked for; a :class:`TimeSchedule` gives the
+saving back later in the run, so that the mean rate over the run is the drop rate (the same compute).
 """
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["BOUNDED_WARMUP_LEVELS", "anneal_factor", "warmup_factor"]
+__all__ = [
+    "BOUNDED_WARMUP_LEVELS",
+    "DROP_SCHEDULES",
+    "SCHEDULE_LEVELS",
+    "TimeSchedule",
+    "anneal_factor",
+    "warmup_factor",
+]
 
 #: Warm-up levels where the number of distinct patterns is bounded (each level is a new pool).
 BOUNDED_WARMUP_LEVELS = 4
+#: Levels of a time schedule's factor where patterns are unbounded: steps of 5%, so that at most 21
+#: pattern samplers are ever built.
+SCHEDULE_LEVELS = 20
+#: How the rates move over the run (``apply(..., drop_schedule=...)``), each rising from 0 over the
+#: first ``ramp`` of the run: ``"constant"`` (no rise: only the warm-up, if any), ``"linear"``,
+#: ``"cosine"`` (a half cosine, slow at both ends) or ``"step"`` (0, then the peak at once).
+DROP_SCHEDULES = ("constant", "linear", "cosine", "step")
 
 
 def warmup_factor(step: int, warmup_steps: int, levels: int | None = None) -> float:
@@ -44,3 +61,62 @@ def anneal_factor(step: int, total_steps: int, fraction: float) -> float:
         fraction: the share of the run, at its end, over which the rates fall.
     """
     return min(1.0, (total_steps - step) / (fraction * total_steps))
+
+
+def _rise(shape: str, position: float) -> float:
+    """A shape's rise at ``position``, the fraction of its ramp done (0 to 1): from 0 to 1."""
+    if shape == "constant" or position >= 1.0:
+        return 1.0
+    if shape == "linear":
+        return position
+    if shape == "cosine":
+        return (1.0 - math.cos(math.pi * position)) / 2.0
+    return 0.0  # "step": nothing until the ramp ends
+
+
+class TimeSchedule:
+    """The factor on every rate at each training forward of a run of known length, whose mean is 1.
+
+    The shape's rise (over the first ``ramp`` of the run) times the warm-up's, quantised to ``levels``
+    (each level is one pattern sampler, or one pattern pool on compiled devices), then scaled so that
+    its mean over the ``total_steps`` forwards is exactly 1: the run saves the compute its drop rate
+    asks for, less early and more late. Forwards past ``total_steps`` keep the last factor.
+
+    Args:
+        total_steps: the run's length in training forwards (micro-batches: optimizer steps times
+            gradient accumulation), counted like ``warmup_steps``.
+        shape: one of :data:`DROP_SCHEDULES`.
+        ramp: the fraction of the run over which the shape rises, in (0, 1].
+        warmup_steps: the warm-up's length in forwards (0: none).
+        levels: the quantisation (:data:`SCHEDULE_LEVELS`, or :data:`BOUNDED_WARMUP_LEVELS` for bounded
+            pattern pools).
+    """
+
+    def __init__(self, total_steps: int, shape: str, ramp: float, warmup_steps: int, levels: int) -> None:
+        self._settings = (total_steps, shape, ramp, warmup_steps)
+        rise_steps = ramp * total_steps
+        raw = [_rise(shape, step / rise_steps) * warmup_factor(step, warmup_steps) for step in range(total_steps)]
+        quantised = [math.floor(levels * x + 0.5) / levels for x in raw]  # nearest level
+        mean = sum(quantised) / total_steps
+        if mean <= 0.0:
+            raise ValueError(
+                f"the drop schedule drops nothing over the whole run of {total_steps} training forwards "
+                f"(shape {shape!r}, ramp {ramp:g}, warm-up {warmup_steps}): lengthen the run or shorten the ramp "
+                "or the warm-up"
+            )
+        self._factors = [q / mean for q in quantised]
+        #: The largest factor: the rates at their peak are the rates times this.
+        self.peak = max(self._factors)
+
+    def describe(self) -> str:
+        """The settings, for messages."""
+        total, shape, ramp, warmup = self._settings
+        return f"drop_schedule={shape!r}, ramp={ramp:g}, warmup_steps={warmup}, total_steps={total}"
+
+    def factor(self, step: int) -> float:
+        """The factor on every rate at training forward ``step`` (counted from 0)."""
+        return self._factors[min(step, len(self._factors) - 1)]
+
+    def mean(self) -> float:
+        """The factor's mean over the run (1, up to rounding)."""
+        return sum(self._factors) / len(self._factors)

@@ -5,12 +5,18 @@ learning rate, in LOCKSTEP: each step, every run takes one training step, in rot
 is counted per run (its own training steps, plus its calibration), so a busy, shared machine slows
 every run alike and the ratios hold (see shared/measuring.md). Validation is not timed.
 
+The regime people fine-tune in is one argument away: ``accumulation`` micro-batches per optimizer step
+(each training forward draws its own pattern, as in the research code) and ``lr_schedule="cosine"``
+(linear warm-up, then cosine decay, as ``transformers.get_cosine_schedule_with_warmup``), each run over
+its own number of steps, so that a run given more, cheaper steps has a complete schedule of its own.
+
 Used by ``dropbp demo`` and by ``benchmarks/convergence.py``.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +39,24 @@ __all__ = ["Run", "RunResult", "compare", "loss_at_time", "summarise", "time_to_
 
 WARMUP_FRACTION = 0.2
 ANNEAL_FRACTION = 0.2
+#: The learning rate's linear warm-up, as a share of each run's own optimizer steps (``lr_schedule="cosine"``).
+LR_WARMUP_FRACTION = 0.1
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def lr_factor(step: int, steps: int, schedule: str, warmup_fraction: float = LR_WARMUP_FRACTION) -> float:
+    """The learning rate's multiplier at optimizer step ``step`` of a run of ``steps`` steps.
+
+    ``"cosine"`` is ``transformers.get_cosine_schedule_with_warmup`` (half a cycle): a linear rise from 0
+    over the first ``warmup_fraction`` of the steps, then a cosine decay to 0 at ``steps``.
+    """
+    if schedule == "constant":
+        return 1.0
+    warmup = round(warmup_fraction * steps)
+    if step < warmup:
+        return step / max(1, warmup)
+    progress = (step - warmup) / max(1, steps - warmup)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
 @dataclass(frozen=True)
@@ -58,6 +82,14 @@ class Run:
     # "cut-capped": cuts whose rates are capped at (1 + p) / 2 (the bottom still trains sometimes; the
     # same as pattern="cut", whose default this became); "cut-uncapped": cuts with no cap (rates up to 1).
     rates: str | None = None
+    # apply()'s drop_schedule and ramp over the run's own training forwards (its steps x accumulation),
+    # given as total_steps; "constant" with schedule="warmup" keeps the mean rate at drop_rate too.
+    drop_schedule: str | None = None
+    ramp: float = 0.5
+    # Overrides of compare()'s regime for this run (a control row of the old regime: 1 and "constant").
+    accumulation: int | None = None
+    lr_schedule: str | None = None
+    steps: int | None = None  # overrides the run's number of optimizer steps
 
 
 @dataclass
@@ -115,15 +147,31 @@ _CUT_SHAPED_CONTROLS = ("frozen-bottom", "cut-capped", "cut-uncapped")
 class _Trainee:
     """A run's model copy, optimizer and (for DropBP runs) controller."""
 
-    def __init__(self, run: Run, model: nn.Module, lr: float, backend: Backend, seed: int, seq_len: int, steps: int):
+    def __init__(
+        self,
+        run: Run,
+        model: nn.Module,
+        lr: float,
+        backend: Backend,
+        seed: int,
+        seq_len: int,
+        steps: int,
+        regime: _Regime,
+    ):
         if run.schedule not in (None, "warmup", "anneal"):
             raise ValueError(f"schedule must be 'warmup' or 'anneal', got {run.schedule!r}")
         self.run = run
         lr = run.lr if run.lr is not None else lr
         self.model = model
         self.backend = backend
+        self.accumulation = run.accumulation or regime.accumulation
+        self.lr_schedule = run.lr_schedule or regime.lr_schedule
         self.ctl: DropBPController | None = None
         if run.drop_rate is not None:
+            # Without a time schedule, warm-up lasts a share of the baseline's steps (recorded runs); with
+            # one, of the run's own forwards, like the schedule itself.
+            own = run.drop_schedule is not None
+            forwards = (regime.own_steps if own else steps) * (self.accumulation if own else 1)
             self.ctl = apply(
                 model,
                 run.drop_rate,
@@ -132,8 +180,11 @@ class _Trainee:
                 backend=backend,
                 unbiased=run.unbiased,
                 dropped_grads=run.dropped_grads,
-                warmup_steps=round(WARMUP_FRACTION * steps) if run.schedule == "warmup" else 0,
+                warmup_steps=round(WARMUP_FRACTION * forwards) if run.schedule == "warmup" else 0,
                 pattern="cut" if run.rates in _CUT_SHAPED_CONTROLS else run.pattern,
+                total_steps=forwards if own else None,
+                drop_schedule=run.drop_schedule or "constant",
+                ramp=run.ramp,
             )
             if run.rates is not None:
                 self.ctl.set_rates(control_rates(run.rates, [b.flops for b in self.ctl.branches], run.drop_rate))
@@ -141,25 +192,33 @@ class _Trainee:
             groups = self.ctl.param_groups(lr)
         else:
             groups = [p for p in model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
+        self.opt = torch.optim.AdamW(groups, lr=lr, weight_decay=regime.weight_decay)
+        self.base_lrs = [g["lr"] for g in self.opt.param_groups]
         self.result = RunResult(run)
         self.elapsed = 0.0
         self.base_rates = self.ctl.rates if self.ctl is not None else []
 
     def train_step(self, ids: torch.Tensor, step: int, limit: int) -> None:
+        """One optimizer step on ``ids``, split into ``accumulation`` micro-batches (a pattern each)."""
         self.backend.synchronize()
         start = time.perf_counter()
         if self.run.schedule == "anneal":
             factor = anneal_factor(step, limit, ANNEAL_FRACTION)
             self.ctl.set_rates([r * factor for r in self.base_rates])
-        # Accelerators train in their autocast dtype; the CPU stays in float32 (bf16 is slower there).
-        with self.backend.training_autocast():
-            loss = self.model(input_ids=ids, labels=ids).loss
+        scale = lr_factor(step, limit, self.lr_schedule)
+        for group, base in zip(self.opt.param_groups, self.base_lrs, strict=True):
+            group["lr"] = base * scale
+        for micro in ids.chunk(self.accumulation):
+            # Accelerators train in their autocast dtype; the CPU stays in float32 (bf16 is slower there).
+            with self.backend.training_autocast():
+                loss = self.model(input_ids=micro, labels=micro).loss / self.accumulation
+            if self.ctl is not None:
+                self.ctl.backward(loss)
+            else:
+                loss.backward()
         if self.ctl is not None:
-            self.ctl.backward(loss)
             self.ctl.optimizer_step(self.opt)
         else:
-            loss.backward()
             self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.backend.synchronize()
@@ -192,6 +251,16 @@ class _Trainee:
         return loss
 
 
+@dataclass(frozen=True)
+class _Regime:
+    """How every run trains unless it overrides it: see :func:`compare`."""
+
+    accumulation: int
+    lr_schedule: str
+    weight_decay: float
+    own_steps: int  # the run's own number of optimizer steps
+
+
 def compare(
     model: nn.Module,
     runs: Sequence[Run],
@@ -206,20 +275,41 @@ def compare(
     seed: int = 0,
     dropbp_steps: int | None = None,
     progress: Callable[[int, dict[str, float]], None] | None = None,
+    accumulation: int = 1,
+    lr_schedule: str = "constant",
+    weight_decay: float = 0.0,
 ) -> list[RunResult]:
     """Train a copy of ``model`` per run, in lockstep, and return their timings and curves.
 
     The baseline trains ``steps`` steps; DropBP runs train ``dropbp_steps`` (default: as many), so
-    that a run which needs more, cheaper steps to reach the baseline's final loss can show it.
+    that a run which needs more, cheaper steps to reach the baseline's final loss can show it; a run's
+    own ``Run.steps`` overrides either. Each optimizer step takes ``batch_size`` sequences, as
+    ``accumulation`` micro-batches (a training forward, and a drop pattern, each); its learning rate
+    follows ``lr_schedule`` over the run's own steps (:func:`lr_factor`); AdamW's ``weight_decay``.
     """
     if not runs:
         raise ValueError("compare needs at least one run")
+    if lr_schedule not in LR_SCHEDULES or any(r.lr_schedule not in (None, *LR_SCHEDULES) for r in runs):
+        raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}")
+    for size in [accumulation, *(r.accumulation for r in runs if r.accumulation is not None)]:
+        if size < 1 or batch_size % size:
+            raise ValueError(f"accumulation {size} must be at least 1 and divide batch_size {batch_size}")
     seq_len = data.train.shape[1]
+    limit = {r.name: r.steps or (steps if r.drop_rate is None else (dropbp_steps or steps)) for r in runs}
     trainees = [
-        _Trainee(r, copy.deepcopy(model).to(backend.device).train(), lr, backend, seed, seq_len, steps) for r in runs
+        _Trainee(
+            r,
+            copy.deepcopy(model).to(backend.device).train(),
+            lr,
+            backend,
+            seed,
+            seq_len,
+            steps,
+            _Regime(accumulation, lr_schedule, weight_decay, limit[r.name]),
+        )
+        for r in runs
     ]
     val = [b.to(backend.device) for b in data.val_batches(batch_size)]
-    limit = {t.run.name: steps if t.run.drop_rate is None else (dropbp_steps or steps) for t in trainees}
     total = max(limit.values())
     calibration_step = int(calibrate_at * steps)
     latest: dict[str, float] = {}
@@ -265,6 +355,14 @@ def loss_at_time(result: RunResult, seconds: float) -> float | None:
         if t0 <= seconds <= t1:
             return l0 if t1 == t0 else l0 + (l1 - l0) * (seconds - t0) / (t1 - t0)
     return None
+
+
+def _loss_at_equal_time(result: RunResult, seconds: float) -> float | None:
+    """:func:`loss_at_time`, or the run's final loss when it trained for less time than ``seconds``
+    (a run whose own schedule ended earlier: its loss had less time, never more)."""
+    if result.eval_seconds and result.eval_seconds[-1] < seconds:
+        return result.val_loss[-1]
+    return loss_at_time(result, seconds)
 
 
 def _loss_at(result: RunResult, step: int) -> float | None:
@@ -341,8 +439,10 @@ def summarise(results: list[RunResult], steps: int) -> list[dict]:
                 "step_s": _median(_timed(r)),
                 "step_speedup": _median([b / x for b, x in pairs]) if pairs else float("nan"),
                 "val_loss_at_equal_steps": _loss_at(r, steps),
-                "val_loss_at_equal_time": loss_at_time(r, base.eval_seconds[-1]),
+                "val_loss_at_equal_time": _loss_at_equal_time(r, base.eval_seconds[-1]),
                 "final_val_loss": r.val_loss[-1],
+                "steps": len(r.step_seconds),
+                "train_s": sum(r.step_seconds) + r.calibration_seconds,
                 "time_to_target_s": reached,
                 "time_to_target_speedup": None if not reached else base_reached / reached,  # 0: started below
             }
