@@ -196,6 +196,14 @@ class DropBPController:
         """Names of the branches that drop at ``step`` (a pure function of seed, step and rates)."""
         return self._names(self._hooks.pattern(check_int("step", step, 0)))
 
+    def drop_rate_at(self, step: int) -> float:
+        """The expected FLOP-weighted drop rate at training forward ``step``: the rates under the warm-up
+        and time schedule of that step. Over a run of ``total_steps`` forwards its mean is ``drop_rate``."""
+        factor = self._policy.factor(check_int("step", step, 0))
+        flops = [b.flops for b in self._found]
+        dropped = sum(f * min(1.0, r * factor) for f, r in zip(flops, self._policy.rates, strict=True))
+        return dropped / sum(flops)
+
     def drop_stats(self, reset: bool = True) -> dict[str, float]:
         """What was dropped over the training forwards since the last reset: their number, the mean
         number of branches dropped per forward, and the mean fraction of branch FLOPs dropped."""
@@ -255,8 +263,11 @@ class DropBPController:
             boundary=boundary,
         )
         flops = [b.flops for b in self._found]
-        rates = allocate_rates(sens, flops, self.drop_rate, min_rate=min_rate, max_rate=max_rate)
-        self.set_rates(fit_rates(rates, flops, min_rate))
+        # Under a time schedule the rates are allocated for its peak, where they must stay within the rule,
+        # and scaled back: the run's mean is then still the drop rate.
+        peak = self._policy.peak
+        rates = allocate_rates(sens, flops, min(self.drop_rate * peak, max_rate), min_rate=min_rate, max_rate=max_rate)
+        self.set_rates([r / peak for r in fit_rates(rates, flops, min_rate)])
         return sens
 
     def param_groups(self, lr: float, **options: Any) -> list[dict[str, Any]]:

@@ -140,9 +140,7 @@ def _expert_share(model: nn.Module) -> float:
     experts, from a Hugging Face or litgpt config); 1.0 for dense models."""
     config = getattr(model, "config", None)
     top_k = next((v for k in ("num_experts_per_tok", "n_expert_per_token") if (v := getattr(config, k, None))), None)
-    count = next(
-        (v for k in ("num_experts", "num_local_experts", "n_expert") if (v := getattr(config, k, None))), None
-    )
+    count = next((v for k in ("num_experts", "num_local_experts", "n_expert") if (v := getattr(config, k, None))), None)
     return top_k / count if isinstance(top_k, int) and isinstance(count, int) and count >= top_k > 0 else 1.0
 
 

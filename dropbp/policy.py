@@ -201,6 +201,11 @@ class DropPolicy:
             raise ValueError("ramp must be a fraction of the run in (0, 1], got 0")
         self._retime(ramp=ramp)
 
+    @property
+    def peak(self) -> float:
+        """The largest factor the time schedule puts on the rates (1 without one)."""
+        return 1.0 if self._time is None else self._time.peak
+
     def factor(self, step: int) -> float:
         """The factor on every rate at training forward ``step``: the time schedule's, else the warm-up's."""
         if self._time is not None:

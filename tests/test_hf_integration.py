@@ -8,6 +8,8 @@ import pytest
 import torch
 from conftest import VOCAB, tiny_model, with_lora
 
+import dropbp
+
 transformers = pytest.importorskip("transformers")
 from dropbp.integrations.hf import STATE_FILE, attach  # noqa: E402
 
@@ -177,9 +179,11 @@ def test_default_is_cut_patterns_without_calibration(tmp_path):
     callback = attach(trainer, drop_rate=0.5)
     ctl = callback.controller
     assert ctl.pattern == "cut" and callback.calibrate_at is None
-    rates = ctl.rates
     trainer.train()
-    assert ctl.rates == rates  # not calibrated
+    # not calibrated: the cut's own rates for 0.5 under the run's schedule (20 forwards, warm-up over 4)
+    assert (ctl.total_steps, ctl.warmup_steps) == (20, 4)
+    own = dropbp.apply(tiny_model("llama", layers=4), 0.5, backend="cpu", warmup_steps=4, total_steps=20)
+    assert ctl.rates == own.rates
     assert not any("dropbp/rate_mean" in entry for entry in trainer.state.log_history)
     assert any("dropbp/dropped_branches" in entry for entry in trainer.state.log_history)
 

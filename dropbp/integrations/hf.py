@@ -6,7 +6,10 @@
     trainer.train()
 
 ``attach`` applies DropBP to ``trainer.model`` and adds a callback that
-- warms the drop rates up from 0 over the first ``warmup`` of training (default 20%),
+- warms the drop rates up from 0 over the first ``warmup`` of training (default 20%) and, knowing the
+  run's length (``max_steps`` times gradient accumulation, in training forwards), gives the drop rate
+  its time schedule (``drop_schedule``, :mod:`dropbp.schedule`) with the run's mean rate equal to
+  ``drop_rate``: what the warm-up leaves undropped is dropped later,
 - with the paper's uniform patterns (``pattern="uniform"``), calibrates once, at ``calibrate_at`` of
   training (default 10%), on the first batch of the training data with the trainer's own
   ``compute_loss`` (one forward; see ``DropBPController.calibrate``); the default cut patterns keep
@@ -46,6 +49,7 @@ from .. import apply
 from ..checks import check_choice, check_fraction
 from ..controller import DropBPController
 from ..dropped_grads import DEFAULT_DROPPED_GRADS
+from ..policy import DEFAULT_RAMP
 from ..sampler import SAMPLERS
 
 __all__ = ["STATE_FILE", "DropBPCallback", "attach", "build_callback", "check_schedule"]
@@ -73,8 +77,10 @@ class DropBPCallback(TrainerCallback):
         return int(self.calibrate_at * state.max_steps)
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any):
-        if self.warmup:  # the controller counts training forwards: micro-batches
-            self.controller.warmup_steps = round(self.warmup * state.max_steps * args.gradient_accumulation_steps)
+        forwards = state.max_steps * args.gradient_accumulation_steps  # the controller counts micro-batches
+        if self.warmup:
+            self.controller.warmup_steps = round(self.warmup * forwards)
+        self.controller.total_steps = forwards
         if state.global_step == 0:
             return
         folders = [os.path.join(args.output_dir, f"checkpoint-{state.global_step}")]
@@ -147,6 +153,8 @@ def attach(
     warmup: float = 0.2,
     pattern: str = "cut",
     chunked_loss: bool | int = False,
+    drop_schedule: str = "constant",
+    ramp: float = DEFAULT_RAMP,
 ) -> DropBPCallback:
     """Attach DropBP to ``trainer.model`` and register its callback; call before ``trainer.train()``.
 
@@ -160,7 +168,9 @@ def attach(
     best setting measured (docs/convergence.md), 0 to drop from the first step. Pass
     ``pattern="uniform"`` for the memory saving too (every step then drops about ``drop_rate`` of the
     branches; a cut drops none in some steps). ``chunked_loss``: :func:`dropbp.apply`'s,
-    the memory-lean head and loss for long sequences (:mod:`dropbp.chunked_loss`).
+    the memory-lean head and loss for long sequences (:mod:`dropbp.chunked_loss`). ``drop_schedule``
+    and ``ramp``: :func:`dropbp.apply`'s, over the run's length, which ``attach`` passes as
+    ``total_steps`` when training begins: the run's mean drop rate, warm-up included, is ``drop_rate``.
     Returns the callback; its ``controller`` is the :class:`DropBPController`.
     """
     callback = build_callback(
@@ -175,6 +185,8 @@ def attach(
         warmup=warmup,
         pattern=pattern,
         chunked_loss=chunked_loss,
+        drop_schedule=drop_schedule,
+        ramp=ramp,
     )
     trainer.add_callback(callback)
     return callback
@@ -193,6 +205,8 @@ def build_callback(
     warmup: float = 0.2,
     pattern: str = "cut",
     chunked_loss: bool | int = False,
+    drop_schedule: str = "constant",
+    ramp: float = DEFAULT_RAMP,
 ) -> DropBPCallback:
     """:func:`attach` without registering the callback: for frameworks that add callbacks themselves.
 
@@ -218,6 +232,8 @@ def build_callback(
         dropped_grads=dropped_grads,
         pattern=pattern,
         chunked_loss=chunked_loss,
+        drop_schedule=drop_schedule,
+        ramp=ramp,
     )
     _let_ddp_skip_unused_parameters(trainer)
     return DropBPCallback(trainer, controller, calibrate_at, warmup)

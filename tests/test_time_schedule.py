@@ -1,0 +1,204 @@
+"""A drop rate that moves with training time (``apply(total_steps=, drop_schedule=, ramp=)``) and the
+convergence engine's regime (accumulated micro-batches, per-run learning-rate schedules)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import batch, tiny_model, with_lora
+
+import dropbp
+from dropbp.schedule import DROP_SCHEDULES, TimeSchedule
+from dropbp.tools.compare import Run, compare, lr_factor
+from dropbp.tools.textdata import TokenData
+
+SHAPES_AND_RAMPS = [("constant", 0.5), ("linear", 0.4), ("cosine", 0.4), ("step", 0.2)]
+
+
+@pytest.mark.parametrize("pattern", ["cut", "uniform"])
+@pytest.mark.parametrize(("schedule", "ramp"), SHAPES_AND_RAMPS)
+@pytest.mark.parametrize("warmup", [0, 30])
+def test_the_mean_rate_over_the_run_is_the_drop_rate(pattern, schedule, ramp, warmup):
+    total = 300
+    ctl = dropbp.apply(
+        tiny_model("llama", layers=6),
+        0.5,
+        backend="cpu",
+        pattern=pattern,
+        total_steps=total,
+        drop_schedule=schedule,
+        ramp=ramp,
+        warmup_steps=warmup,
+    )
+    rates = [ctl.drop_rate_at(s) for s in range(total)]
+    assert sum(rates) / total == pytest.approx(0.5, abs=1e-9)
+    if schedule != "constant" or warmup:
+        assert rates[0] == 0.0 and max(rates) > 0.5  # less early, more late: the same compute
+    assert ctl.drop_rate_at(10 * total) == rates[-1]  # past the run, the last rate holds
+
+
+def test_a_rising_schedule_drops_less_early_than_late_and_cuts_from_the_bottom():
+    ctl = dropbp.apply(
+        tiny_model("llama", layers=6), 0.5, seed=3, backend="cpu", total_steps=400, drop_schedule="linear", ramp=0.5
+    )
+    early = sum(len(ctl.dropped_at(s)) for s in range(100))
+    late = sum(len(ctl.dropped_at(s)) for s in range(300, 400))
+    assert early < late
+    names = [b.name for b in ctl.branches]
+    for s in range(400):  # every pattern is still a cut: the dropped branches are a bottom prefix
+        dropped = ctl.dropped_at(s)
+        assert list(dropped) == names[: len(dropped)]
+
+
+def test_without_total_steps_nothing_changes():
+    model = tiny_model("llama", layers=4)
+    plain = dropbp.apply(model, 0.5, seed=5, backend="cpu", warmup_steps=10)
+    before = [plain.dropped_at(s) for s in range(50)]
+    plain.remove()
+    again = dropbp.apply(model, 0.5, seed=5, backend="cpu", warmup_steps=10, drop_schedule="linear")
+    assert [again.dropped_at(s) for s in range(50)] == before  # a schedule needs the run's length
+    assert again.total_steps is None
+
+
+def test_a_state_resumes_in_the_middle_of_a_schedule():
+    kw = dict(seed=11, backend="cpu", total_steps=40, drop_schedule="cosine", ramp=0.5, warmup_steps=6)
+    model = tiny_model("llama", layers=4)
+    whole = dropbp.apply(model, 0.5, **kw)
+    uninterrupted = []
+    for step in range(40):
+        model(input_ids=batch(step), labels=batch(step)).loss.backward()
+        uninterrupted.append(whole.last_dropped)
+    whole.remove()
+
+    first = dropbp.apply(model, 0.5, **kw)
+    for step in range(17):
+        model(input_ids=batch(step), labels=batch(step)).loss.backward()
+    state = first.state_dict()
+    first.remove()
+    assert (state["total_steps"], state["drop_schedule"], state["ramp"]) == (40, "cosine", 0.5)
+
+    resumed = dropbp.apply(model, 0.5, seed=0, backend="cpu")  # other settings: the state's win
+    resumed.load_state_dict(state)
+    assert (resumed.total_steps, resumed.drop_schedule, resumed.ramp, resumed.step) == (40, "cosine", 0.5, 17)
+    assert resumed.rates == whole.rates
+    for step in range(17, 40):
+        model(input_ids=batch(step), labels=batch(step)).loss.backward()
+        assert resumed.last_dropped == uninterrupted[step]
+
+
+def test_hand_loop_with_accumulation_draws_a_pattern_per_micro_batch():
+    model = with_lora(tiny_model("llama", layers=4))
+    ctl = dropbp.apply(model, 0.5, seed=2, backend="cpu", total_steps=32, drop_schedule="linear", ramp=0.25)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    seen = []
+    for step in range(4):
+        for micro in range(8):
+            ids = batch(8 * step + micro)
+            (model(input_ids=ids, labels=ids).loss / 8).backward()
+            seen.append(ctl.last_dropped)
+            assert ctl.step == 8 * step + micro + 1
+        optimizer.step()
+        optimizer.zero_grad()
+    assert seen == [ctl.dropped_at(s) for s in range(32)]
+    assert len(set(seen[8:16])) > 1  # micro-batches of one optimizer step differ
+
+
+def test_settings_are_checked_and_an_impossible_peak_is_refused():
+    model = tiny_model("llama", layers=4)
+    with pytest.raises(ValueError, match=r"drop_schedule must be one of \('constant', 'linear', 'cosine', 'step'\)"):
+        dropbp.apply(model, 0.5, backend="cpu", drop_schedule="exponential")
+    with pytest.raises(ValueError, match=r"ramp must be a fraction of the run in \(0, 1\], got 0"):
+        dropbp.apply(model, 0.5, backend="cpu", ramp=0.0)
+    with pytest.raises(ValueError, match="total_steps must be"):
+        dropbp.apply(model, 0.5, backend="cpu", total_steps=0)
+    with pytest.raises(ValueError, match=r"peaking at 2x the rates, which the 'cut' shape cannot take.*drop_schedule="):
+        dropbp.apply(model, 0.5, backend="cpu", total_steps=100, drop_schedule="step", ramp=0.5)
+    ctl = dropbp.apply(model, 0.5, backend="cpu", total_steps=100)
+    before = ctl.state_dict()
+    with pytest.raises(ValueError, match="peaking at 2x"):
+        ctl.drop_schedule = "step"  # ramp 0.5 by default... a refused change changes nothing
+    ctl.ramp = 0.2
+    ctl.drop_schedule = "step"
+    assert ctl.drop_schedule == "step" and ctl.ramp == 0.2
+    ctl.drop_schedule, ctl.ramp = "constant", 0.5
+    assert ctl.state_dict() == before
+
+
+def test_bounded_pattern_pools_move_in_quarters():
+    ctl = dropbp.apply(
+        tiny_model("llama", layers=4), 0.5, backend="cpu", max_patterns=4, total_steps=200, drop_schedule="linear"
+    )
+    assert len({ctl.drop_rate_at(s) for s in range(200)}) <= 5  # 0, 1/4, 1/2, 3/4 and 1 of the peak
+
+
+def test_time_schedule_quantises_then_keeps_the_mean():
+    for shape in DROP_SCHEDULES:
+        time = TimeSchedule(1000, shape, 0.3, 50, 20)
+        assert time.mean() == pytest.approx(1.0, abs=1e-12)
+        assert len({time.factor(s) for s in range(1000)}) <= 21
+
+
+def test_lr_factor_is_warmup_then_cosine_over_the_runs_own_steps():
+    assert [lr_factor(s, 100, "constant") for s in (0, 50, 99)] == [1.0, 1.0, 1.0]
+    assert lr_factor(0, 100, "cosine") == 0.0  # as transformers.get_cosine_schedule_with_warmup
+    assert lr_factor(5, 100, "cosine") == pytest.approx(0.5)
+    assert lr_factor(10, 100, "cosine") == pytest.approx(1.0)
+    assert lr_factor(55, 100, "cosine") == pytest.approx(0.5)
+    assert lr_factor(100, 100, "cosine") == pytest.approx(0.0, abs=1e-12)
+    # the transformers schedule, step for step
+    transformers = pytest.importorskip("transformers")
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = transformers.get_cosine_schedule_with_warmup(opt, 12, 120)
+    for step in range(120):
+        assert opt.param_groups[0]["lr"] == pytest.approx(lr_factor(step, 120, "cosine"), abs=1e-12)
+        opt.step()
+        sched.step()
+
+
+def test_engine_gives_each_run_its_own_schedules_and_a_pattern_per_micro_batch(monkeypatch):
+    data = TokenData(torch.randint(3, 64, (40, 12)), torch.randint(3, 64, (4, 12)))
+    lrs: dict[int, list[float]] = {}
+    original = torch.optim.AdamW.step
+
+    def recording(self, *a, **k):
+        lrs.setdefault(id(self), []).append(self.param_groups[0]["lr"])
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording)
+    controllers = []
+
+    def applying(*a, **k):
+        controllers.append(dropbp.apply(*a, **k))
+        return controllers[-1]
+
+    monkeypatch.setattr("dropbp.tools.compare.apply", applying)
+    runs = [
+        Run("full backprop"),
+        Run("cut, own length", 0.5, pattern="cut", drop_schedule="linear", ramp=0.5),
+        Run("old regime", 0.5, pattern="cut", accumulation=1, lr_schedule="constant", steps=6),
+    ]
+    results = compare(
+        tiny_model("llama", layers=4),
+        runs,
+        data,
+        steps=6,
+        dropbp_steps=9,
+        lr=1e-2,
+        batch_size=4,
+        backend=dropbp.backends.get("cpu"),
+        eval_every=3,
+        accumulation=4,
+        lr_schedule="cosine",
+        weight_decay=0.01,
+    )
+    assert [len(r.step_seconds) for r in results] == [6, 9, 6]
+    base, own, old = lrs.values()  # optimizers in run order
+    assert base == pytest.approx([1e-2 * lr_factor(s, 6, "cosine") for s in range(6)])
+    assert own == pytest.approx([1e-2 * lr_factor(s, 9, "cosine") for s in range(9)])
+    assert old == [1e-2] * 6
+    assert math.isclose(max(own), 1e-2)
+    own_ctl, old_ctl = controllers
+    assert (own_ctl.step, own_ctl.total_steps) == (9 * 4, 9 * 4)  # a pattern per micro-batch, over its own run
+    assert (old_ctl.step, old_ctl.total_steps) == (6, None)
