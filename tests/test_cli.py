@@ -11,7 +11,6 @@ import torch
 from conftest import tiny_model
 
 import dropbp
-from dropbp.allocation import cut_rates
 from dropbp.tools import cli
 
 
@@ -46,24 +45,26 @@ def test_demo_quick_writes_results(tiny_model_dir, tmp_path, capsys):
     code, out, err = _run(["demo", "--quick", "--model", str(tiny_model_dir), "--out", str(out_dir)], capsys)
     assert code == 0, err
     record = json.loads((out_dir / "demo.json").read_text())
-    assert [r["run"] for r in record["summary"]] == ["full backprop", "DropBP 0.5 + warm-up", "DropBP 0.875 + warm-up"]
-    assert record["settings"]["steps"] == 6 and record["dropbp_steps"] == 9
+    names = ["full backprop", "DropBP 0.5, equal steps", "DropBP 0.5, equal time"]
+    assert [r["run"] for r in record["summary"]] == names
+    assert (record["settings"]["steps"], record["settings"]["accumulation"], record["dropbp_steps"]) == (10, 4, 12)
     runs = {r["name"]: r for r in record["runs"]}
-    assert len(runs["full backprop"]["step_seconds"]) == 6 and len(runs["DropBP 0.5 + warm-up"]["step_seconds"]) == 9
-    assert runs["DropBP 0.875 + warm-up"]["config"]["schedule"] == "warmup"
-    rates, flops = runs["DropBP 0.875 + warm-up"]["rates"], _flops(tiny_model_dir)
-    assert runs["DropBP 0.875 + warm-up"]["config"]["pattern"] == "cut" and rates == cut_rates(flops, 0.875)
+    assert [len(runs[n]["step_seconds"]) for n in names] == [10, 10, 12]
+    config = runs["DropBP 0.5, equal time"]["config"]
+    assert (config["schedule"], config["drop_schedule"], config["pattern"]) == ("warmup", "constant", "cut")
+    # the rates attach ships: the cut's for 0.5 under the run's schedule (12 steps x 4 micro-batches)
+    assert runs["DropBP 0.5, equal time"]["rates"] == _rates(tiny_model_dir, total_steps=48, warmup_steps=10)
     assert record["timing"]["reliable"] in (True, False) and record["timing"]["baseline_spread"] >= 0
-    assert all(r["val_loss_at_equal_steps"] is not None for r in record["summary"])
+    assert all(r["val_loss_at_equal_time"] is not None for r in record["summary"])
     assert (out_dir / "demo.png").stat().st_size > 10_000
     assert "| full backprop |" in out and "time/step" in out and str(out_dir / "demo.json") in out
+    assert "val loss @ baseline's time" in out
 
 
-def _flops(folder) -> list[float]:
+def _rates(folder, **schedule) -> list[float]:
     from transformers import AutoModelForCausalLM
 
-    ctl = dropbp.apply(AutoModelForCausalLM.from_pretrained(folder), 0.0, seq_len=64)
-    return [b.flops for b in ctl.branches]
+    return dropbp.apply(AutoModelForCausalLM.from_pretrained(folder), 0.5, seq_len=64, **schedule).rates
 
 
 def test_demo_with_a_model_that_cannot_be_loaded_fails_in_one_line_and_leaves_nothing(tmp_path, capsys):
@@ -78,15 +79,15 @@ def test_demo_with_a_model_too_small_for_its_runs_fails_before_training(tmp_path
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    folder = tmp_path / "two-layers"
-    tiny_model("llama", layers=2).save_pretrained(folder)
+    folder = tmp_path / "one-layer"
+    tiny_model("llama", layers=1).save_pretrained(folder)
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(unk_token="<unk>")), unk_token="<unk>")
     tok.save_pretrained(folder)
     capsys.readouterr()  # the saving's own progress output
     code, out, err = _run(["demo", "--quick", "--model", str(folder), "--out", str(tmp_path / "demo")], capsys)
     last = err.strip().splitlines()[-1]  # above it only transformers' own loading bar
     assert code == 2 and out == "" and "Traceback" not in err and last.startswith("dropbp: ")
-    assert "DropBP 0.875 + warm-up" in last and "cannot be reached by cuts" in last
+    assert "DropBP 0.5, equal steps" in last and "cannot be reached by cuts" in last
     assert not (tmp_path / "demo").exists()
 
 

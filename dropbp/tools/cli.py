@@ -55,11 +55,11 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="fine-tune a real LLM three ways and compare (no downloads)")
     demo.add_argument("--backend", help="cpu, cuda, hpu, xpu or auto (default: $DROPBP_BACKEND, else auto)")
-    demo.add_argument("--steps", type=_positive, help="baseline training steps (default 60; --quick: 6)")
+    demo.add_argument("--steps", type=_positive, help="baseline optimizer steps (default 40; --quick: 10)")
     demo.add_argument(
         "--quick",
         action="store_true",
-        help="a version of a few minutes: short sequences, few steps (the full demo: about 15 minutes on 2 CPU cores)",
+        help="a version of a few minutes: short sequences, few steps (the full demo: about 20 minutes on 2 CPU cores)",
     )
     demo.add_argument("--out", type=Path, default=Path("dropbp-demo"), help="folder for demo.json and demo.png")
     demo.add_argument("--model", help="a model id or path instead of the bundled SmolLM2-135M-Instruct")

@@ -34,7 +34,7 @@ from ..dropped_grads import DEFAULT_DROPPED_GRADS
 from ..schedule import anneal_factor
 from .textdata import TokenData
 
-__all__ = ["Run", "RunResult", "compare", "loss_at_time", "summarise", "time_to_target"]
+__all__ = ["Run", "RunResult", "apply_options", "compare", "loss_at_time", "summarise", "time_to_target"]
 
 
 WARMUP_FRACTION = 0.2
@@ -144,6 +144,26 @@ def control_rates(kind: str, flops: Sequence[float], drop_rate: float) -> list[f
 _CUT_SHAPED_CONTROLS = ("frozen-bottom", "cut-capped", "cut-uncapped")
 
 
+def apply_options(run: Run, baseline_steps: int, own_steps: int, accumulation: int) -> dict:
+    """``dropbp.apply``'s keyword options for a DropBP run (``drop_rate``, seed and backend aside).
+
+    Without a time schedule, warm-up lasts a share of the baseline's optimizer steps (as in the runs
+    recorded before time schedules); with one, of the run's own training forwards (its steps times
+    ``accumulation``), which are also its ``total_steps``.
+    """
+    own = run.drop_schedule is not None
+    forwards = own_steps * accumulation if own else baseline_steps
+    return {
+        "unbiased": run.unbiased,
+        "dropped_grads": run.dropped_grads,
+        "warmup_steps": round(WARMUP_FRACTION * forwards) if run.schedule == "warmup" else 0,
+        "pattern": "cut" if run.rates in _CUT_SHAPED_CONTROLS else run.pattern,
+        "total_steps": forwards if own else None,
+        "drop_schedule": run.drop_schedule or "constant",
+        "ramp": run.ramp,
+    }
+
+
 class _Trainee:
     """A run's model copy, optimizer and (for DropBP runs) controller."""
 
@@ -168,24 +188,8 @@ class _Trainee:
         self.lr_schedule = run.lr_schedule or regime.lr_schedule
         self.ctl: DropBPController | None = None
         if run.drop_rate is not None:
-            # Without a time schedule, warm-up lasts a share of the baseline's steps (recorded runs); with
-            # one, of the run's own forwards, like the schedule itself.
-            own = run.drop_schedule is not None
-            forwards = (regime.own_steps if own else steps) * (self.accumulation if own else 1)
-            self.ctl = apply(
-                model,
-                run.drop_rate,
-                seed=seed,
-                seq_len=seq_len,
-                backend=backend,
-                unbiased=run.unbiased,
-                dropped_grads=run.dropped_grads,
-                warmup_steps=round(WARMUP_FRACTION * forwards) if run.schedule == "warmup" else 0,
-                pattern="cut" if run.rates in _CUT_SHAPED_CONTROLS else run.pattern,
-                total_steps=forwards if own else None,
-                drop_schedule=run.drop_schedule or "constant",
-                ramp=run.ramp,
-            )
+            options = apply_options(run, steps, regime.own_steps, self.accumulation)
+            self.ctl = apply(model, run.drop_rate, seed=seed, seq_len=seq_len, backend=backend, **options)
             if run.rates is not None:
                 self.ctl.set_rates(control_rates(run.rates, [b.flops for b in self.ctl.branches], run.drop_rate))
         if self.ctl is not None and run.lr_compensation:

