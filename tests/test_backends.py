@@ -488,7 +488,9 @@ def test_example_runs_on_cpu():
     assert "held-out loss before" in out and "held-out loss after" in out
     assert "of branch backwards dropped (target 0.5)" in out and "0 backward(s) skipped" in out
     assert "graph compilations n/a" in out
-    assert "cpu backend: intel_extension_for_pytorch" in done.stderr  # the one IPEX line, via logging
+    # the one IPEX line, via logging: not installed, does not match, or (with IPEX 2.8 on torch 2.8) used
+    [line] = [line for line in done.stderr.splitlines() if line.startswith("dropbp: cpu backend: ")]
+    assert "intel_extension_for_pytorch" in line
 
 
 def test_example_on_a_missing_device_fails_in_one_line():
