@@ -121,10 +121,26 @@ class CPUBackend(Backend):
     def prepare(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-        """``ipex.optimize`` (bf16) when IPEX fits this torch; plain PyTorch otherwise."""
+        """``ipex.optimize`` (bf16) when IPEX fits this torch; plain PyTorch otherwise.
+
+        IPEX optimizes a model in training mode together with its optimizer (bf16 weights, fp32 master
+        weights in the optimizer), or a model in eval mode alone, and asserts on any other pair;
+        ``dropbp check`` prepares a training model alone. Such a pair stays on plain PyTorch, with one
+        log line. An optimized model runs its forward under :meth:`autocast`: oneDNN has no float32
+        kernel for its bf16 linear layers.
+        """
         model, optimizer = super().prepare(model, optimizer)
         module = ipex()
         if module is None:
+            return model, optimizer
+        if model.training != (optimizer is not None):
+            mode, given = ("training", "without") if model.training else ("eval", "with")
+            logger.warning(
+                "cpu backend: ipex.optimize takes a model in training mode with its optimizer, or one in eval mode "
+                "without; got one in %s mode %s an optimizer, so it stays on plain PyTorch",
+                mode,
+                given,
+            )
             return model, optimizer
         if optimizer is None:
             return module.optimize(model, dtype=self.autocast_dtype), None

@@ -329,12 +329,30 @@ def test_ipex_matching_torch_optimizes_the_model(monkeypatch, caplog, fresh_ipex
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     cpu = backends.get("cpu")
     assert cpu.prepare(model, optimizer) == (model, optimizer)
-    assert cpu.prepare(model) == (model, None)
+    assert cpu.prepare(model.eval()) == (model, None)  # ipex.optimize takes an eval model alone
     assert calls == [(model, optimizer, torch.bfloat16), (model, None, torch.bfloat16)]
     [record] = _dropbp_records(caplog)
     assert (
         record.getMessage() == f"cpu backend: using intel_extension_for_pytorch {major}.{minor}.0+cpu (ipex.optimize)"
     )
+
+
+def test_ipex_is_not_given_a_pair_it_rejects(monkeypatch, caplog, fresh_ipex):
+    """The real ipex.optimize asserts a training model with its optimizer or an eval model alone
+    (tests/test_ipex.py); ``dropbp check`` prepares a training model alone."""
+    major, minor = torch.__version__.split(".")[:2]
+    calls = _fake_ipex(monkeypatch, f"{major}.{minor}.0+cpu")
+    caplog.set_level(logging.INFO, logger="dropbp")
+    model = torch.nn.Linear(2, 2)
+    cpu = backends.get("cpu")
+    assert cpu.prepare(model) == (model, None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert cpu.prepare(model.eval(), optimizer) == (model, optimizer)
+    assert calls == []
+    assert [r.getMessage().split("got one in ")[1] for r in _dropbp_records(caplog)[1:]] == [
+        "training mode without an optimizer, so it stays on plain PyTorch",
+        "eval mode with an optimizer, so it stays on plain PyTorch",
+    ]
 
 
 def test_ipex_that_fails_to_import_falls_back(monkeypatch, caplog, fresh_ipex):
@@ -470,7 +488,9 @@ def test_example_runs_on_cpu():
     assert "held-out loss before" in out and "held-out loss after" in out
     assert "of branch backwards dropped (target 0.5)" in out and "0 backward(s) skipped" in out
     assert "graph compilations n/a" in out
-    assert "cpu backend: intel_extension_for_pytorch" in done.stderr  # the one IPEX line, via logging
+    # the one IPEX line, via logging: not installed, does not match, or (with IPEX 2.8 on torch 2.8) used
+    [line] = [line for line in done.stderr.splitlines() if line.startswith("dropbp: cpu backend: ")]
+    assert "intel_extension_for_pytorch" in line
 
 
 def test_example_on_a_missing_device_fails_in_one_line():
