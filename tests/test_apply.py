@@ -262,6 +262,17 @@ def test_bad_options(kwargs, error, match):
         dropbp.apply(tiny_model("llama"), 0.5, **kwargs, pattern="uniform")
 
 
+def test_a_model_with_nothing_to_train_is_refused_with_what_to_do():
+    model = tiny_model("llama").requires_grad_(False)
+    with pytest.raises(ValueError, match=r"no parameter of this LlamaForCausalLM requires a gradient.*add LoRA"):
+        dropbp.apply(model, 0.5)
+    model.model.layers[0].mlp.down_proj.weight.requires_grad_(True)  # one trainable tensor is enough
+    dropbp.apply(model, 0.5)
+    ids = batch()
+    model(input_ids=ids, labels=ids).loss.backward()  # its branch is never dropped: the only trainable one
+    assert model.model.layers[0].mlp.down_proj.weight.grad is not None
+
+
 def test_bad_rates_and_state():
     ctl = dropbp.apply(tiny_model("llama", layers=2), 0.5, pattern="uniform")
     with pytest.raises(ValueError, match="expected 4, got 3"):
