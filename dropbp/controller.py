@@ -120,6 +120,9 @@ class DropBPController:
         for module in (model, *self._modules):
             _ATTACHED[module] = self
         self._removed = False
+        #: Undo steps of integrations that hooked this controller into something else (a Trainer's callback),
+        #: run by :meth:`remove` so that removing the controller removes them too.
+        self._on_remove: list[Callable[[], None]] = []
 
     def _names(self, indices: frozenset[int]) -> tuple[str, ...]:
         return tuple(self._found[i].name for i in sorted(indices))
@@ -315,7 +318,8 @@ class DropBPController:
         self.backend.after_optimizer_step()
 
     def remove(self) -> None:
-        """Detach from the model: every hook is removed and the model is exactly as before."""
+        """Detach from the model: every hook is removed and the model is exactly as before; a Trainer callback
+        of :mod:`dropbp.integrations.hf` leaves its trainer too."""
         if self._removed:
             return
         self._hooks.remove()
@@ -325,6 +329,8 @@ class DropBPController:
             if _ATTACHED.get(module) is self:
                 del _ATTACHED[module]
         self._removed = True
+        while self._on_remove:
+            self._on_remove.pop()()
 
     def _check_attached(self) -> None:
         if self._removed:

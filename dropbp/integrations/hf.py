@@ -161,7 +161,8 @@ def attach(
     ``pattern="uniform"`` for the memory saving too (every step then drops about ``drop_rate`` of the
     branches; a cut drops none in some steps). ``chunked_loss``: :func:`dropbp.apply`'s,
     the memory-lean head and loss for long sequences (:mod:`dropbp.chunked_loss`).
-    Returns the callback; its ``controller`` is the :class:`DropBPController`.
+    Returns the callback; its ``controller`` is the :class:`DropBPController`. ``callback.controller.remove()``
+    takes DropBP off the model and the callback off the trainer; only then can ``attach`` be called again.
     """
     callback = build_callback(
         trainer,
@@ -220,7 +221,11 @@ def build_callback(
         chunked_loss=chunked_loss,
     )
     _let_ddp_skip_unused_parameters(trainer)
-    return DropBPCallback(trainer, controller, calibrate_at, warmup)
+    callback = DropBPCallback(trainer, controller, calibrate_at, warmup)
+    # ``callback.controller.remove()`` takes the callback off the trainer too: a removed controller's callback
+    # would stop train() ("this DropBP controller was removed"), and attach again would leave two.
+    controller._on_remove.append(lambda: trainer.pop_callback(callback))
+    return callback
 
 
 def check_schedule(
