@@ -59,8 +59,9 @@ def apply(
             then added to the residual stream, not a module that adds the residual itself (a whole
             layer; BERT's ``encoder.layer.N.attention``, which ends in ``LayerNorm(x + ...)``). For
             BERT: ``[f"bert.encoder.layer.{i}.{m}" for i in range(n) for m in ("attention.self",
-            "intermediate")]``. A choice that cuts every trainable parameter off the output is stopped
-            at that forward with this advice.
+            "intermediate")]``. A whole layer, or a module holding one or another named branch, is
+            refused here; a choice that cuts every trainable parameter off the output is stopped at that
+            forward with this advice.
         max_patterns: bound on distinct patterns (for compiled graphs); ``None``: the backend's
             default (a bound on lazily compiled devices).
         seq_len: the typical sequence length, used only to weigh attention FLOPs.

@@ -241,6 +241,14 @@ def test_model_without_branches_explains_branches_argument():
         ("model.layers.0.mlp", TypeError, "branches must be a list"),
         ([3], TypeError, "module names"),
         (["model.layers.0.mlp", "model.layers.0.mlp"], ValueError, "more than once"),
+        (
+            ["model.layers.0", "model.layers.1"],
+            ValueError,
+            r"'model.layers.0', which is a whole residual layer \('model.layers.0', a LlamaDecoderLayer\) that adds "
+            r"the residual itself.*\['model.layers.0.self_attn', 'model.layers.0.mlp'\].*Which modules are branches",
+        ),
+        (["model.layers"], ValueError, r"'model.layers', which holds a whole residual layer \('model.layers.0'"),
+        (["model.layers.0.mlp", "model.layers.0.mlp.down_proj"], ValueError, "inside it: branches must not nest"),
     ],
 )
 def test_bad_branch_names(branches, error, match):
