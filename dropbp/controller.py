@@ -23,6 +23,7 @@ from .allocation import allocate_rates
 from .backends import Backend
 from .checks import check_bool, check_choice, check_int, fit_rates
 from .chunked_loss import ChunkedLoss
+from .compile import EnclosingCompileWarning
 from .discovery import Branch
 from .distributed import check_ddp, unwrap
 from .dropped_grads import DEFAULT_DROPPED_GRADS, DROPPED_GRADS
@@ -117,6 +118,7 @@ class DropBPController:
             lambda: self._unbiased,
             dropped_grads,
         )
+        self._compile_handles = EnclosingCompileWarning().attach(model, [b.name for b in self._found])
         for module in (model, *self._modules):
             _ATTACHED[module] = self
         self._removed = False
@@ -323,6 +325,8 @@ class DropBPController:
         if self._removed:
             return
         self._hooks.remove()
+        for handle in self._compile_handles:
+            handle.remove()
         if self._chunked is not None:
             self._chunked.remove()
         for module in (self._model, *self._modules):
