@@ -63,6 +63,7 @@ def hook_cost_per_step(layers: int, blocks: int = 30, per_block: int = 2000) -> 
     more precisely than the noisy 0.5 s steps can. Blocks alternate with and without the library;
     the fastest block of each (timeit's estimator) is the least disturbed by other work."""
     model = nn.Sequential(*[_EmptyBlock() for _ in range(layers)]).train()
+    model.register_parameter("unused", nn.Parameter(torch.zeros(1)))  # apply refuses a model with nothing to train
     names = [f"{i}.{child}" for i in range(layers) for child in ("self_attn", "mlp")]
     x = torch.zeros(1, requires_grad=True)
     per_forward: dict[bool, list[float]] = {False: [], True: []}

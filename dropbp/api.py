@@ -62,8 +62,9 @@ def apply(
             then added to the residual stream, not a module that adds the residual itself (a whole
             layer; BERT's ``encoder.layer.N.attention``, which ends in ``LayerNorm(x + ...)``). For
             BERT: ``[f"bert.encoder.layer.{i}.{m}" for i in range(n) for m in ("attention.self",
-            "intermediate")]``. A choice that cuts every trainable parameter off the output is stopped
-            at that forward with this advice.
+            "intermediate")]``. A whole layer, or a module holding one or another named branch, is
+            refused here; a choice that cuts every trainable parameter off the output is stopped at that
+            forward with this advice.
         max_patterns: bound on distinct patterns (for compiled graphs); ``None``: the backend's
             default (a bound on lazily compiled devices).
         seq_len: the typical sequence length, used only to weigh attention FLOPs.
@@ -114,6 +115,7 @@ def apply(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     inner, _ = unwrap(model)
+    _check_trainable(inner)
     if backend is None or isinstance(backend, str):
         backend = get_backend(backend)
     elif not isinstance(backend, Backend):
@@ -128,3 +130,17 @@ def apply(
     return DropBPController(
         model, found, policy, backend, unbiased=unbiased, dropped_grads=dropped_grads, chunked_loss=chunked_loss
     )
+
+
+def _check_trainable(model: nn.Module) -> None:
+    """Refuse a model with nothing to train: DropBP drops parts of a backward, and there would be none.
+
+    Without this, ``apply`` would succeed and every ``loss.backward()`` would raise torch's bare "element 0 of
+    tensors does not require grad" (and :meth:`DropBPController.backward` return False), saying nothing of why.
+    """
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            f"dropbp.apply: no parameter of this {type(model).__name__} requires a gradient, so there is no backward "
+            "pass to drop: unfreeze some (e.g. model.requires_grad_(True)) or add LoRA adapters "
+            "(peft.get_peft_model) before dropbp.apply"
+        )

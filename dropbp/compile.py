@@ -11,19 +11,24 @@ The recipe is :func:`compile_branches`: compile the branch modules themselves (r
 the usual way to compile a transformer). Compiling the whole model (``model.compile()``) is also bounded
 (graphs break at every hook) but not exact: a compiled region whose output feeds only dropped branches
 (the norm in front of a dropped MLP) gets a zero gradient instead of none from AOTAutograd, and an
-optimizer such as AdamW then still moves those weights.
+optimizer such as AdamW then still moves those weights. So does compiling whole layers. The first
+training forward in which a branch runs inside such a compiled region says so, once
+(:class:`EnclosingCompileWarning`).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .eager import outside_graphs
 
-__all__ = ["compile_branches", "outside_graphs"]
+__all__ = ["EnclosingCompileWarning", "compile_branches", "outside_graphs"]
 
 
 class _Branch(Protocol):
@@ -47,3 +52,42 @@ def compile_branches(controller: _HasBranches, **options: Any) -> None:
     """
     for branch in controller.branches:
         branch.module.compile(**options)
+
+
+class EnclosingCompileWarning:
+    """A forward pre-hook on the module around each branch (its layer) that warns, once, when that module is
+    traced by ``torch.compile`` in a training forward: the branch then runs inside a compiled region larger
+    than itself (``torch.compile(model)``, ``model.compile()``, compiled layers).
+
+    The hook itself is traced (not :func:`outside_graphs`): ``torch.compiler.is_compiling()`` is true only while
+    Dynamo traces it. It sits on the layers, not on the branches, so branches compiled on their own
+    (:func:`compile_branches`) never trace it: their graphs and guards stay as they were. Eager forwards pay one
+    call and one test per layer.
+    """
+
+    def __init__(self) -> None:
+        self.warned = False
+
+    def attach(self, model: nn.Module, branch_names: Sequence[str]) -> list[RemovableHandle]:
+        """Register the hook on the module holding each branch (named as in ``model.named_modules()``)."""
+        parents = dict.fromkeys(name.rpartition(".")[0] for name in branch_names)
+        return [model.get_submodule(p).register_forward_pre_hook(self, prepend=True) for p in parents]
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        if torch.compiler.is_compiling() and module.training and torch.is_grad_enabled():
+            self._warn()
+
+    @outside_graphs
+    def _warn(self) -> None:
+        if self.warned:
+            return
+        self.warned = True
+        warnings.warn(
+            "dropbp: the branches run inside a larger torch.compile region (torch.compile(model), model.compile() "
+            "or compiled layers). Gradients of kept branches are exact, but a weight in front of a dropped branch "
+            "(the norm before a dropped MLP) gets a zero gradient instead of none, so AdamW or momentum still moves "
+            "it, unlike eager DropBP. For exact DropBP compile the branches instead: "
+            "dropbp.compile.compile_branches(ctl) (docs/scaling-out.md)",
+            RuntimeWarning,
+            stacklevel=2,
+        )

@@ -23,6 +23,7 @@ from .allocation import allocate_rates
 from .backends import Backend
 from .checks import check_bool, check_choice, check_int, fit_rates
 from .chunked_loss import ChunkedLoss
+from .compile import EnclosingCompileWarning
 from .discovery import Branch
 from .distributed import check_ddp, unwrap
 from .dropped_grads import DEFAULT_DROPPED_GRADS, DROPPED_GRADS
@@ -117,9 +118,13 @@ class DropBPController:
             lambda: self._unbiased,
             dropped_grads,
         )
+        self._compile_handles = EnclosingCompileWarning().attach(model, [b.name for b in self._found])
         for module in (model, *self._modules):
             _ATTACHED[module] = self
         self._removed = False
+        #: Undo steps of integrations that hooked this controller into something else (a Trainer's callback),
+        #: run by :meth:`remove` so that removing the controller removes them too.
+        self._on_remove: list[Callable[[], None]] = []
 
     def _names(self, indices: frozenset[int]) -> tuple[str, ...]:
         return tuple(self._found[i].name for i in sorted(indices))
@@ -336,16 +341,21 @@ class DropBPController:
         self.backend.after_optimizer_step()
 
     def remove(self) -> None:
-        """Detach from the model: every hook is removed and the model is exactly as before."""
+        """Detach from the model: every hook is removed and the model is exactly as before; a Trainer callback
+        of :mod:`dropbp.integrations.hf` leaves its trainer too."""
         if self._removed:
             return
         self._hooks.remove()
+        for handle in self._compile_handles:
+            handle.remove()
         if self._chunked is not None:
             self._chunked.remove()
         for module in (self._model, *self._modules):
             if _ATTACHED.get(module) is self:
                 del _ATTACHED[module]
         self._removed = True
+        while self._on_remove:
+            self._on_remove.pop()()
 
     def _check_attached(self) -> None:
         if self._removed:

@@ -253,8 +253,59 @@ def _explicit(names: list[str], modules: dict[str, nn.Module]) -> list[tuple[str
             f"branches names modules that the model does not have: {unknown}; "
             f"use names from model.named_modules(), e.g. {[n for n in modules if n][:4]}"
         )
+    _check_not_whole_layers(names, modules)
     order = {n: i for i, n in enumerate(modules)}
     return [(n, _kind_from_name(n)) for n in sorted(names, key=order.__getitem__)]
+
+
+def _is_whole_layer(module: nn.Module) -> bool:
+    """A residual layer (it adds the residual itself): a Hugging Face layer (``GradientCheckpointingLayer``, the
+    base of every transformers 5 decoder and encoder layer), a litgpt ``Block``, or a module with both an
+    attention child and an MLP child by the names dropbp recognises (BERT's ``intermediate`` included)."""
+    if _is_litgpt_block(module) or any(
+        c.__name__ == "GradientCheckpointingLayer" and c.__module__.startswith("transformers.")
+        for c in type(module).__mro__
+    ):
+        return True
+    children = {name for name, _ in module.named_children()}
+    return bool(children & set(_ATTENTION_NAMES)) and bool(children & {*_MLP_NAMES, "intermediate"})
+
+
+def _check_not_whole_layers(names: list[str], modules: dict[str, nn.Module]) -> None:
+    """Refuse named "branches" that hold a whole residual layer, or another named branch.
+
+    Dropped, a module that adds the residual itself detaches the residual stream below it: every layer
+    under it loses its gradient, silently (the forward's own check catches only the case where nothing
+    trainable is left at all).
+    """
+    for name in names:
+        prefix = f"{name}."
+        inner = next((n for n in names if n.startswith(prefix)), None)
+        if inner is not None:
+            raise ValueError(
+                f"branches names {name!r} and {inner!r}, which is inside it: branches must not nest. Name only the "
+                "innermost modules whose output is added to the residual stream"
+            )
+        layer = next(
+            ((sub_name, sub) for sub_name, sub in modules[name].named_modules() if _is_whole_layer(sub)), None
+        )
+        if layer is None:
+            continue
+        path = name if not layer[0] else f"{name}.{layer[0]}"
+        inside = _named_branches(layer[1], _ATTENTION_NAMES, _MLP_NAMES)
+        example = (
+            f"{[f'{path}.{n}' for n, _, _ in inside]}"
+            if inside
+            else "for a post-norm encoder like BERT, 'bert.encoder.layer.N.attention.self' and "
+            "'bert.encoder.layer.N.intermediate' for every N"
+        )
+        raise ValueError(
+            f"branches names {name!r}, which {'is' if path == name else 'holds'} a whole residual layer "
+            f"({path!r}, a {type(layer[1]).__name__}) that adds the residual itself: dropped, it would cut the "
+            "residual stream and every layer below it would lose its gradient. A branch is the f in x = x + f(x), "
+            f"a module whose output is then added to the residual stream: name the modules inside the add, e.g. "
+            f"{example} (README: 'Which modules are branches')"
+        )
 
 
 def _detect(model: nn.Module) -> list[Found]:

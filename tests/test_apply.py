@@ -241,6 +241,14 @@ def test_model_without_branches_explains_branches_argument():
         ("model.layers.0.mlp", TypeError, "branches must be a list"),
         ([3], TypeError, "module names"),
         (["model.layers.0.mlp", "model.layers.0.mlp"], ValueError, "more than once"),
+        (
+            ["model.layers.0", "model.layers.1"],
+            ValueError,
+            r"'model.layers.0', which is a whole residual layer \('model.layers.0', a LlamaDecoderLayer\) that adds "
+            r"the residual itself.*\['model.layers.0.self_attn', 'model.layers.0.mlp'\].*Which modules are branches",
+        ),
+        (["model.layers"], ValueError, r"'model.layers', which holds a whole residual layer \('model.layers.0'"),
+        (["model.layers.0.mlp", "model.layers.0.mlp.down_proj"], ValueError, "inside it: branches must not nest"),
     ],
 )
 def test_bad_branch_names(branches, error, match):
@@ -260,6 +268,17 @@ def test_bad_branch_names(branches, error, match):
 def test_bad_options(kwargs, error, match):
     with pytest.raises(error, match=match):
         dropbp.apply(tiny_model("llama"), 0.5, **kwargs, pattern="uniform")
+
+
+def test_a_model_with_nothing_to_train_is_refused_with_what_to_do():
+    model = tiny_model("llama").requires_grad_(False)
+    with pytest.raises(ValueError, match=r"no parameter of this LlamaForCausalLM requires a gradient.*add LoRA"):
+        dropbp.apply(model, 0.5)
+    model.model.layers[0].mlp.down_proj.weight.requires_grad_(True)  # one trainable tensor is enough
+    dropbp.apply(model, 0.5)
+    ids = batch()
+    model(input_ids=ids, labels=ids).loss.backward()  # its branch is never dropped: the only trainable one
+    assert model.model.layers[0].mlp.down_proj.weight.grad is not None
 
 
 def test_bad_rates_and_state():

@@ -461,8 +461,9 @@ def test_backward_and_optimizer_step_place_the_step_boundaries():
 
 def test_backward_skips_safely_when_nothing_needs_a_gradient():
     log: list[str] = []
-    model = tiny_model("llama").requires_grad_(False)
+    model = tiny_model("llama")
     ctl = dropbp.apply(model, 0.5, backend=Recording(log))
+    model.requires_grad_(False)  # frozen after apply (apply refuses a frozen model)
     ids = batch()
     loss = model(input_ids=ids, labels=ids).loss
     with pytest.raises(RuntimeError, match="does not require grad"):

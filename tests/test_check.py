@@ -212,6 +212,16 @@ def test_a_model_that_cannot_be_loaded_is_one_line(tmp_path, capsys):
         run_check("cpu", method="dora")
 
 
+@pytest.mark.parametrize("name", ["model.txt", "model.safetensors"])
+def test_a_file_instead_of_a_model_folder_is_named_as_such(tmp_path, capsys, monkeypatch, name):
+    (tmp_path / name).write_text("not a model")
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["check", "--backend", "cpu", "--model", f"./{name}", "--out", str(tmp_path / "out")])
+    _, err = capsys.readouterr()
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"'./{name}' is a file, not a model folder" in err and "config.json" in err and "Repo id" not in err
+
+
 def test_the_report_says_why_this_backend(monkeypatch):
     from dropbp.tools.check_env import backend_source
 

@@ -73,6 +73,11 @@ def test_demo_with_a_model_that_cannot_be_loaded_fails_in_one_line_and_leaves_no
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and "cannot load the model" in err and "leave --model out" in err
     assert not out_dir.exists()
+    (tmp_path / "weights.txt").write_text("not a model")
+    code, out, err = _run(["demo", "--quick", "--model", str(tmp_path / "weights.txt"), "--out", str(out_dir)], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "is a file, not a model folder" in err and "Repo id" not in err
+    assert not out_dir.exists()
 
 
 def test_demo_with_a_model_too_small_for_its_runs_fails_before_training(tmp_path, capsys):

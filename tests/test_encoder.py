@@ -97,3 +97,11 @@ def test_a_module_that_adds_the_residual_itself_is_stopped_at_the_forward():
         model(input_ids=ids, labels=ids).loss.backward()
     with pytest.raises(ValueError, match=r"needs no gradient.*x = x \+ f\(x\).*attention.self"):
         model(input_ids=ids, labels=ids)
+
+
+def test_whole_encoder_layers_are_refused_at_apply_with_the_modules_to_name():
+    """A BertLayer (attention, intermediate, output) adds the residual itself: refused before any forward."""
+    wrong = [f"bert.encoder.layer.{i}" for i in range(LAYERS)]
+    expected = r"a BertLayer\) that adds the residual itself.*'bert.encoder.layer.N.intermediate'"
+    with pytest.raises(ValueError, match=expected):
+        dropbp.apply(_bert("full"), 0.5, branches=wrong, pattern="uniform")

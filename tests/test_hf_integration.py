@@ -161,6 +161,24 @@ def test_lora_on_attention_only_never_crashes(tmp_path):
     assert trainer.state.global_step == 40
 
 
+def test_attach_again_after_removing_the_first(tmp_path):
+    """The refusal of a second attach says to remove the first controller; doing so takes its callback off the
+    trainer too, so the new one trains alone (and a removed one leaves a plain Trainer)."""
+    trainer = _trainer(tmp_path, max_steps=4)
+    first = attach(trainer, drop_rate=0.5)
+    with pytest.raises(RuntimeError, match=r"already attached.*call \.remove\(\) on the existing controller"):
+        attach(trainer, drop_rate=0.25)
+    first.controller.remove()
+    assert first not in trainer.callback_handler.callbacks
+    second = attach(trainer, drop_rate=0.25)
+    trainer.train()
+    assert [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, type(second))] == [second]
+    assert second.controller.step == 4 and first.controller.step == 0
+    second.controller.remove()
+    trainer.train()  # no DropBP left: trains as a plain Trainer
+    assert second.controller.step == 4
+
+
 def test_bad_arguments(tmp_path):
     with pytest.raises(TypeError, match="trainer must be a transformers.Trainer, got object"):
         attach(object())

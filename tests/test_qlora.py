@@ -2,6 +2,10 @@
 are exactly those of the unmodified 4-bit model with the dropped branch outputs detached, as for the
 Hugging Face models in test_gradients.py; and ``dropbp bench --methods qlora`` builds and runs it.
 
+Every 4-bit model here is built as on a CPU with AVX512-BF16 (bitsandbytes' check of the CPU's flags
+answers yes), whatever this machine's CPU: there an eval forward would repack the 4-bit weights for
+inference and break training, which dropbp's QLoRA models must survive.
+
 Skipped, with the reason, where bitsandbytes is not installed (``pip install 'dropbp[qlora]'``)."""
 
 from __future__ import annotations
@@ -19,13 +23,22 @@ bnb = pytest.importorskip(
     "bitsandbytes", reason="QLoRA needs bitsandbytes: pip install 'dropbp[qlora]'", exc_type=ImportError
 )
 
-from dropbp.tools.qlora import count_4bit_layers, quantize_4bit  # noqa: E402
+from dropbp.tools.qlora import count_4bit_layers, four_bit_layers, keep_4bit_trainable, quantize_4bit  # noqa: E402
+
+
+def as_on_avx512bf16(patch: pytest.MonkeyPatch) -> None:
+    """4-bit layers built from now on take this CPU for one with AVX512-BF16 (recent bitsandbytes reads the
+    flag once, in ``Linear4bit.__init__``; older releases have no such check and nothing to patch)."""
+    if hasattr(bnb.nn.modules, "has_avx512bf16"):
+        patch.setattr(bnb.nn.modules, "has_avx512bf16", lambda: True)
 
 
 @pytest.fixture(scope="module")
 def qlora_model():
     """A 3-layer random Llama with nf4 4-bit linear layers and LoRA (non-zero B) on every one."""
-    model = quantize_4bit(tiny_model("llama", layers=3), torch.float32)
+    with pytest.MonkeyPatch.context() as patch:
+        as_on_avx512bf16(patch)
+        model = quantize_4bit(tiny_model("llama", layers=3), torch.float32)
     assert count_4bit_layers(model) == 3 * 7  # q k v o, gate up down per layer; the LM head stays
     return with_lora(model)
 
@@ -132,3 +145,40 @@ def test_convergence_qlora_takes_loras_learning_rate_without_its_own_sweep(tmp_p
     sweep["runs"][0]["val_loss"][-1] = 2.9  # a sweep of its own wins
     (tmp_path / "convergence_lr_qlora_pydoc.json").write_text(json.dumps(sweep))
     assert convergence.swept_lr(tmp_path, "qlora") == 1e-4
+
+
+def test_an_evaluation_leaves_4bit_layers_trainable(qlora_model, monkeypatch):
+    """bitsandbytes repacks a 4-bit weight for CPU inference, in place, at an eval forward without gradients when
+    the layer's ``support_avx512bf16_for_cpu`` is set; training forwards then fail. The QLoRA models dropbp builds
+    have it off, so an evaluation changes nothing and training goes on with the same gradients."""
+    if not hasattr(bnb.nn.modules, "_convert_weight_packed_for_cpu"):
+        pytest.skip(f"bitsandbytes {bnb.__version__} has no CPU inference repack")
+    calls = []
+
+    def repack(*args, **kwargs):  # the repack bitsandbytes would run; raising keeps its kernels out of the test
+        calls.append(args)
+        raise RuntimeError("repacked for inference")
+
+    monkeypatch.setattr(bnb.nn.modules, "_convert_weight_packed_for_cpu", repack)
+    model, reference = copy.deepcopy(qlora_model), copy.deepcopy(qlora_model)
+    ids = batch()
+    ref_loss, ref_grads = loss_and_grads(reference, ids)
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert calls == []
+    model.train()
+    loss, grads = loss_and_grads(model, ids)
+    assert torch.equal(loss, ref_loss)
+    assert_same_grads(grads, ref_grads, atol=0)
+
+    layers = four_bit_layers(model)  # the switch the fix relies on: with it on, bitsandbytes repacks
+    for layer in layers:
+        layer.support_avx512bf16_for_cpu = True
+    model.eval()
+    with torch.no_grad(), pytest.raises(RuntimeError, match="repacked for inference"):
+        model(input_ids=ids)
+    keep_4bit_trainable(model)
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert len(calls) == 1

@@ -171,7 +171,8 @@ def attach(
     the memory-lean head and loss for long sequences (:mod:`dropbp.chunked_loss`). ``drop_schedule``
     and ``ramp``: :func:`dropbp.apply`'s, over the run's length, which ``attach`` passes as
     ``total_steps`` when training begins: the run's mean drop rate, warm-up included, is ``drop_rate``.
-    Returns the callback; its ``controller`` is the :class:`DropBPController`.
+    Returns the callback; its ``controller`` is the :class:`DropBPController`. ``callback.controller.remove()``
+    takes DropBP off the model and the callback off the trainer; only then can ``attach`` be called again.
     """
     callback = build_callback(
         trainer,
@@ -236,7 +237,11 @@ def build_callback(
         ramp=ramp,
     )
     _let_ddp_skip_unused_parameters(trainer)
-    return DropBPCallback(trainer, controller, calibrate_at, warmup)
+    callback = DropBPCallback(trainer, controller, calibrate_at, warmup)
+    # ``callback.controller.remove()`` takes the callback off the trainer too: a removed controller's callback
+    # would stop train() ("this DropBP controller was removed"), and attach again would leave two.
+    controller._on_remove.append(lambda: trainer.pop_callback(callback))
+    return callback
 
 
 def check_schedule(

@@ -31,7 +31,7 @@ from .check_env import environment
 from .check_grads import Probe, correctness_checks, saved_bytes
 from .check_graphs import graph_checks
 from .check_report import FAIL, CheckResult, Outcome, render, write
-from .pretrained import DEFAULT_MODEL, load_causal_lm
+from .pretrained import DEFAULT_MODEL, load_causal_lm, not_a_model_folder
 from .qlora import count_4bit_layers, quantize_4bit, with_lora
 
 __all__ = ["CheckResult", "CheckSettings", "CheckSetupError", "render", "run_check", "write"]
@@ -76,6 +76,8 @@ def _load(model: str | None, method: str, backend: Backend, settings: CheckSetti
         name = model
     elif ("/" in model or model.startswith(".")) and not Path(model).exists() and model.count("/") != 1:
         raise CheckSetupError(f"the model folder {model} does not exist; pass a local model folder or a model id")
+    elif (problem := not_a_model_folder(model)) is not None:
+        raise CheckSetupError(f"cannot load the model: {problem}")
     else:
         transformers = require("transformers", "dropbp check --model")
         try:  # the model alone: the check feeds random token ids and needs no tokenizer

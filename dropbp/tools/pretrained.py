@@ -67,6 +67,20 @@ class UnusableModel(Exception):
     before any training or output."""
 
 
+def not_a_model_folder(model: str) -> str | None:
+    """What is wrong with ``model`` when it is a file rather than a model folder or id, else None.
+
+    transformers takes such a path for a hub id and answers "Repo id must be in the form ...", which names
+    neither the file nor what to pass.
+    """
+    if not Path(model).is_file():
+        return None
+    return (
+        f"{model!r} is a file, not a model folder: pass the folder that holds its config.json and weights "
+        "(as save_pretrained writes it), or a model id"
+    )
+
+
 def load_causal_lm(model: str | None = None) -> tuple[nn.Module, object]:
     """(model, tokenizer) in float32: the cached SmolLM2 by default, else ``model`` (id or path).
 
@@ -83,6 +97,9 @@ def load_causal_lm(model: str | None = None) -> tuple[nn.Module, object]:
             path.parent.mkdir(parents=True, exist_ok=True)
             _convert_smollm2(path)
         model = str(path)
+    problem = not_a_model_folder(model)
+    if problem is not None:
+        raise UnusableModel(f"cannot load the model: {problem}")
     try:
         return (
             AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),

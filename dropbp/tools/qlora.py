@@ -15,18 +15,33 @@ default; the last two would make ``qlora`` time something other than ``lora`` pl
 bitsandbytes (>= 0.46) runs its 4-bit layers on the CPU with PyTorch-native kernels: a forward
 dequantises each weight and multiplies; a backward that needs the input's gradient dequantises the
 weight again (``MatMul4Bit.backward``), which a dropped branch never runs.
+
+On a CPU with AVX512-BF16, recent bitsandbytes (0.50.2; not 0.46.1) repacks a ``Linear4bit`` weight in place into an
+inference-only layout at its first eval-mode forward whose input needs no gradient; every training
+forward after that fails (and on layers narrower than a quantisation block the repack itself fails).
+An evaluation between training steps is exactly that forward, so :func:`quantize_4bit` turns the
+repack off (:func:`keep_4bit_trainable`): evaluation then runs the same kernels as training.
 """
 
 from __future__ import annotations
 
 import tempfile
+import warnings
 
 import torch
 from torch import nn
 
 from ..imports import is_available, require
 
-__all__ = ["LORA_TARGETS", "count_4bit_layers", "dequantize_all", "four_bit_layers", "quantize_4bit", "with_lora"]
+__all__ = [
+    "LORA_TARGETS",
+    "count_4bit_layers",
+    "dequantize_all",
+    "four_bit_layers",
+    "keep_4bit_trainable",
+    "quantize_4bit",
+    "with_lora",
+]
 
 #: The LoRA targets of the ``lora`` and ``qlora`` methods (every linear layer but the LM head).
 LORA_TARGETS = "all-linear"
@@ -52,7 +67,7 @@ def quantize_4bit(model: nn.Module, compute_dtype: torch.dtype, device: torch.de
     try:
         with tempfile.TemporaryDirectory(prefix="dropbp-qlora-") as folder:
             model.save_pretrained(folder)
-            return transformers.AutoModelForCausalLM.from_pretrained(
+            quantised = transformers.AutoModelForCausalLM.from_pretrained(
                 folder,
                 quantization_config=config,
                 dtype=compute_dtype,
@@ -62,6 +77,36 @@ def quantize_4bit(model: nn.Module, compute_dtype: torch.dtype, device: torch.de
     finally:
         if bars:
             transformers.utils.logging.enable_progress_bar()
+    keep_4bit_trainable(quantised)
+    return quantised
+
+
+def keep_4bit_trainable(model: nn.Module) -> None:
+    """Keep every 4-bit layer of ``model`` trainable across eval-mode forwards on an AVX512-BF16 CPU.
+
+    bitsandbytes decides the in-place inference repack (see the module docstring) by each layer's
+    ``support_avx512bf16_for_cpu``, set at construction from the CPU's flags; this sets it to False,
+    so an eval forward computes as a training forward does (dequantise and multiply) and leaves the
+    weight as it was. Nothing changes on GPUs or on CPUs without AVX512-BF16. Call it after loading a
+    4-bit model yourself (:func:`quantize_4bit` does), before the first evaluation.
+    """
+    layers = four_bit_layers(model)
+    if not layers:
+        return
+    import bitsandbytes as bnb
+
+    if all(hasattr(layer, "support_avx512bf16_for_cpu") for layer in layers):
+        for layer in layers:
+            layer.support_avx512bf16_for_cpu = False
+    elif hasattr(bnb.functional, "has_avx512bf16"):  # the repack exists, but no longer behind this switch
+        warnings.warn(
+            f"dropbp: bitsandbytes {bnb.__version__} no longer decides its CPU inference repack of 4-bit weights "
+            "by Linear4bit.support_avx512bf16_for_cpu (tested: 0.46.1 to 0.50.2), so dropbp cannot turn it off: "
+            "on a CPU with AVX512-BF16 an eval forward may make later training forwards fail. Install "
+            "'bitsandbytes<=0.50.2', or evaluate in train mode under torch.no_grad()",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 def with_lora(model: nn.Module, r: int = 8, alpha: int = 16, **kwargs) -> nn.Module:
