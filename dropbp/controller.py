@@ -23,6 +23,7 @@ from .allocation import allocate_rates
 from .backends import Backend
 from .checks import check_bool, check_choice, check_int, fit_rates
 from .chunked_loss import ChunkedLoss
+from .copies import CleanCopies
 from .discovery import Branch
 from .distributed import check_ddp, unwrap
 from .dropped_grads import DEFAULT_DROPPED_GRADS, DROPPED_GRADS
@@ -117,6 +118,8 @@ class DropBPController:
             lambda: self._unbiased,
             dropped_grads,
         )
+        touched = [model, *(p for b in branches for p in b.parts), *([self._chunked.lm] if self._chunked else [])]
+        self._copies = CleanCopies(touched, lambda: self._hooks.handles)  # copies and pickles come out clean
         for module in (model, *self._modules):
             _ATTACHED[module] = self
         self._removed = False
@@ -315,12 +318,16 @@ class DropBPController:
         self.backend.after_optimizer_step()
 
     def remove(self) -> None:
-        """Detach from the model: every hook is removed and the model is exactly as before."""
+        """Detach from the model: every hook is removed and the model is exactly as before.
+
+        (A deep copy or pickle of the model, taken at any time, is already clean: the model as it was
+        before ``apply``, with no controller; ``dropbp.apply`` attaches to it independently.)"""
         if self._removed:
             return
         self._hooks.remove()
         if self._chunked is not None:
             self._chunked.remove()
+        self._copies.remove()
         for module in (self._model, *self._modules):
             if _ATTACHED.get(module) is self:
                 del _ATTACHED[module]

@@ -94,6 +94,11 @@ class StepHooks:
             # the gradient entering the branch is the one at the residual add: the last part's output
             self._handles.append(attach_gradient_scaling(parts[index][-1], self._scale_for(index)))
 
+    @property
+    def handles(self) -> list[RemovableHandle]:
+        """Every hook this object has on the model (copies of the model leave them out)."""
+        return self._handles
+
     def pattern(self, step: int) -> frozenset[int]:
         """The pattern the policy draws at ``step`` for this model."""
         return self._policy.draw(step, self._trainable_branches)

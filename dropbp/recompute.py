@@ -60,6 +60,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointFunction
 
+from .copies import mark_patch
+
 __all__ = ["BranchCache", "RecomputeCache", "forward_region", "in_backward", "recomputed_region"]
 
 RngState = list[torch.Tensor]
@@ -166,6 +168,7 @@ class BranchCache:
             real = self._previous or type(self._module).forward.__get__(self._module)
             return real(*args, **kwargs)
 
+        mark_patch(forward, lambda: self._previous)  # a copy of the module holds nothing
         return forward
 
     def on_call(self, dropped: bool) -> bool:
