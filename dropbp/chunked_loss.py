@@ -10,7 +10,8 @@ their gradient never exist at once; the loss and every gradient are the plain pa
 formula, summed chunk by chunk). It is independent of dropping: a baseline can use it at rate 0.
 
 It patches the model instance's ``forward`` (the class is untouched, so ``isinstance``, state-dict
-keys and ``save_pretrained`` are unchanged); :meth:`ChunkedLoss.remove` restores it. Only training
+keys and ``save_pretrained`` are unchanged); :meth:`ChunkedLoss.remove` restores it, and copies and
+pickles of the model leave it out (:mod:`dropbp.copies`). Only training
 forwards (``model.training`` and grad mode on) with ``labels`` take the chunked path, and they
 return ``logits=None``; evaluation keeps the plain path so metrics still see logits.
 """
@@ -27,6 +28,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 from torch.autograd.function import once_differentiable
+
+from .copies import mark_patch
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ChunkedLoss", "UnsupportedModel", "linear_cross_entropy"]
 
@@ -192,6 +195,7 @@ class ChunkedLoss:
         def forward(*args: Any, **kwargs: Any) -> Any:
             return self._forward(*args, **kwargs)
 
+        mark_patch(forward, lambda: None)  # a copy of the model has its own forward
         self.lm.forward = forward
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:

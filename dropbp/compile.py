@@ -67,11 +67,14 @@ class EnclosingCompileWarning:
 
     def __init__(self) -> None:
         self.warned = False
+        #: The modules the hook is on (for clean copies: :mod:`dropbp.copies`).
+        self.layers: list[nn.Module] = []
 
     def attach(self, model: nn.Module, branch_names: Sequence[str]) -> list[RemovableHandle]:
         """Register the hook on the module holding each branch (named as in ``model.named_modules()``)."""
         parents = dict.fromkeys(name.rpartition(".")[0] for name in branch_names)
-        return [model.get_submodule(p).register_forward_pre_hook(self, prepend=True) for p in parents]
+        self.layers = [model.get_submodule(p) for p in parents]
+        return [layer.register_forward_pre_hook(self, prepend=True) for layer in self.layers]
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
         if torch.compiler.is_compiling() and module.training and torch.is_grad_enabled():

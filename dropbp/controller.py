@@ -24,6 +24,7 @@ from .backends import Backend
 from .checks import check_bool, check_choice, check_int, fit_rates
 from .chunked_loss import ChunkedLoss
 from .compile import EnclosingCompileWarning
+from .copies import CleanCopies
 from .discovery import Branch
 from .distributed import check_ddp, unwrap
 from .dropped_grads import DEFAULT_DROPPED_GRADS, DROPPED_GRADS
@@ -118,7 +119,16 @@ class DropBPController:
             lambda: self._unbiased,
             dropped_grads,
         )
-        self._compile_handles = EnclosingCompileWarning().attach(model, [b.name for b in self._found])
+        compile_warning = EnclosingCompileWarning()
+        self._compile_handles = compile_warning.attach(model, [b.name for b in self._found])
+        touched = [
+            model,
+            *(p for b in branches for p in b.parts),
+            *compile_warning.layers,
+            *([self._chunked.lm] if self._chunked else []),
+        ]
+        # copies and pickles come out clean
+        self._copies = CleanCopies(touched, lambda: [*self._hooks.handles, *self._compile_handles])
         for module in (model, *self._modules):
             _ATTACHED[module] = self
         self._removed = False
@@ -342,7 +352,10 @@ class DropBPController:
 
     def remove(self) -> None:
         """Detach from the model: every hook is removed and the model is exactly as before; a Trainer callback
-        of :mod:`dropbp.integrations.hf` leaves its trainer too."""
+        of :mod:`dropbp.integrations.hf` leaves its trainer too.
+
+        (A deep copy or pickle of the model, taken at any time, is already clean: the model as it was
+        before ``apply``, with no controller; ``dropbp.apply`` attaches to it independently.)"""
         if self._removed:
             return
         self._hooks.remove()
@@ -350,6 +363,7 @@ class DropBPController:
             handle.remove()
         if self._chunked is not None:
             self._chunked.remove()
+        self._copies.remove()
         for module in (self._model, *self._modules):
             if _ATTACHED.get(module) is self:
                 del _ATTACHED[module]

@@ -1,10 +1,12 @@
 """The per-step decision and the hooks that carry it to the model and its branches.
 
 Once per training-mode forward of the model (a forward pre-hook, before any branch runs) the
-decision asks the policy for the step's pattern and keeps it until the next one, so activation
-checkpointing, which re-runs forwards during backward, sees the same decision. Each branch module
-consults it when called: a dropped one runs without autograd (:mod:`dropbp.no_grad`) and is not run
-again by checkpointing (:mod:`dropbp.recompute`); a kept one may get its incoming gradient scaled
+decision asks the policy for the step's pattern and keeps it until the next one. Activation
+checkpointing re-runs forwards during backward, possibly after further forwards (several losses, one
+backward): each checkpointed region is recorded with the pattern of the forward that ran it, and its
+recomputation obeys that one (:meth:`StepHooks.in_force`). Each branch module consults it when
+called: a dropped one runs without autograd (:mod:`dropbp.no_grad`) and is not run again by
+checkpointing (:mod:`dropbp.recompute`); a kept one may get its incoming gradient scaled
 (:mod:`dropbp.scaling`). Eval and no-grad forwards draw nothing. Calibration forces a pattern
 (:meth:`StepHooks.force`) without taking a step. Every hook runs outside ``torch.compile`` graphs.
 """
@@ -12,6 +14,7 @@ again by checkpointing (:mod:`dropbp.recompute`); a kept one may get its incomin
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -26,7 +29,7 @@ from .eager import outside_graphs
 from .no_grad import attach_no_grad_hooks
 from .optimizer import compensation
 from .policy import DropPolicy
-from .recompute import RecomputeCache, in_backward
+from .recompute import RecomputeCache, forward_region, in_backward, recomputed_region
 from .scaling import attach_gradient_scaling
 from .stats import DropTally
 
@@ -75,6 +78,8 @@ class StepHooks:
         self.forced: frozenset[int] | None = None
         self.tally = DropTally()
         self._recompute = RecomputeCache(self._modules)
+        #: Per checkpointed region of a training forward (as checkpointing keeps it), that forward's pattern.
+        self._regions: weakref.WeakKeyDictionary[object, frozenset[int]] = weakref.WeakKeyDictionary()
         self.fill = DroppedGrads(dropped_grads, self.holders)
         self._zero = None  # a dropbp.integrations.deepspeed.ZeroGuard, once a ZeRO optimizer holds the model
         self._handles: list[RemovableHandle] = [
@@ -89,16 +94,34 @@ class StepHooks:
             # the gradient entering the branch is the one at the residual add: the last part's output
             self._handles.append(attach_gradient_scaling(parts[index][-1], self._scale_for(index)))
 
+    @property
+    def handles(self) -> list[RemovableHandle]:
+        """Every hook this object has on the model (copies of the model leave them out)."""
+        return self._handles
+
     def pattern(self, step: int) -> frozenset[int]:
         """The pattern the policy draws at ``step`` for this model."""
         return self._policy.draw(step, self._trainable_branches)
 
+    def in_force(self) -> frozenset[int]:
+        """The pattern a branch called now obeys: during a backward, the one of the forward whose
+        checkpointed region is being recomputed; otherwise the current forward's, which a call inside
+        a checkpointed region records for that region."""
+        if in_backward():
+            region = recomputed_region()
+            return self.dropped if region is None else self._regions.get(region, self.dropped)
+        if self._recompute.recording:
+            region = forward_region()
+            if region is not None:
+                self._regions[region] = self.dropped
+        return self.dropped
+
     def _dropped_test(self, index: int) -> Callable[[], bool]:
-        return lambda: index in self.dropped
+        return lambda: index in self.in_force()
 
     def _scale_for(self, index: int) -> Callable[[nn.Module], float]:
         def scale(module: nn.Module) -> float:
-            if not self._unbiased() or self.forced is not None or not module.training or index in self.dropped:
+            if not self._unbiased() or self.forced is not None or not module.training or index in self.in_force():
                 return 1.0  # calibration measures the plain gradients; dropped branches get none
             return compensation(self._policy.rates[index])
 

@@ -39,18 +39,30 @@ they are set to where they were after it), else the branch runs (``preserve_rng_
 
 A branch called twice within one forward holds nothing (which output a recomputation would want is
 unknown).
+
+Several training forwards may come before one backward (DPO, contrastive and multi-task losses), each
+with its own pattern. A recomputation must obey the pattern of the forward it recomputes, not the
+latest one, so each region is known by the object checkpointing itself keeps for it until backward
+(:func:`forward_region`, :func:`recomputed_region`): the re-entrant call's autograd node, which runs
+the recomputation in its backward, or the non-re-entrant call's frame, which the recomputation's
+saved-tensor hooks refer to. A held output is handed back only to the recomputation of its own region.
 """
 
 from __future__ import annotations
 
+import inspect
+import sys
 from collections.abc import Callable, Sequence
 from itertools import chain
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointFunction
 
-__all__ = ["BranchCache", "RecomputeCache", "in_backward"]
+from .copies import mark_patch
+
+__all__ = ["BranchCache", "RecomputeCache", "forward_region", "in_backward", "recomputed_region"]
 
 RngState = list[torch.Tensor]
 
@@ -66,6 +78,43 @@ def _checkpoint_region() -> object | None:
     if hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint":
         return hooks[0]
     return None
+
+
+def _captured(hook: Callable[..., Any], name: str) -> Any:
+    """The variable ``name`` that one of ``torch.utils.checkpoint``'s hook closures captured."""
+    fn = inspect.unwrap(hook)  # the recomputation's hook is wrapped by torch._dynamo.disable
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    if code is not None and name in code.co_freevars:
+        return cells[code.co_freevars.index(name)].cell_contents
+    raise RuntimeError(
+        f"dropbp cannot find the checkpointed region in torch {torch.__version__}'s torch.utils.checkpoint "
+        f"(its hook captures no {name!r}), so it cannot tell which forward a recomputation replays; "
+        "please report this with your torch version, and train without activation checkpointing meanwhile"
+    )
+
+
+def forward_region() -> object | None:
+    """The checkpointed region a forward runs in now, as checkpointing keeps it for the backward:
+    the non-re-entrant call's frame, or the re-entrant call's autograd node; None outside every region."""
+    hook = _checkpoint_region()
+    if hook is not None:
+        return _captured(hook, "frame")
+    if torch.is_grad_enabled():
+        return None  # a re-entrant region runs its forward under no_grad
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is CheckpointFunction.forward.__code__:
+            return frame.f_locals["ctx"]  # the node whose backward will recompute the region
+        frame = frame.f_back
+    return None
+
+
+def recomputed_region() -> object | None:
+    """During a backward, the region being recomputed, as :func:`forward_region` gave it in the forward."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint":
+        return _captured(hooks[0], "target_frame_ref")()  # non-re-entrant: saved-tensor hooks name the frame
+    return torch._C._current_autograd_node()  # re-entrant: the region's node runs the recomputation
 
 
 def _device_of(module: nn.Module) -> torch.device:
@@ -103,12 +152,13 @@ class BranchCache:
         self._rng_before: RngState = []
         self._rng_after: RngState | None = None  # None: the call drew no random numbers
         self._calls = 0  # dropped calls during the current training forward
+        self._region: object | None = None  # the checkpointed region the held output came from
         self._previous: Callable[..., Any] | None = None  # an instance ``forward`` that was there before
         self._forward = self._make_forward()  # one object per branch: compiled callers see the same one
 
     def _make_forward(self) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if self._held and in_backward():
+            if self._held and in_backward() and recomputed_region() is self._region:
                 if self._rng_after is None:
                     return self.take()
                 if _same(_rng_state(self._device), self._rng_before):
@@ -118,6 +168,7 @@ class BranchCache:
             real = self._previous or type(self._module).forward.__get__(self._module)
             return real(*args, **kwargs)
 
+        mark_patch(forward, lambda: self._previous)  # a copy of the module holds nothing
         return forward
 
     def on_call(self, dropped: bool) -> bool:
@@ -146,6 +197,7 @@ class BranchCache:
         after = _rng_state(self._device)
         self._rng_after = None if _same(after, self._rng_before) else after
         self._output, self._held = output, True
+        self._region = forward_region()
         self._previous = self._module.__dict__.get("forward")
         self._module.forward = self._forward
         region = _checkpoint_region()
@@ -160,7 +212,7 @@ class BranchCache:
     def release(self) -> None:
         if not self._held:
             return
-        self._output, self._held = None, False
+        self._output, self._held, self._region = None, False, None
         self._rng_before, self._rng_after = [], None
         if self._previous is None:
             del self._module.forward

@@ -71,6 +71,32 @@ def detach_outputs(model: nn.Module, names: tuple[str, ...]) -> list:
     return [modules[n].register_forward_hook(detach) for n in names]
 
 
+def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss
+
+
+def summed_loss_and_grads(model: nn.Module, inputs: list, *, ctl=None, patterns=None, loss=lm_loss, rng_seed=123):
+    """Several forwards, then one backward of their summed loss (DPO, contrastive, multi-task losses).
+
+    Under DropBP pass its ``ctl``: each forward's ``ctl.last_dropped`` is returned too. For the
+    hand-written reference pass ``patterns``: forward ``i`` detaches the outputs of the modules named in
+    ``patterns[i]`` (:func:`detach_outputs`). Returns the summed loss, {name: grad or None}, the patterns.
+    """
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(rng_seed)
+    total, seen = 0.0, []
+    for i, x in enumerate(inputs):
+        handles = [] if patterns is None else detach_outputs(model, patterns[i])
+        total = total + loss(model, x)
+        for h in handles:
+            h.remove()
+        if ctl is not None:
+            seen.append(ctl.last_dropped)
+    total.backward()
+    grads = {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
+    return total.detach(), grads, seen
+
+
 def assert_same_grads(got: dict, want: dict, atol: float = 1e-6) -> None:
     assert got.keys() == want.keys()
     for name in want:

@@ -1,0 +1,92 @@
+"""Copies and pickles of a model under DropBP are clean: the model as it was before ``apply``.
+
+``copy.deepcopy`` (EMA and teacher models, TRL's reference model) and ``pickle`` / ``torch.save`` copy
+each module's hook dictionaries and instance attributes. A copy carrying dropbp's hooks would obey the
+original's controller (its last pattern, forever), which nothing could remove, and a pickle fails on
+the hooks' local functions. So every module dropbp hooks or patches gets an instance ``__getstate__``
+(which both deep copies and pickles call) returning its state without dropbp's hook entries, without
+the ``forward`` dropbp put on the instance (the one it replaced instead, if any), and without itself.
+The copy is an ordinary model: ``dropbp.apply`` attaches to it independently; the original keeps its
+controller. :meth:`CleanCopies.remove` takes the ``__getstate__`` attributes away again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["CleanCopies", "mark_patch"]
+
+_PREVIOUS = "_dropbp_previous"
+_GETSTATE = "__getstate__"
+
+
+def mark_patch(forward: Callable[..., Any], previous: Callable[[], Callable[..., Any] | None]) -> None:
+    """Mark ``forward``, which dropbp sets as a module instance's ``forward``: a copy gets ``previous()``
+    (the instance ``forward`` it replaced) instead, or no instance ``forward`` when that is None."""
+    setattr(forward, _PREVIOUS, previous)
+
+
+def _entries(handles: Iterable[RemovableHandle]) -> set[tuple[int, int]]:
+    """(id of a hook dictionary, hook id) for each dictionary a handle's hook is in."""
+    found = set()
+    for handle in handles:
+        for ref in (handle.hooks_dict_ref, *handle.extra_dict_ref):
+            hooks = ref()
+            if hooks is not None:
+                found.add((id(hooks), handle.id))
+    return found
+
+
+class CleanCopies:
+    """Makes copies and pickles of ``modules`` leave out the hooks in ``handles()`` and dropbp's ``forward``.
+
+    Args:
+        modules: every module dropbp hooks or patches (the model, branch parts, a patched LM).
+        handles: read at each copy: the handles of every hook dropbp has on them now.
+    """
+
+    def __init__(self, modules: Iterable[nn.Module], handles: Callable[[], Iterable[RemovableHandle]]) -> None:
+        self._handles = handles
+        self._modules = list({id(m): m for m in modules}.values())
+        #: Per module, an instance ``__getstate__`` that was there before (another library's), or None.
+        self._previous = [vars(m).get(_GETSTATE) for m in self._modules]
+        for module, previous in zip(self._modules, self._previous, strict=True):
+            module.__dict__[_GETSTATE] = self._getstate_for(module, previous)
+
+    def _getstate_for(self, module: nn.Module, previous: Callable[[], dict] | None) -> Callable[[], dict[str, Any]]:
+        def getstate() -> dict[str, Any]:
+            return self.clean_state(module, previous)
+
+        return getstate
+
+    def clean_state(self, module: nn.Module, previous: Callable[[], dict] | None = None) -> dict[str, Any]:
+        """``module``'s state as it would be copied without dropbp, less everything dropbp added."""
+        state = dict(type(module).__getstate__(module) if previous is None else previous())
+        state.pop(_GETSTATE, None)
+        if previous is not None:
+            state[_GETSTATE] = previous
+        ours = _entries(self._handles())
+        for key, value in state.items():
+            if isinstance(value, dict) and any((id(value), k) in ours for k in value):
+                state[key] = type(value)((k, v) for k, v in value.items() if (id(value), k) not in ours)
+        forward = state.get("forward")
+        while hasattr(forward, _PREVIOUS):
+            forward = getattr(forward, _PREVIOUS)()
+        if forward is None:
+            state.pop("forward", None)
+        else:
+            state["forward"] = forward
+        return state
+
+    def remove(self) -> None:
+        """Copies are the class's own again (call once dropbp's hooks and patches are gone)."""
+        for module, previous in zip(self._modules, self._previous, strict=True):
+            if previous is None:
+                module.__dict__.pop(_GETSTATE, None)
+            else:
+                module.__dict__[_GETSTATE] = previous
+        self._modules, self._previous = [], []

@@ -1,0 +1,177 @@
+"""Random training loops, as real ones interleave them: 1 to 3 training forwards per backward, backward,
+optimizer steps, eval, ``no_grad`` and ``generate`` calls, activation checkpointing on and off, state
+dicts saved and loaded, deep copies, ``remove`` and ``apply`` again (tiny Llama and GPT-2, full and LoRA).
+After every backward each gradient equals the hand-detached reference's for the patterns the forwards
+drew; after ``remove`` no dropbp hook is left and the model trains exactly like an untouched one."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import assert_same_grads, batch, detach_outputs, tiny_model, with_lora
+
+import dropbp
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule  # noqa: E402
+
+NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)}  # the reference needs no RNG
+
+
+def _dropbp_leftovers(model: torch.nn.Module) -> list[str]:
+    """What dropbp could leave on a module: its hooks, its instance ``forward``, its ``__getstate__``."""
+    found = []
+    for name, m in model.named_modules():
+        for hooks in (m._forward_pre_hooks, m._forward_hooks):
+            found += [f"{name}: hook {fn!r}" for fn in hooks.values() if fn.__module__.startswith("dropbp")]
+        found += [f"{name}: {k}" for k in ("forward", "__getstate__") if k in vars(m)]
+    return found
+
+
+def _grads(model: torch.nn.Module) -> dict:
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+class TrainingLoop(RuleBasedStateMachine):
+    @initialize(
+        arch=st.sampled_from(["llama", "gpt2"]),
+        lora=st.booleans(),
+        pattern=st.sampled_from(["cut", "uniform"]),
+        checkpointing=st.sampled_from([None, "reentrant", "non-reentrant"]),
+    )
+    def build(self, arch: str, lora: bool, pattern: str, checkpointing: str | None) -> None:
+        model = tiny_model(arch, layers=2, **NO_DROPOUT.get(arch, {}))
+        self.model = with_lora(model) if lora else model
+        self.plain = copy.deepcopy(self.model)  # never under dropbp: the reference, kept at the same weights
+        self.lora, self.pattern = lora, pattern
+        self.ctl = dropbp.apply(self.model, 0.5, seed=7, pattern=pattern)
+        self.pending: list[tuple[torch.Tensor, tuple[str, ...]]] = []
+        self.total = None
+        self.data = 0
+        self.checkpointing(checkpointing)
+
+    def _ids(self) -> torch.Tensor:
+        self.data += 1
+        return batch(self.data, length=8)
+
+    @precondition(lambda self: len(self.pending) < 3)
+    @rule()
+    def training_forward(self) -> None:
+        ids = self._ids()
+        step = None if self.ctl is None else self.ctl.step
+        loss = self.model(input_ids=ids, labels=ids).loss
+        dropped = () if self.ctl is None else self.ctl.last_dropped
+        if self.ctl is not None:
+            assert self.ctl.step == step + 1 and dropped == self.ctl.dropped_at(step)
+        self.pending.append((ids, dropped))
+        self.total = loss if self.total is None else self.total + loss
+
+    @precondition(lambda self: self.pending)
+    @rule()
+    def backward(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+        self.total.backward()
+        self.plain.zero_grad(set_to_none=True)
+        reference = 0.0
+        for ids, dropped in self.pending:
+            handles = detach_outputs(self.plain, dropped)
+            reference = reference + self.plain(input_ids=ids, labels=ids).loss
+            for h in handles:
+                h.remove()
+        reference.backward()
+        torch.testing.assert_close(self.total.detach(), reference.detach(), atol=1e-6, rtol=0)
+        assert_same_grads(_grads(self.model), _grads(self.plain))
+        self.pending, self.total = [], None
+
+    @precondition(lambda self: not self.pending)
+    @rule(forwards=st.integers(2, 3))
+    def several_forwards_one_backward(self, forwards: int) -> None:
+        for _ in range(forwards):
+            self.training_forward()
+        self.backward()
+
+    @precondition(lambda self: not self.pending)
+    @rule()
+    def optimizer_step(self) -> None:
+        with torch.no_grad():
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p -= 0.1 * p.grad
+        self.model.zero_grad(set_to_none=True)
+        self.plain.load_state_dict(self.model.state_dict())
+
+    @rule(mode=st.sampled_from(["eval", "no_grad", "generate"]))
+    def forward_drawing_nothing(self, mode: str) -> None:
+        step = None if self.ctl is None else self.ctl.step
+        ids = self._ids()
+        if mode == "eval":
+            self.model.eval()
+            with torch.no_grad():
+                self.model(input_ids=ids)
+            self.model.train()
+        elif mode == "no_grad":
+            with torch.no_grad():
+                self.model(input_ids=ids, labels=ids)
+        else:
+            self.model.generate(input_ids=ids[:, :4], max_new_tokens=2, do_sample=False, pad_token_id=0)
+            self.model.train()
+        assert step is None or self.ctl.step == step
+
+    @precondition(lambda self: not self.pending)
+    @rule(mode=st.sampled_from([None, "reentrant", "non-reentrant"]))
+    def checkpointing(self, mode: str | None) -> None:
+        if mode is None:
+            self.model.gradient_checkpointing_disable()
+            return
+        kwargs = {"use_reentrant": mode == "reentrant"}
+        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if mode == "reentrant":
+            self.model.enable_input_require_grads()  # reentrant checkpointing needs an input with grad
+
+    @precondition(lambda self: not self.pending)
+    @rule()
+    def save_and_load(self) -> None:
+        self.model.load_state_dict(copy.deepcopy(self.model.state_dict()))
+        if self.ctl is not None:
+            state = copy.deepcopy(self.ctl.state_dict())
+            self.ctl.load_state_dict(state)
+            assert self.ctl.state_dict() == state
+
+    @rule()
+    def deepcopy(self) -> None:
+        twin = copy.deepcopy(self.model)  # any time, also between a forward and its backward
+        assert _dropbp_leftovers(twin) == []
+        dropbp.apply(twin, 0.5, seed=1).remove()
+
+    @precondition(lambda self: self.ctl is not None and not self.pending)
+    @rule()
+    def remove(self) -> None:
+        self.ctl.remove()
+        self.ctl = None
+        assert _dropbp_leftovers(self.model) == []
+        self.plain.load_state_dict(self.model.state_dict())
+        ids = self._ids()
+        for m in (self.model, self.plain):
+            m.zero_grad(set_to_none=True)
+            m(input_ids=ids, labels=ids).loss.backward()
+        assert_same_grads(_grads(self.model), _grads(self.plain))  # checkpointing may sum in another order
+        self.model.zero_grad(set_to_none=True)
+
+    @precondition(lambda self: self.ctl is None and not self.pending)
+    @rule(seed=st.integers(0, 3))
+    def apply(self, seed: int) -> None:
+        self.ctl = dropbp.apply(self.model, 0.5, seed=seed, pattern=self.pattern)
+
+    @invariant()
+    def train_mode(self) -> None:
+        assert self.model.training
+
+
+TrainingLoop.TestCase.settings = settings(
+    max_examples=30, stateful_step_count=20, deadline=None, derandomize=True, print_blob=True
+)
+test_training_loops = TrainingLoop.TestCase
