@@ -160,9 +160,12 @@ def test_the_demo_table_carries_the_warning():
         "step_s": 1.0,
         "step_speedup": 1.0,
         "val_loss_at_equal_steps": 2.0,
+        "val_loss_at_equal_time": 2.0,
         "time_to_target_s": 10.0,
         "time_to_target_speedup": 1.0,
         "final_val_loss": 2.0,
+        "steps": 6,
+        "train_s": 6.0,
     }
     record = {"settings": {"steps": 6}, "summary": [row], "timing": {"warning": "UNRELIABLE TIMING: ..."}}
     assert table(record).endswith("UNRELIABLE TIMING: ...")
