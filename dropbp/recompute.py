@@ -50,6 +50,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .intercept import ForwardPatch
+
 __all__ = ["BranchCache", "RecomputeCache", "in_backward"]
 
 RngState = list[torch.Tensor]
@@ -103,8 +105,7 @@ class BranchCache:
         self._rng_before: RngState = []
         self._rng_after: RngState | None = None  # None: the call drew no random numbers
         self._calls = 0  # dropped calls during the current training forward
-        self._previous: Callable[..., Any] | None = None  # an instance ``forward`` that was there before
-        self._forward = self._make_forward()  # one object per branch: compiled callers see the same one
+        self._patch = ForwardPatch(module, self._make_forward())  # one forward per branch: compiled callers see one
 
     def _make_forward(self) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -115,8 +116,7 @@ class BranchCache:
                     _set_rng_state(self._device, self._rng_after)
                     return self.take()
                 self.release()
-            real = self._previous or type(self._module).forward.__get__(self._module)
-            return real(*args, **kwargs)
+            return self._patch.original()(*args, **kwargs)
 
         return forward
 
@@ -146,8 +146,7 @@ class BranchCache:
         after = _rng_state(self._device)
         self._rng_after = None if _same(after, self._rng_before) else after
         self._output, self._held = output, True
-        self._previous = self._module.__dict__.get("forward")
-        self._module.forward = self._forward
+        self._patch.install()
         region = _checkpoint_region()
         if region is not None:
             self._owner.pending.append((self, region))
@@ -162,11 +161,7 @@ class BranchCache:
             return
         self._output, self._held = None, False
         self._rng_before, self._rng_after = [], None
-        if self._previous is None:
-            del self._module.forward
-        else:
-            self._module.forward = self._previous
-        self._previous = None
+        self._patch.remove()
 
     def reset(self) -> None:
         self.release()
