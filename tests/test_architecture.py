@@ -191,16 +191,18 @@ def test_the_cli_reports_a_missing_package_in_one_line(monkeypatch, capsys, tmp_
     assert err.count("\n") == 0 and "pip install 'dropbp[demo]'" in err
 
 
-def test_device_questions_are_backend_methods():
+def test_device_questions_are_asked_of_the_backend_or_its_tool_services():
     from contextlib import nullcontext
 
     import torch
 
     from dropbp import backends
+    from dropbp.tools.device_services import services
 
     cpu = backends.get("cpu")
-    assert cpu.training_dtype == torch.float32 and isinstance(cpu.training_autocast(), nullcontext)
-    assert cpu.has_allocator_stats is False and cpu.empty_cache() is None
+    tools = services(cpu)
+    assert tools.training_dtype == torch.float32 and isinstance(tools.training_autocast(), nullcontext)
+    assert cpu.has_allocator_stats is False
     for name in ("cuda", "hpu", "xpu"):
         assert backends._BUILTIN[name].has_allocator_stats is True
 
