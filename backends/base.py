@@ -5,19 +5,18 @@ Dropped branches need no per-device code: the core (``dropbp/no_grad.py``) runs 
 as the branch returns, on every device. What differs per device is listed here: where tensors live,
 how to wait for queued work, memory figures, autocast, the collective library, and the step
 boundaries a lazily compiled device needs (graph breaks) together with a bound on distinct drop
-patterns where every pattern is its own compiled graph.
+patterns where every pattern is its own compiled graph. What only the measurement tools ask (timers,
+environment reports, the dtype benchmarks train in, graph counts) is in ``dropbp/tools/device_services.py``.
 """
 
 from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from contextlib import AbstractContextManager
+from types import ModuleType
 
 import torch
 from torch import nn
-
-from .timing import EventTimer, HostTimer
 
 __all__ = ["Backend", "BackendUnavailable", "UnknownBackend", "describe"]
 
@@ -44,6 +43,10 @@ class Backend(ABC):
     distributed_backend: str = "gloo"
     #: bound on distinct drop patterns where graphs are compiled per pattern; None: unbounded.
     default_max_patterns: int | None = None
+    #: the device's module in torch (``"cuda"`` for ``torch.cuda``, ``"xpu"``, ``"hpu"``), which answers
+    #: :meth:`synchronize` and, with :attr:`has_allocator_stats`, the memory figures under the same names on
+    #: every device; None: nothing to wait for (the CPU).
+    torch_module: str | None = None
     #: whether the device's allocator reports peak memory (:meth:`max_memory_allocated`); where it does
     #: not (the CPU), peak memory is the process's resident set, measured in a fresh process.
     has_allocator_stats: bool = False
@@ -73,19 +76,6 @@ class Backend(ABC):
         """Mixed-precision context for the forward pass on this device."""
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    @property
-    def training_dtype(self) -> torch.dtype:
-        """The dtype benchmarks train in by default: the autocast dtype on accelerators."""
-        return self.autocast_dtype
-
-    def training_autocast(self) -> AbstractContextManager:
-        """The context benchmarks run a training forward in: :meth:`autocast` on accelerators."""
-        return self.autocast()
-
-    def empty_cache(self) -> None:
-        """Return cached allocator blocks to the device, between benchmark configurations only: in
-        training it would cost re-allocation every step for nothing."""
-
     def prepare(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
@@ -105,27 +95,34 @@ class Backend(ABC):
     def _use_local_device(self, local_rank: int) -> None:
         """Make device ``local_rank`` this process's device, where a host has several per process group."""
 
+    def _module(self) -> ModuleType | None:
+        """``torch.<torch_module>``, looked up per call (a stand-in installed by a test is found)."""
+        return None if self.torch_module is None else getattr(torch, self.torch_module)
+
     def synchronize(self) -> None:
         """Wait until queued device work is done (before reading a clock)."""
+        module = self._module()
+        if module is not None:
+            module.synchronize()
 
-    def timer(self) -> HostTimer | EventTimer:
-        """A context manager whose ``.seconds`` is the time the block took on this device."""
-        return HostTimer(self.synchronize)
+    def _allocator(self) -> ModuleType | None:
+        return self._module() if self.has_allocator_stats else None
 
     def memory_allocated(self) -> int:
         """Bytes held by tensors now; 0 where the device has no allocator statistics."""
-        return 0
+        allocator = self._allocator()
+        return 0 if allocator is None else allocator.memory_allocated()
 
     def max_memory_allocated(self) -> int:
         """Peak bytes held by tensors since the last reset; 0 where unknown."""
-        return 0
+        allocator = self._allocator()
+        return 0 if allocator is None else allocator.max_memory_allocated()
 
     def reset_peak_memory(self) -> None:
         """Start a new peak-memory window."""
-
-    def graph_compilations(self) -> int | None:
-        """Graphs compiled so far where the device compiles graphs and reports it; None otherwise."""
-        return None
+        allocator = self._allocator()
+        if allocator is not None:
+            allocator.reset_peak_memory_stats()
 
     def graph_break(self) -> None:
         """Cut the pending lazy graph here (compile or fetch it, and run it); nothing on eager devices."""
@@ -137,14 +134,6 @@ class Backend(ABC):
     def after_optimizer_step(self) -> None:
         """Step boundary after ``optimizer.step()``: the update graph ends here on lazy devices."""
         self.graph_break()
-
-    def environment(self) -> dict[str, object]:
-        """Device name, device count and the device stack's versions, for reports (``dropbp check``).
-
-        Bug reports from hardware this project cannot run on are only useful with these facts, so
-        each backend states them in its own terms; nothing here may raise on a working device.
-        """
-        return {"device_name": self.device.type, "device_count": None}
 
     def __repr__(self) -> str:
         return f"<dropbp backend {self.name!r} on {self.device}>"

@@ -16,9 +16,7 @@ import functools
 import importlib
 import importlib.metadata
 import logging
-import platform
 import sys
-from contextlib import AbstractContextManager, nullcontext
 from types import ModuleType
 
 import torch
@@ -35,8 +33,8 @@ def _major_minor(version: str) -> tuple[str, ...]:
     return tuple(version.split("+")[0].split(".")[:2])
 
 
-def _installed_ipex_version() -> str | None:
-    """IPEX's version without importing it (an already imported module answers for itself)."""
+def installed_ipex_version() -> str | None:
+    """IPEX's version without importing it (an already imported module answers for itself); also for reports."""
     if _IPEX in sys.modules:
         module = sys.modules[_IPEX]
         return None if module is None else str(getattr(module, "__version__", "unknown"))
@@ -49,7 +47,7 @@ def _installed_ipex_version() -> str | None:
 @functools.cache
 def ipex() -> ModuleType | None:
     """The IPEX module when it is installed and matches torch; else None. Logs the outcome once."""
-    version = _installed_ipex_version()
+    version = installed_ipex_version()
     if version is None:
         logger.info("cpu backend: %s is not installed; using plain PyTorch", _IPEX)
         return None
@@ -72,18 +70,6 @@ def ipex() -> ModuleType | None:
     return module
 
 
-def _cpu_name() -> str:
-    """The CPU model (Linux's ``/proc/cpuinfo``), else what :mod:`platform` knows."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 class CPUBackend(Backend):
     name = "cpu"
     distributed_backend = "gloo"
@@ -99,24 +85,6 @@ class CPUBackend(Backend):
     @property
     def autocast_dtype(self) -> torch.dtype:
         return torch.bfloat16
-
-    @property
-    def training_dtype(self) -> torch.dtype:
-        """float32: bf16 matrix products are slower than float32 on most CPUs."""
-        return torch.float32
-
-    def training_autocast(self) -> AbstractContextManager:
-        """No autocast: the CPU trains in float32 (see :attr:`training_dtype`)."""
-        return nullcontext()
-
-    def environment(self) -> dict[str, object]:
-        """Cores PyTorch uses, and IPEX's version when it is installed (used only when it matches torch)."""
-        return {
-            "device_name": _cpu_name(),
-            "device_count": 1,
-            "cpu_threads": torch.get_num_threads(),
-            "intel_extension_for_pytorch": _installed_ipex_version(),
-        }
 
     def prepare(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from .base import Backend
-from .timing import EventTimer
 
 _INSTALL = "install a CUDA build of PyTorch (https://pytorch.org/get-started/locally/)"
 
@@ -20,7 +19,7 @@ _INSTALL = "install a CUDA build of PyTorch (https://pytorch.org/get-started/loc
 class CUDABackend(Backend):
     name = "cuda"
     distributed_backend = "nccl"
-
+    torch_module = "cuda"
     has_allocator_stats = True
 
     @classmethod
@@ -46,38 +45,3 @@ class CUDABackend(Backend):
     def autocast_dtype(self) -> torch.dtype:
         """bf16 where the GPU has it (Ampere and later), else fp16."""
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-
-    def environment(self) -> dict[str, object]:
-        """GPU name and count, CUDA (or HIP) and cuDNN versions, and NCCL's where it is built in."""
-        try:
-            nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
-        except Exception:  # no NCCL in this build (Windows, some ROCm builds): not an error for a report
-            nccl = None
-        return {
-            "device_name": torch.cuda.get_device_name(),
-            "device_count": torch.cuda.device_count(),
-            "cuda": torch.version.cuda,
-            "hip": getattr(torch.version, "hip", None),
-            "cudnn": torch.backends.cudnn.version(),
-            "nccl": nccl,
-            "bf16_supported": torch.cuda.is_bf16_supported(),
-        }
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize()
-
-    def timer(self) -> EventTimer:
-        """CUDA events: timed on the GPU's stream, without stalling the host inside the block."""
-        return EventTimer(torch.cuda)
-
-    def memory_allocated(self) -> int:
-        return torch.cuda.memory_allocated()
-
-    def max_memory_allocated(self) -> int:
-        return torch.cuda.max_memory_allocated()
-
-    def empty_cache(self) -> None:
-        torch.cuda.empty_cache()
-
-    def reset_peak_memory(self) -> None:
-        torch.cuda.reset_peak_memory_stats()

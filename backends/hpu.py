@@ -28,7 +28,6 @@ else from ``PT_HPU_LAZY_MODE`` (unset means lazy, as on the stacks before 1.21).
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import os
 
 import torch
@@ -52,18 +51,10 @@ def _lazy_mode() -> bool:
     return bool(internal.is_lazy())
 
 
-def _bridge_version() -> str | None:
-    """The Gaudi PyTorch bridge's version: its distribution's metadata, else the module's attribute."""
-    try:
-        return importlib.metadata.version("habana-torch-plugin")
-    except importlib.metadata.PackageNotFoundError:
-        return getattr(importlib.import_module("habana_frameworks.torch"), "__version__", None)
-
-
 class HPUBackend(Backend):
     name = "hpu"
     distributed_backend = "hccl"
-
+    torch_module = "hpu"  # its synchronize waits for launched graphs: in lazy mode, those before the last break
     has_allocator_stats = True
 
     @classmethod
@@ -101,39 +92,6 @@ class HPUBackend(Backend):
     @property
     def autocast_dtype(self) -> torch.dtype:
         return torch.bfloat16
-
-    def environment(self) -> dict[str, object]:
-        """Gaudi name and count, the bridge's version, lazy or eager mode and ``PT_HPU_LAZY_MODE``."""
-        hpu = importlib.import_module("habana_frameworks.torch.hpu")
-        name = getattr(hpu, "get_device_name", None)
-        return {
-            "device_name": name() if callable(name) else "Gaudi",
-            "device_count": int(hpu.device_count()),
-            "habana_frameworks": _bridge_version(),
-            "mode": "lazy" if self.lazy else "eager",
-            "PT_HPU_LAZY_MODE": os.environ.get("PT_HPU_LAZY_MODE"),
-        }
-
-    def synchronize(self) -> None:
-        """Waits for launched graphs; in lazy mode ops after the last break have not been launched yet."""
-        torch.hpu.synchronize()
-
-    def memory_allocated(self) -> int:
-        return torch.hpu.memory_allocated()
-
-    def max_memory_allocated(self) -> int:
-        return torch.hpu.max_memory_allocated()
-
-    def reset_peak_memory(self) -> None:
-        torch.hpu.reset_peak_memory_stats()
-
-    def graph_compilations(self) -> int | None:
-        """``metric_global("graph_compilation")``'s TotalNumber, where the metrics API exists."""
-        try:
-            metrics = importlib.import_module("habana_frameworks.torch.hpu.metrics")
-        except ImportError:
-            return None
-        return int(dict(metrics.metric_global("graph_compilation").stats())["TotalNumber"])
 
     def graph_break(self) -> None:
         if self.lazy:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from .base import Backend
-from .timing import EventTimer
 
 _INSTALL = (
     "install the XPU build of PyTorch (pip install torch --index-url https://download.pytorch.org/whl/xpu) "
@@ -21,7 +20,7 @@ _INSTALL = (
 class XPUBackend(Backend):
     name = "xpu"
     distributed_backend = "xccl"
-
+    torch_module = "xpu"
     has_allocator_stats = True
 
     @classmethod
@@ -48,29 +47,3 @@ class XPUBackend(Backend):
     @property
     def autocast_dtype(self) -> torch.dtype:
         return torch.bfloat16
-
-    def environment(self) -> dict[str, object]:
-        """Intel GPU name and count, and the SYCL/oneAPI version this PyTorch was built with."""
-        return {
-            "device_name": torch.xpu.get_device_name(),
-            "device_count": torch.xpu.device_count(),
-            "xpu": getattr(torch.version, "xpu", None),
-        }
-
-    def synchronize(self) -> None:
-        torch.xpu.synchronize()
-
-    def timer(self) -> EventTimer:
-        return EventTimer(torch.xpu)
-
-    def memory_allocated(self) -> int:
-        return torch.xpu.memory_allocated()
-
-    def max_memory_allocated(self) -> int:
-        return torch.xpu.max_memory_allocated()
-
-    def empty_cache(self) -> None:
-        torch.xpu.empty_cache()
-
-    def reset_peak_memory(self) -> None:
-        torch.xpu.reset_peak_memory_stats()

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -29,7 +27,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from .copies import mark_patch
+from .intercept import ForwardPatch
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ChunkedLoss", "UnsupportedModel", "linear_cross_entropy"]
 
@@ -157,14 +155,9 @@ def _check_head(lm: nn.Module) -> nn.Linear:
     return head
 
 
-@contextmanager
-def _head_returns_input(head: nn.Module) -> Iterator[None]:
+def _head_returns_input(head: nn.Module) -> ForwardPatch:
     """The model's own forward then hands back the hidden states where it would compute the logits."""
-    head.forward = lambda x: x  # instance attribute: the class and other instances are untouched
-    try:
-        yield
-    finally:
-        del head.forward
+    return ForwardPatch(head, lambda x: x)
 
 
 class ChunkedLoss:
@@ -195,8 +188,7 @@ class ChunkedLoss:
         def forward(*args: Any, **kwargs: Any) -> Any:
             return self._forward(*args, **kwargs)
 
-        mark_patch(forward, lambda: None)  # a copy of the model has its own forward
-        self.lm.forward = forward
+        self._patch = ForwardPatch(self.lm, forward).install()
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         positional = len(args) > self._labels_at
@@ -226,5 +218,4 @@ class ChunkedLoss:
 
     def remove(self) -> None:
         """Restore the model's own forward."""
-        if "forward" in vars(self.lm):
-            del self.lm.forward
+        self._patch.remove()

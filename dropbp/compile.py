@@ -28,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .eager import outside_graphs
 
-__all__ = ["EnclosingCompileWarning", "compile_branches", "outside_graphs"]
+__all__ = ["EnclosingCompileWarning", "compile_branches"]
 
 
 class _Branch(Protocol):

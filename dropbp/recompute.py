@@ -60,7 +60,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointFunction
 
-from .copies import mark_patch
+from .intercept import ForwardPatch
 
 __all__ = ["BranchCache", "RecomputeCache", "forward_region", "in_backward", "recomputed_region"]
 
@@ -153,8 +153,7 @@ class BranchCache:
         self._rng_after: RngState | None = None  # None: the call drew no random numbers
         self._calls = 0  # dropped calls during the current training forward
         self._region: object | None = None  # the checkpointed region the held output came from
-        self._previous: Callable[..., Any] | None = None  # an instance ``forward`` that was there before
-        self._forward = self._make_forward()  # one object per branch: compiled callers see the same one
+        self._patch = ForwardPatch(module, self._make_forward())  # one forward per branch: compiled callers see one
 
     def _make_forward(self) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -165,10 +164,8 @@ class BranchCache:
                     _set_rng_state(self._device, self._rng_after)
                     return self.take()
                 self.release()
-            real = self._previous or type(self._module).forward.__get__(self._module)
-            return real(*args, **kwargs)
+            return self._patch.original()(*args, **kwargs)
 
-        mark_patch(forward, lambda: self._previous)  # a copy of the module holds nothing
         return forward
 
     def on_call(self, dropped: bool) -> bool:
@@ -198,8 +195,7 @@ class BranchCache:
         self._rng_after = None if _same(after, self._rng_before) else after
         self._output, self._held = output, True
         self._region = forward_region()
-        self._previous = self._module.__dict__.get("forward")
-        self._module.forward = self._forward
+        self._patch.install()
         region = _checkpoint_region()
         if region is not None:
             self._owner.pending.append((self, region))
@@ -214,11 +210,7 @@ class BranchCache:
             return
         self._output, self._held, self._region = None, False, None
         self._rng_before, self._rng_after = [], None
-        if self._previous is None:
-            del self._module.forward
-        else:
-            self._module.forward = self._previous
-        self._previous = None
+        self._patch.remove()
 
     def reset(self) -> None:
         self.release()

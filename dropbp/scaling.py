@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .eager import outside_graphs
+from .intercept import map_output
 
 __all__ = ["attach_gradient_scaling"]
 
@@ -40,6 +41,10 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
+def _needs_grad(item: object) -> bool:
+    return torch.is_tensor(item) and item.requires_grad
+
+
 def attach_gradient_scaling(module: nn.Module, scale: Callable[[nn.Module], float]) -> RemovableHandle:
     """After ``module`` runs with autograd, multiply the gradient arriving at its output from the rest
     of the model by ``scale(module)`` (evaluated at forward time; 1.0 means leave it alone)."""
@@ -51,10 +56,6 @@ def attach_gradient_scaling(module: nn.Module, scale: Callable[[nn.Module], floa
         factor = scale(mod)
         if factor == 1.0:
             return None
-        items = output if isinstance(output, tuple) else (output,)
-        scaled = [
-            _ScaleGrad.apply(item, factor) if torch.is_tensor(item) and item.requires_grad else item for item in items
-        ]
-        return tuple(scaled) if isinstance(output, tuple) else scaled[0]
+        return map_output(output, lambda x: _ScaleGrad.apply(x, factor) if _needs_grad(x) else x)
 
     return module.register_forward_hook(after)

@@ -27,6 +27,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from .intercept import map_output
+
 __all__ = [
     "CALIBRATION_METHODS",
     "OnePassUnavailable",
@@ -117,14 +119,13 @@ def _tap_outputs(capture: _Capture, index: int, keep: bool):
             return None
         if not keep:
             return None
-        items = output if isinstance(output, tuple) else (output,)
-        new = []
-        for item in items:
-            if torch.is_tensor(item) and item.requires_grad:
-                store.append(_BranchOutput(item))
-                item = store[-1].tapped()
-            new.append(item)
-        return tuple(new) if isinstance(output, tuple) else new[0]
+        return map_output(output, tap)
+
+    def tap(item: object) -> object:
+        if not (torch.is_tensor(item) and item.requires_grad):
+            return item
+        store.append(_BranchOutput(item))
+        return store[-1].tapped()
 
     return hook
 

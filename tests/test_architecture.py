@@ -191,16 +191,18 @@ def test_the_cli_reports_a_missing_package_in_one_line(monkeypatch, capsys, tmp_
     assert err.count("\n") == 0 and "pip install 'dropbp[demo]'" in err
 
 
-def test_device_questions_are_backend_methods():
+def test_device_questions_are_asked_of_the_backend_or_its_tool_services():
     from contextlib import nullcontext
 
     import torch
 
     from dropbp import backends
+    from dropbp.tools.device_services import services
 
     cpu = backends.get("cpu")
-    assert cpu.training_dtype == torch.float32 and isinstance(cpu.training_autocast(), nullcontext)
-    assert cpu.has_allocator_stats is False and cpu.empty_cache() is None
+    tools = services(cpu)
+    assert tools.training_dtype == torch.float32 and isinstance(tools.training_autocast(), nullcontext)
+    assert cpu.has_allocator_stats is False
     for name in ("cuda", "hpu", "xpu"):
         assert backends._BUILTIN[name].has_allocator_stats is True
 
@@ -215,3 +217,25 @@ def test_no_device_type_test_outside_backends():
 def test_the_core_never_imports_the_tools():
     core = {n: p for n, p in _MODULES.items() if not n.startswith("dropbp/tools") and n != "dropbp/__main__"}
     assert not [name for name, path in core.items() if any(d.startswith("dropbp.tools") for d in _imports(path))]
+
+
+def test_forward_patches_restore_exactly():
+    """One helper patches ``forward`` on an instance (chunked loss, recompute); removal puts back what was there."""
+    from torch import nn
+
+    from dropbp.intercept import ForwardPatch, map_output
+
+    layer, other = nn.Identity(), nn.Identity()
+    own = layer.forward = lambda x: "own"  # an earlier instance patch (another library's)
+    with ForwardPatch(layer, lambda x: "outer") as outer:
+        inner = ForwardPatch(layer, lambda x: "inner").install()
+        assert layer(1) == "inner" and other(1) == 1 and outer.original() is own
+        inner.remove()
+        inner.remove()  # twice: nothing more happens
+        assert layer(1) == "outer"
+    assert vars(layer)["forward"] is own
+    del layer.forward
+    with ForwardPatch(layer, lambda x: "patched") as patch:
+        assert patch.original()(2) == 2
+    assert "forward" not in vars(layer) and layer(3) == 3
+    assert map_output((1, "a", 2), lambda v: v * 2) == (2, "aa", 4) and map_output(5, lambda v: -v) == -5

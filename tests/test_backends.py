@@ -21,6 +21,8 @@ from conftest import batch, tiny_model
 
 import dropbp
 from dropbp import backends
+from dropbp.tools import timing
+from dropbp.tools.device_services import services
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "finetune.py"
@@ -60,7 +62,7 @@ def test_cpu_backend_facts():
     assert cpu.device == torch.device("cpu")
     assert cpu.autocast_dtype == torch.bfloat16
     assert cpu.distributed_backend == "gloo" and cpu.default_max_patterns is None
-    assert cpu.memory_allocated() == cpu.max_memory_allocated() == 0 and cpu.graph_compilations() is None
+    assert cpu.memory_allocated() == cpu.max_memory_allocated() == 0 and services(cpu).graph_compilations() is None
     with cpu.autocast():
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
 
@@ -356,7 +358,7 @@ def test_ipex_is_not_given_a_pair_it_rejects(monkeypatch, caplog, fresh_ipex):
 
 
 def test_ipex_that_fails_to_import_falls_back(monkeypatch, caplog, fresh_ipex):
-    monkeypatch.setattr(cpu_module, "_installed_ipex_version", lambda: torch.__version__)
+    monkeypatch.setattr(cpu_module, "installed_ipex_version", lambda: torch.__version__)
     monkeypatch.setitem(sys.modules, "intel_extension_for_pytorch", None)
     caplog.set_level(logging.INFO, logger="dropbp")
     model = torch.nn.Linear(2, 2)
@@ -370,7 +372,7 @@ def test_ipex_that_fails_to_import_falls_back(monkeypatch, caplog, fresh_ipex):
 # -- timers ------------------------------------------------------------------------------------------
 def test_host_timer_waits_for_the_device_on_both_ends():
     calls = []
-    with backends.timing.HostTimer(lambda: calls.append("sync")) as timer:
+    with timing.HostTimer(lambda: calls.append("sync")) as timer:
         calls.append("work")
     assert calls == ["sync", "work", "sync"] and timer.seconds >= 0
 
@@ -392,7 +394,7 @@ def test_event_timer_records_around_the_block_and_reads_milliseconds():
         def elapsed_time(self, end):
             return 1500.0
 
-    with backends.timing.EventTimer(SimpleNamespace(Event=Event)) as timer:
+    with timing.EventTimer(SimpleNamespace(Event=Event)) as timer:
         log.append("work")
     assert log == ["record", "work", "record"]
     assert timer.seconds == 1.5 and log[-1] == "synchronize"
@@ -403,10 +405,10 @@ def test_event_timer_records_around_the_block_and_reads_milliseconds():
 def test_cuda_backend_on_a_gpu():
     cuda = backends.get("cuda")
     assert cuda.device.type == "cuda" and cuda.distributed_backend == "nccl"
-    assert cuda.default_max_patterns is None and cuda.graph_compilations() is None
+    assert cuda.default_max_patterns is None and services(cuda).graph_compilations() is None
     cuda.reset_peak_memory()
     before = cuda.memory_allocated()
-    with cuda.timer() as timer:
+    with services(cuda).timer() as timer:
         x = torch.ones(1024, 1024, device=cuda.device)
         y = x @ x
     assert cuda.memory_allocated() > before and cuda.max_memory_allocated() >= cuda.memory_allocated()

@@ -30,6 +30,7 @@ from ..backends import Backend
 from ..imports import require
 from ..no_grad import attach_no_grad_hooks
 from .compare import timing_verdict
+from .device_services import services
 
 __all__ = [
     "PRETRAINED",
@@ -140,6 +141,7 @@ class _Bench:
     ) -> None:
         self.model = model
         self.backend = backend
+        self.timer = services(backend).timer
         self.seq_len = seq_len
         self.autocast = autocast
         self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
@@ -154,7 +156,7 @@ class _Bench:
         """Seconds to dequantise every 4-bit weight once (what a kept branch's backward repeats)."""
         from .qlora import dequantize_all
 
-        with self.backend.timer() as t:
+        with self.timer() as t:
             dequantize_all(self.four_bit)
         return t.seconds
 
@@ -177,15 +179,15 @@ class _Bench:
         Each phase ends with a graph break (nothing on eager devices): on a lazily compiled device
         the phase's work is otherwise only recorded, not run, and its clock would read nothing.
         """
-        with self.backend.timer() as forward:
+        with self.timer() as forward:
             with self.autocast():
                 loss = self.model(input_ids=ids, labels=ids).loss
             self.backend.graph_break()
-        with self.backend.timer() as backward:
+        with self.timer() as backward:
             if loss.requires_grad:  # LoRA with every branch dropped has nothing to train
                 loss.backward()
             self.backend.after_backward()
-        with self.backend.timer() as update:
+        with self.timer() as update:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             self.backend.after_optimizer_step()

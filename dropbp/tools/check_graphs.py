@@ -23,6 +23,7 @@ import torch
 from .. import apply
 from .check_grads import Probe
 from .check_report import FAIL, PASS, SKIP, Outcome
+from .device_services import services
 
 __all__ = ["graph_checks"]
 
@@ -44,11 +45,12 @@ def graph_checks(probe: Probe, cycles: int = 3) -> list[Outcome]:
     that leaves the weights as they were for the checks that follow.
     """
     backend = probe.backend
+    compilations = services(backend).graph_compilations
     bound = backend.default_max_patterns
     if bound is None:  # one line, not three: nothing of this applies to eager devices
         reason = f"{backend.name} compiles no graph per drop pattern (eager kernels): no graph breaks or bound to check"
         return [Outcome("lazy-graph-checks", SKIP, reason)]
-    if backend.graph_compilations() is None:
+    if compilations() is None:
         return _skip_all(f"{backend.name} reports no compilation count here, so graphs cannot be counted")
     ctl = apply(probe.model, 0.5, seed=0, pattern="uniform", backend=backend)
     trainable = [p for p in probe.model.parameters() if p.requires_grad]
@@ -58,13 +60,13 @@ def graph_checks(probe: Probe, cycles: int = 3) -> list[Outcome]:
     patterns: list[tuple[str, ...]] = []
     try:
         for _ in range(cycles * bound):
-            start = backend.graph_compilations()
+            start = compilations()
             loss = probe.loss()
-            before = backend.graph_compilations()
+            before = compilations()
             ctl.backward(loss)
-            after_backward = backend.graph_compilations()
+            after_backward = compilations()
             ctl.optimizer_step(optimizer)
-            end = backend.graph_compilations()
+            end = compilations()
             optimizer.zero_grad(set_to_none=True)
             rises.append((before - start, after_backward - before, end - after_backward))
             totals.append(end)

@@ -232,6 +232,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     from .. import __version__
     from .bench import METHODS, PRESETS, PRETRAINED, Point, measure, write_outputs
+    from .device_services import services
     from .membench import parse_size
 
     _check_choices(args.presets, [*PRESETS, PRETRAINED], "preset")
@@ -249,7 +250,7 @@ def _bench(args: argparse.Namespace) -> int:
     out = _writable(args.out)
     if args.max_seq_len and budget is None and not backend.has_allocator_stats:
         budget = _available_memory() // 2
-    dtype = getattr(torch, args.dtype) if args.dtype else backend.training_dtype
+    dtype = getattr(torch, args.dtype) if args.dtype else services(backend).training_dtype
     if args.no_speed:
         if not (args.memory or args.max_seq_len):
             raise UsageError("--no-speed leaves nothing to run: add --memory or --max-seq-len")

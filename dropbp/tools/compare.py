@@ -32,6 +32,7 @@ from ..backends import Backend
 from ..controller import DropBPController
 from ..dropped_grads import DEFAULT_DROPPED_GRADS
 from ..schedule import anneal_factor
+from .device_services import services
 from .textdata import TokenData
 
 __all__ = ["Run", "RunResult", "apply_options", "compare", "loss_at_time", "summarise", "time_to_target"]
@@ -184,6 +185,7 @@ class _Trainee:
         lr = run.lr if run.lr is not None else lr
         self.model = model
         self.backend = backend
+        self.training_autocast = services(backend).training_autocast
         self.accumulation = run.accumulation or regime.accumulation
         self.lr_schedule = run.lr_schedule or regime.lr_schedule
         self.ctl: DropBPController | None = None
@@ -214,7 +216,7 @@ class _Trainee:
             group["lr"] = base * scale
         for micro in ids.chunk(self.accumulation):
             # Accelerators train in their autocast dtype; the CPU stays in float32 (bf16 is slower there).
-            with self.backend.training_autocast():
+            with self.training_autocast():
                 loss = self.model(input_ids=micro, labels=micro).loss / self.accumulation
             if self.ctl is not None:
                 self.ctl.backward(loss)

@@ -68,6 +68,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from .. import apply, backends
     from ..chunked_loss import ChunkedLoss
     from .bench import build_model
+    from .device_services import services
 
     backend = backends.get(spec.get("backend"))
     dtype = getattr(torch, spec.get("dtype", "float32"))
@@ -97,7 +98,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         for step in range(spec.get("steps", 1)):
             start = time.perf_counter()
-            with backend.training_autocast():
+            with services(backend).training_autocast():
                 loss = model(input_ids=ids, labels=ids).loss
             _say(f"step {step + 1}: forward {time.perf_counter() - start:.1f} s")
             if loss.requires_grad:
