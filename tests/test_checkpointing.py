@@ -90,13 +90,23 @@ class Net(torch.nn.Module):
         return x
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_torch_checkpoint_around_custom_blocks(reentrant, monkeypatch):
+#: The branches of :class:`Net`, named for ``apply(branches=...)``.
+NET_BRANCHES = [f"blocks.{i}.{kind}" for i in range(3) for kind in ("attn", "mlp")]
+
+
+def net_and_reference(reentrant: bool) -> tuple[Net, Net]:
+    """A :class:`Net` checkpointing its blocks, and an identical copy that does not (the reference)."""
     torch.manual_seed(0)
     model = Net(reentrant)
     reference = copy.deepcopy(model)
     reference.reentrant = None
-    names = [f"blocks.{i}.{kind}" for i in range(3) for kind in ("attn", "mlp")]
+    return model, reference
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_torch_checkpoint_around_custom_blocks(reentrant, monkeypatch):
+    model, reference = net_and_reference(reentrant)
+    names = NET_BRANCHES
     ctl = dropbp.apply(model, 0.5, branches=names, seed=4, pattern="uniform")
     modules = dict(model.named_modules())
     counts = _count_forwards(monkeypatch, {n: modules[n] for n in names})

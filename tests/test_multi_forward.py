@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 from conftest import assert_same_grads, batch, summed_loss_and_grads, tiny_model, with_lora
-from test_checkpointing import Net
+from test_checkpointing import NET_BRANCHES, net_and_reference
 
 import dropbp
 
@@ -49,12 +49,8 @@ def test_hugging_face_checkpointing_several_forwards(arch, method, pattern, reen
 @pytest.mark.parametrize("reentrant", [False, True])
 @pytest.mark.parametrize("pattern", ["cut", "uniform"])
 def test_torch_checkpoint_several_forwards(pattern, reentrant):
-    torch.manual_seed(0)
-    model = Net(reentrant)
-    reference = copy.deepcopy(model)
-    reference.reentrant = None
-    names = [f"blocks.{i}.{kind}" for i in range(3) for kind in ("attn", "mlp")]
-    ctl = dropbp.apply(model, 0.5, branches=names, seed=4, pattern=pattern)
+    model, reference = net_and_reference(reentrant)
+    ctl = dropbp.apply(model, 0.5, branches=NET_BRANCHES, seed=4, pattern=pattern)
     xs = [torch.randn(4, 8, requires_grad=True) for _ in range(6)]
     steps = [xs[:2], xs[2:5], xs[5:]]
     _check(model, reference, ctl, steps, loss=lambda m, x: m(x).square().mean())
