@@ -21,7 +21,7 @@ from . import optimizer as lr_compensation
 from . import sensitivity
 from .allocation import allocate_rates
 from .backends import Backend
-from .checks import check_bool, check_choice, check_int, fit_rates
+from .checks import check_bool, check_choice, check_int
 from .chunked_loss import ChunkedLoss
 from .compile import EnclosingCompileWarning
 from .discovery import Branch
@@ -269,10 +269,10 @@ class DropBPController:
         )
         flops = [b.flops for b in self._found]
         # Under a time schedule the rates are allocated for its peak, where they must stay within the rule,
-        # and scaled back: the run's mean is then still the drop rate.
-        peak = self._policy.peak
-        rates = allocate_rates(sens, flops, min(self.drop_rate * peak, max_rate), min_rate=min_rate, max_rate=max_rate)
-        self.set_rates([r / peak for r in fit_rates(rates, flops, min_rate)])
+        # and scaled back by the policy: the run's mean is then still the drop rate.
+        target = min(self.drop_rate * self._policy.peak, max_rate)
+        rates = allocate_rates(sens, flops, target, min_rate=min_rate, max_rate=max_rate)
+        self._policy.set_allocated_rates(rates, min_rate)
         return sens
 
     def param_groups(self, lr: float, **options: Any) -> list[dict[str, Any]]:

@@ -3,7 +3,9 @@
 Everything that decides which branches drop lives here, behind setters that validate and take
 effect from the next pattern drawn: the samplers are derived from the settings and rebuilt when one
 changes, so no setting can leave a sampler built from stale ones. The pattern of a step is a pure
-function of the settings and the step (:mod:`dropbp.sampler`), identical on every rank.
+function of the settings and the step (:mod:`dropbp.sampler`), identical on every rank. The rule
+that no pattern drops every branch is :mod:`dropbp.keep`'s, applied here: to allocated rates
+(:meth:`DropPolicy.set_allocated_rates`) and to every drawn pattern (:meth:`DropPolicy.draw`).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from .checks import (
     check_fraction,
     check_int,
     check_rates,
-    keep_a_trainable_branch,
 )
+from .keep import fit_rates, keep_a_trainable_branch
 from .sampler import SAMPLERS, PatternSampler
 from .schedule import BOUNDED_WARMUP_LEVELS, DROP_SCHEDULES, SCHEDULE_LEVELS, TimeSchedule, warmup_factor
 
@@ -141,6 +143,13 @@ class DropPolicy:
         self._rates = checked
         self._own_rates = False  # given rates are kept as they are when the time schedule changes
         self._samplers.clear()
+
+    def set_allocated_rates(self, rates: Sequence[float], min_rate: float) -> None:
+        """Set rates allocated for the time schedule's peak (calibration): lowered into the rule where they
+        would drop every branch in some steps (:func:`dropbp.keep.fit_rates`), then divided by the peak, so
+        that the run's mean stays the drop rate."""
+        peak = self.peak
+        self.set_rates([r / peak for r in fit_rates(rates, self._flops, min_rate)])
 
     @property
     def seed(self) -> int:
@@ -266,7 +275,7 @@ class DropPolicy:
         Args:
             step: the training forward, counted from 0.
             trainable: per branch, whether it holds a trainable parameter, or ``None`` when something
-                outside the branches is trainable (see :func:`dropbp.checks.keep_a_trainable_branch`).
+                outside the branches is trainable (see :func:`dropbp.keep.keep_a_trainable_branch`).
         """
         sampler = self._sampler(self.factor(step))
         return keep_a_trainable_branch(sampler.pattern(step), self._rates, trainable)
