@@ -22,6 +22,8 @@ __all__ = [
     "check_int",
     "check_number",
     "check_rates",
+    "check_ramp",
+    "check_sequence",
 ]
 
 
@@ -109,6 +111,18 @@ def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
     return value  # type: ignore[return-value]
 
 
+def check_sequence(name: str, values: object) -> list:
+    """``values`` as a list, if it is a sequence (a list, a tuple, a tensor) and not a string.
+
+    Args:
+        name: the argument's name, for the message.
+        values: what the caller passed.
+    """
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or not hasattr(values, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of numbers, got {type(values).__name__}")
+    return list(values)
+
+
 def check_rates(rates: Sequence[float], num_branches: int) -> list[float]:
     """One rate per branch, each in ``[0, 1)``, summing to at most ``N - 1``.
 
@@ -116,8 +130,7 @@ def check_rates(rates: Sequence[float], num_branches: int) -> list[float]:
         rates: the per-branch drop probabilities, in branch order.
         num_branches: how many branches the model has.
     """
-    if isinstance(rates, (str, bytes)) or not hasattr(rates, "__len__"):
-        raise TypeError(f"rates must be a sequence of numbers, got {type(rates).__name__}")
+    rates = check_sequence("rates", rates)
     if len(rates) != num_branches:
         raise ValueError(f"rates must have one entry per branch: expected {num_branches}, got {len(rates)}")
     out = [check_fraction(f"rates[{i}]", r) for i, r in enumerate(rates)]
@@ -142,8 +155,7 @@ def check_cut_rates(rates: Sequence[float], num_branches: int) -> list[float]:
         rates: the per-branch drop probabilities, in branch order (bottom first).
         num_branches: how many branches the model has.
     """
-    if isinstance(rates, (str, bytes)) or not hasattr(rates, "__len__"):
-        raise TypeError(f"rates must be a sequence of numbers, got {type(rates).__name__}")
+    rates = check_sequence("rates", rates)
     if len(rates) != num_branches:
         raise ValueError(f"rates must have one entry per branch: expected {num_branches}, got {len(rates)}")
     out = [check_fraction(f"rates[{i}]", r, high_inclusive=True) for i, r in enumerate(rates)]
@@ -177,3 +189,16 @@ def check_drop_rate(drop_rate: object, num_branches: int) -> float:
             f"nothing to train; with {num_branches} branches drop_rate must be at most {largest}"
         )
     return p
+
+
+def check_ramp(name: str, value: object) -> float:
+    """The share of a run over which a rising drop schedule rises: a float in ``(0, 1]``.
+
+    Args:
+        name: the argument's name, for the message.
+        value: what the caller passed.
+    """
+    ramp = check_fraction(name, value, 0.0, 1.0, high_inclusive=True, what="a fraction of the run")
+    if ramp == 0.0:
+        raise ValueError(f"{name} must be a fraction of the run in (0, 1], got 0")
+    return ramp

@@ -18,8 +18,8 @@ from .checks import (
     check_choice,
     check_cut_rates,
     check_drop_rate,
-    check_fraction,
     check_int,
+    check_ramp,
     check_rates,
 )
 from .keep import fit_rates, keep_a_trainable_branch
@@ -72,9 +72,7 @@ class DropPolicy:
         self._warmup_steps = 0
         self._total_steps: int | None = None
         self._drop_schedule = check_choice("drop_schedule", drop_schedule, DROP_SCHEDULES)
-        self._ramp = check_fraction("ramp", ramp, 0.0, 1.0, high_inclusive=True, what="a fraction of the run")
-        if self._ramp == 0.0:
-            raise ValueError("ramp must be a fraction of the run in (0, 1], got 0")
+        self._ramp = check_ramp("ramp", ramp)
         self.drop_rate = drop_rate
         self.seed = seed
         self.max_patterns = max_patterns
@@ -205,10 +203,7 @@ class DropPolicy:
 
     @ramp.setter
     def ramp(self, value: float) -> None:
-        ramp = check_fraction("ramp", value, 0.0, 1.0, high_inclusive=True, what="a fraction of the run")
-        if ramp == 0.0:
-            raise ValueError("ramp must be a fraction of the run in (0, 1], got 0")
-        self._retime(ramp=ramp)
+        self._retime(ramp=check_ramp("ramp", value))
 
     @property
     def peak(self) -> float:
