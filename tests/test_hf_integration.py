@@ -108,9 +108,11 @@ def test_sft_trainer_calibrates_once_and_logs(tmp_path):
     _check_logs(trainer.state.log_history)
 
 
-def _record_patterns(callback) -> list[tuple[str, ...]]:
+def _record_patterns(callback, model=None) -> list[tuple[str, ...]]:
+    """The pattern of every training forward of ``model`` (default: the trainer's); the callback's controller is
+    looked up at each forward, so a callback that applies DropBP when training begins is recorded too."""
     seen: list[tuple[str, ...]] = []
-    model = callback.trainer.model
+    model = callback.trainer.model if model is None else model
 
     def record(module, args, output):
         if module.training and torch.is_grad_enabled() and callback.controller._hooks.forced is None:
