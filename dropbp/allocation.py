@@ -12,7 +12,7 @@ import heapq
 import struct
 from collections.abc import Sequence
 
-from .checks import check_fraction, check_number
+from .checks import check_fraction, check_number, check_sequence
 
 __all__ = ["allocate_rates", "cut_cap", "cut_rates"]
 
@@ -23,9 +23,7 @@ def _f32(x: float) -> float:
 
 
 def _check_numbers(name: str, values: Sequence[float], *, positive: bool) -> list[float]:
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
-        raise TypeError(f"{name} must be a sequence of numbers, got {type(values).__name__}")
-    out = [check_number(f"{name}[{i}]", v) for i, v in enumerate(values)]
+    out = [check_number(f"{name}[{i}]", v) for i, v in enumerate(check_sequence(name, values))]
     for i, f in enumerate(out):
         if f < 0 or (positive and f == 0):
             raise ValueError(f"{name}[{i}] must be a finite number {'> 0' if positive else '>= 0'}, got {values[i]!r}")

@@ -1,22 +1,17 @@
-"""Argument checks, and the one rule every drop pattern obeys: never drop every branch.
+"""Argument checks: a wrong type is always a ``TypeError`` and a wrong value always a ``ValueError``.
 
-Every public entry point (``apply``, the controller's setters, ``allocate_rates``, ``attach``, the
-CLI) validates its numbers here, so a wrong type is always a ``TypeError`` and a wrong value always
-a ``ValueError``, each naming the argument, what it got and what it accepts.
-
-The rule: a step in which every branch is dropped trains nothing that lives inside the branches
-(with LoRA, nothing at all: ``loss.backward()`` raises). Per-branch rates ``r_i`` whose sum is at
-most ``N - 1`` allow a sampler that never drops all ``N`` (the systematic sampler drops
-``floor(sum)`` or ``ceil(sum)`` branches); :func:`check_rates` refuses larger sums,
-:func:`fit_rates` lowers allocated rates into that bound, and :func:`keep_a_trainable_branch` is the
-last guard for models whose trainable parameters sit in only some branches.
+Every public entry point (the options of ``apply`` and ``attach``, :mod:`dropbp.options`; the
+controller's setters; ``allocate_rates``; the CLI) validates its values with these, each message
+naming the argument, what it got and what it accepts. The rate checks apply the never-drop-everything
+rule of :mod:`dropbp.keep` (rates summing to at most ``N - 1``); the rule itself lives there.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+
+from .keep import SUM_TOLERANCE, max_total_rate
 
 __all__ = [
     "check_bool",
@@ -27,15 +22,9 @@ __all__ = [
     "check_int",
     "check_number",
     "check_rates",
-    "fit_rates",
-    "keep_a_trainable_branch",
-    "max_total_rate",
+    "check_ramp",
+    "check_sequence",
 ]
-
-log = logging.getLogger("dropbp")
-
-# Float sums of rates that equal N - 1 may round a hair above it.
-_SUM_TOLERANCE = 1e-9
 
 
 def check_int(name: str, value: object, minimum: int) -> int:
@@ -122,9 +111,16 @@ def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
     return value  # type: ignore[return-value]
 
 
-def max_total_rate(num_branches: int) -> int:
-    """The largest sum of per-branch rates that can leave one branch kept in every step."""
-    return num_branches - 1
+def check_sequence(name: str, values: object) -> list:
+    """``values`` as a list, if it is a sequence (a list, a tuple, a tensor) and not a string.
+
+    Args:
+        name: the argument's name, for the message.
+        values: what the caller passed.
+    """
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or not hasattr(values, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of numbers, got {type(values).__name__}")
+    return list(values)
 
 
 def check_rates(rates: Sequence[float], num_branches: int) -> list[float]:
@@ -134,13 +130,12 @@ def check_rates(rates: Sequence[float], num_branches: int) -> list[float]:
         rates: the per-branch drop probabilities, in branch order.
         num_branches: how many branches the model has.
     """
-    if isinstance(rates, (str, bytes)) or not hasattr(rates, "__len__"):
-        raise TypeError(f"rates must be a sequence of numbers, got {type(rates).__name__}")
+    rates = check_sequence("rates", rates)
     if len(rates) != num_branches:
         raise ValueError(f"rates must have one entry per branch: expected {num_branches}, got {len(rates)}")
     out = [check_fraction(f"rates[{i}]", r) for i, r in enumerate(rates)]
     limit = max_total_rate(num_branches)
-    if sum(out) > limit + _SUM_TOLERANCE:
+    if sum(out) > limit + SUM_TOLERANCE:
         raise ValueError(
             f"rates sum to {sum(out):.4g} but with {num_branches} branches the sum must be at most "
             f"{limit}, or some steps would drop every branch (nothing left to train); lower the rates"
@@ -160,8 +155,7 @@ def check_cut_rates(rates: Sequence[float], num_branches: int) -> list[float]:
         rates: the per-branch drop probabilities, in branch order (bottom first).
         num_branches: how many branches the model has.
     """
-    if isinstance(rates, (str, bytes)) or not hasattr(rates, "__len__"):
-        raise TypeError(f"rates must be a sequence of numbers, got {type(rates).__name__}")
+    rates = check_sequence("rates", rates)
     if len(rates) != num_branches:
         raise ValueError(f"rates must have one entry per branch: expected {num_branches}, got {len(rates)}")
     out = [check_fraction(f"rates[{i}]", r, high_inclusive=True) for i, r in enumerate(rates)]
@@ -188,7 +182,7 @@ def check_drop_rate(drop_rate: object, num_branches: int) -> float:
         num_branches: how many branches the model has.
     """
     p = check_fraction("drop_rate", drop_rate)
-    if p * num_branches > max_total_rate(num_branches) + _SUM_TOLERANCE:
+    if p * num_branches > max_total_rate(num_branches) + SUM_TOLERANCE:
         largest = math.floor(max_total_rate(num_branches) / num_branches * 1000) / 1000
         raise ValueError(
             f"drop_rate={drop_rate} with {num_branches} branches would drop every branch in some steps, leaving "
@@ -197,60 +191,14 @@ def check_drop_rate(drop_rate: object, num_branches: int) -> float:
     return p
 
 
-def fit_rates(rates: Sequence[float], flops: Sequence[float], min_rate: float, step: float = 0.1) -> list[float]:
-    """``rates`` lowered into the rule: the highest rate drops by ``step`` until the sum is ``<= N - 1``.
-
-    A FLOP-weighted allocation over few branches can put cheap branches at 0.9 and exceed the bound;
-    the warning says which overall (FLOP-weighted) drop rate is left.
+def check_ramp(name: str, value: object) -> float:
+    """The share of a run over which a rising drop schedule rises: a float in ``(0, 1]``.
 
     Args:
-        rates: allocated rates, in branch order.
-        flops: each branch's cost, to report the drop rate that is left.
-        min_rate: no rate is lowered below this.
-        step: the allocation's increment.
+        name: the argument's name, for the message.
+        value: what the caller passed.
     """
-    limit = max_total_rate(len(rates))
-    fitted = list(rates)
-    if sum(fitted) <= limit + _SUM_TOLERANCE:
-        return fitted
-    wanted = sum(r * f for r, f in zip(fitted, flops, strict=True)) / sum(flops)
-    while sum(fitted) > limit + _SUM_TOLERANCE:
-        i = max(range(len(fitted)), key=lambda j: (fitted[j], j))
-        fitted[i] = max(min_rate, round(fitted[i] - step, 12))
-    achieved = sum(r * f for r, f in zip(fitted, flops, strict=True)) / sum(flops)
-    log.warning(
-        "dropbp: with %d branches the allocated rates would drop every branch in some steps; the highest "
-        "were lowered, giving a FLOP-weighted drop rate of %.3f instead of %.3f",
-        len(fitted),
-        achieved,
-        wanted,
-    )
-    return fitted
-
-
-def keep_a_trainable_branch(
-    pattern: frozenset[int], rates: Sequence[float], trainable: Callable[[], list[bool] | None]
-) -> frozenset[int]:
-    """``pattern``, less one branch if it drops every branch that holds trainable parameters.
-
-    Rates within the rule keep one branch per step, but with LoRA on attention only (say) the kept
-    one may hold nothing trainable, and then the loss has no gradient. In such a step the trainable
-    branch with the lowest rate (then the first) is kept: rare, and still a pure function of
-    (seed, step).
-
-    Args:
-        pattern: the drawn pattern (indices of dropped branches).
-        rates: the current per-branch rates, for the choice of the branch to keep.
-        trainable: called only when something is dropped; per branch, whether it holds a trainable
-            parameter, or ``None`` when a parameter outside the branches (embeddings, a head) is
-            trainable, so every pattern leaves something to train.
-    """
-    if not pattern:
-        return pattern
-    mask = trainable()
-    if mask is None or any(t for i, t in enumerate(mask) if i not in pattern):
-        return pattern
-    dropped = [i for i in pattern if mask[i]]
-    if not dropped:
-        return pattern
-    return pattern - {min(dropped, key=lambda i: (rates[i], i))}
+    ramp = check_fraction(name, value, 0.0, 1.0, high_inclusive=True, what="a fraction of the run")
+    if ramp == 0.0:
+        raise ValueError(f"{name} must be a fraction of the run in (0, 1], got 0")
+    return ramp

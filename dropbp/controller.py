@@ -21,14 +21,14 @@ from . import optimizer as lr_compensation
 from . import sensitivity
 from .allocation import allocate_rates
 from .backends import Backend
-from .checks import check_bool, check_choice, check_int, fit_rates
+from .checks import check_bool, check_choice, check_int
 from .chunked_loss import ChunkedLoss
 from .compile import EnclosingCompileWarning
 from .copies import CleanCopies
 from .discovery import Branch
 from .distributed import check_ddp, unwrap
-from .dropped_grads import DEFAULT_DROPPED_GRADS, DROPPED_GRADS
 from .hooks import StepHooks
+from .options import DropBPOptions
 from .policy import DropPolicy
 from .stats import DropTally
 
@@ -54,19 +54,12 @@ def _policy_setting(name: str, doc: str) -> property:
     return property(get, set, doc=f"{doc} Settable: validated, and effective from the next step.")
 
 
-def _chunked_loss(model: nn.Module, setting: object) -> ChunkedLoss | None:
-    """``chunked_loss``: False (off), True (default chunks) or a positive int (tokens per chunk)."""
-    if setting is False:
-        return None
-    if setting is True:
-        return ChunkedLoss(model)
-    if isinstance(setting, int) and setting >= 1:
-        return ChunkedLoss(model, setting)
-    raise ValueError(f"chunked_loss must be False, True or a positive int (tokens per chunk), got {setting!r}")
-
-
 class DropBPController:
-    """Drop policy attached to one model; made by :func:`dropbp.apply`, which documents the arguments."""
+    """Drop policy attached to one model; made by :func:`dropbp.apply`, which documents the arguments.
+
+    ``options`` are the already valid :class:`~dropbp.options.DropBPOptions` it takes ``unbiased``,
+    ``dropped_grads`` and ``chunked_loss`` from (``None``: their defaults); the policy was built from the others.
+    """
 
     def __init__(
         self,
@@ -74,10 +67,7 @@ class DropBPController:
         branches: Sequence[Branch],
         policy: DropPolicy,
         backend: Backend,
-        *,
-        unbiased: bool = False,
-        dropped_grads: str = DEFAULT_DROPPED_GRADS,
-        chunked_loss: bool | int = False,
+        options: DropBPOptions | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -91,25 +81,30 @@ class DropBPController:
             raise TypeError(f"policy must be a DropPolicy for {len(branches)} branches")
         if not isinstance(backend, Backend):
             raise TypeError(f"backend must be a Backend, got {type(backend).__name__}")
+        if options is None:
+            options = DropBPOptions(policy.drop_rate)
+        elif not isinstance(options, DropBPOptions):
+            raise TypeError(f"options must be a dropbp.options.DropBPOptions, got {type(options).__name__}")
         if any(m in _ATTACHED for m in (model, *(b.module for b in branches))):
             raise RuntimeError(
                 "DropBP is already attached to this model (or to some of its branches); "
                 "call .remove() on the existing controller first"
             )
         self._policy = policy
-        self.unbiased = unbiased
-        check_choice("dropped_grads", dropped_grads, DROPPED_GRADS)
+        self._unbiased = options.unbiased  # the options are valid (checked when made): no check again here
         if ddp is None and wrapper is not model:  # a DeepSpeedEngine
             from .integrations.deepspeed import check_engine
 
-            check_engine(wrapper, dropped_grads)
+            check_engine(wrapper, options.dropped_grads)
         #: The device backend whose step boundaries :meth:`backward` and :meth:`optimizer_step` place.
         self.backend = backend
         self._model = model
         self._found = list(branches)
         self._modules = [b.module for b in branches]
         flops = [b.flops for b in branches]
-        self._chunked = _chunked_loss(model, chunked_loss)  # first: a model it cannot handle leaves no hooks
+        # first: a model it cannot handle leaves no hooks
+        chunked = options.chunked_loss
+        self._chunked = None if chunked is False else ChunkedLoss(model, None if chunked is True else chunked)
         self._hooks = StepHooks(
             model,
             [b.parts for b in branches],
@@ -117,7 +112,7 @@ class DropBPController:
             policy,
             [b.name for b in self._found],
             lambda: self._unbiased,
-            dropped_grads,
+            options.dropped_grads,
         )
         compile_warning = EnclosingCompileWarning()
         self._compile_handles = compile_warning.attach(model, [b.name for b in self._found])
@@ -257,6 +252,10 @@ class DropBPController:
             The sensitivities, in branch order.
         """
         self._check_attached()
+        if not callable(closure):
+            raise TypeError(f"closure must be callable and return the loss, got {type(closure).__name__}")
+        check_choice("method", method, sensitivity.CALIBRATION_METHODS)
+        check_bool("gradnorm", gradnorm)
         if self.pattern != "uniform":
             raise ValueError(
                 f"calibrate allocates rates by each branch's sensitivity, which pattern={self.pattern!r} cannot "
@@ -264,7 +263,7 @@ class DropBPController:
                 "before calibrating, or keep the cut's rates"
             )
         boundary = self.backend.graph_break  # lazy devices: one graph per pass, not one for all
-        if "deepspeed" in sys.modules and callable(closure):  # a DeepSpeed engine cannot take calibration passes
+        if "deepspeed" in sys.modules:  # a DeepSpeed engine cannot take calibration passes
             from .integrations.deepspeed import calibration_closure
 
             closure = calibration_closure(closure)
@@ -279,10 +278,10 @@ class DropBPController:
         )
         flops = [b.flops for b in self._found]
         # Under a time schedule the rates are allocated for its peak, where they must stay within the rule,
-        # and scaled back: the run's mean is then still the drop rate.
-        peak = self._policy.peak
-        rates = allocate_rates(sens, flops, min(self.drop_rate * peak, max_rate), min_rate=min_rate, max_rate=max_rate)
-        self.set_rates([r / peak for r in fit_rates(rates, flops, min_rate)])
+        # and scaled back by the policy: the run's mean is then still the drop rate.
+        target = min(self.drop_rate * self._policy.peak, max_rate)
+        rates = allocate_rates(sens, flops, target, min_rate=min_rate, max_rate=max_rate)
+        self._policy.set_allocated_rates(rates, min_rate)
         return sens
 
     def param_groups(self, lr: float, **options: Any) -> list[dict[str, Any]]:

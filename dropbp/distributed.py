@@ -57,7 +57,8 @@ def check_ddp(ddp: DistributedDataParallel) -> None:
         f"DistributedDataParallel with {problem} cannot handle: wrap with "
         "DistributedDataParallel(model, find_unused_parameters=True) (Accelerate: "
         "DistributedDataParallelKwargs(find_unused_parameters=True); Hugging Face Trainer: "
-        "ddp_find_unused_parameters=True, which dropbp.integrations.hf.attach sets when it is left unset)"
+        "ddp_find_unused_parameters=True in its arguments, which dropbp.integrations.hf.attach sets when it is "
+        "left unset and DropBPCallback, given to the trainer when it is made, cannot)"
     )
 
 

@@ -37,11 +37,10 @@ DEFAULT_DROPPED_GRADS = "skip"
 
 
 class DroppedGrads:
-    """Fills dropped branches' gradients before each optimizer step, per ``mode``."""
+    """Fills dropped branches' gradients before each optimizer step, per ``mode`` (one of :data:`DROPPED_GRADS`,
+    checked by the entry point: :class:`dropbp.options.DropBPOptions`)."""
 
     def __init__(self, mode: str, modules: list[nn.Module]) -> None:
-        if mode not in DROPPED_GRADS:
-            raise ValueError(f"dropped_grads must be one of {DROPPED_GRADS}, got {mode!r}")
         self.mode = mode
         self._modules = modules
         self._pending: set[int] = set()  # branches dropped in some forward since the last step

@@ -3,7 +3,9 @@
 Everything that decides which branches drop lives here, behind setters that validate and take
 effect from the next pattern drawn: the samplers are derived from the settings and rebuilt when one
 changes, so no setting can leave a sampler built from stale ones. The pattern of a step is a pure
-function of the settings and the step (:mod:`dropbp.sampler`), identical on every rank.
+function of the settings and the step (:mod:`dropbp.sampler`), identical on every rank. The rule
+that no pattern drops every branch is :mod:`dropbp.keep`'s, applied here: to allocated rates
+(:meth:`DropPolicy.set_allocated_rates`) and to every drawn pattern (:meth:`DropPolicy.draw`).
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ from .checks import (
     check_choice,
     check_cut_rates,
     check_drop_rate,
-    check_fraction,
     check_int,
+    check_ramp,
     check_rates,
-    keep_a_trainable_branch,
 )
+from .keep import fit_rates, keep_a_trainable_branch
 from .sampler import SAMPLERS, PatternSampler
 from .schedule import BOUNDED_WARMUP_LEVELS, DROP_SCHEDULES, SCHEDULE_LEVELS, TimeSchedule, warmup_factor
 
@@ -70,9 +72,7 @@ class DropPolicy:
         self._warmup_steps = 0
         self._total_steps: int | None = None
         self._drop_schedule = check_choice("drop_schedule", drop_schedule, DROP_SCHEDULES)
-        self._ramp = check_fraction("ramp", ramp, 0.0, 1.0, high_inclusive=True, what="a fraction of the run")
-        if self._ramp == 0.0:
-            raise ValueError("ramp must be a fraction of the run in (0, 1], got 0")
+        self._ramp = check_ramp("ramp", ramp)
         self.drop_rate = drop_rate
         self.seed = seed
         self.max_patterns = max_patterns
@@ -142,6 +142,13 @@ class DropPolicy:
         self._own_rates = False  # given rates are kept as they are when the time schedule changes
         self._samplers.clear()
 
+    def set_allocated_rates(self, rates: Sequence[float], min_rate: float) -> None:
+        """Set rates allocated for the time schedule's peak (calibration): lowered into the rule where they
+        would drop every branch in some steps (:func:`dropbp.keep.fit_rates`), then divided by the peak, so
+        that the run's mean stays the drop rate."""
+        peak = self.peak
+        self.set_rates([r / peak for r in fit_rates(rates, self._flops, min_rate)])
+
     @property
     def seed(self) -> int:
         """The seed of every pattern."""
@@ -196,10 +203,7 @@ class DropPolicy:
 
     @ramp.setter
     def ramp(self, value: float) -> None:
-        ramp = check_fraction("ramp", value, 0.0, 1.0, high_inclusive=True, what="a fraction of the run")
-        if ramp == 0.0:
-            raise ValueError("ramp must be a fraction of the run in (0, 1], got 0")
-        self._retime(ramp=ramp)
+        self._retime(ramp=check_ramp("ramp", value))
 
     @property
     def peak(self) -> float:
@@ -266,7 +270,7 @@ class DropPolicy:
         Args:
             step: the training forward, counted from 0.
             trainable: per branch, whether it holds a trainable parameter, or ``None`` when something
-                outside the branches is trainable (see :func:`dropbp.checks.keep_a_trainable_branch`).
+                outside the branches is trainable (see :func:`dropbp.keep.keep_a_trainable_branch`).
         """
         sampler = self._sampler(self.factor(step))
         return keep_a_trainable_branch(sampler.pattern(step), self._rates, trainable)

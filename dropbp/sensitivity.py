@@ -307,11 +307,9 @@ def measure(
         gradnorm: compare gradient norms (the paper) rather than whole gradients.
         method: ``"one-pass"`` or ``"exact-recompute"`` (the research code's N + 1 passes).
         boundary: the backend's graph break, placed after each backward.
+
+    ``closure`` and ``method`` are checked by the entry point, :meth:`dropbp.DropBPController.calibrate`.
     """
-    if not callable(closure):
-        raise TypeError(f"closure must be callable and return the loss, got {type(closure).__name__}")
-    if method not in CALIBRATION_METHODS:
-        raise ValueError(f"method must be one of {CALIBRATION_METHODS}, got {method!r}")
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("calibrate: the model has no trainable parameters (requires_grad=True)")

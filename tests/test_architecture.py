@@ -239,3 +239,34 @@ def test_forward_patches_restore_exactly():
         assert patch.original()(2) == 2
     assert "forward" not in vars(layer) and layer(3) == 3
     assert map_output((1, "a", 2), lambda v: v * 2) == (2, "aa", 4) and map_output(5, lambda v: -v) == -5
+
+
+def test_an_option_is_declared_once_and_reaches_apply_attach_the_callback_and_axolotl():
+    """``dropbp/options.py`` is the one place an option is written: ``apply``'s signature and ``help()``, the
+    Trainer integration's and axolotl's keys all follow from its fields."""
+    import dataclasses
+    import inspect
+    import pydoc
+
+    from dropbp.options import DropBPOptions, TrainerOptions, option_fields
+
+    names = [f.name for f in option_fields(DropBPOptions)]
+    assert list(inspect.signature(dropbp.apply).parameters) == ["model", *names]
+    text = pydoc.render_doc(dropbp.apply)
+    assert all(f"{name}: " in text for name in names)
+    run = [f.name for f in option_fields(TrainerOptions)]
+    assert run == [n for n in names if n not in ("warmup_steps", "total_steps")] + ["warmup", "calibrate_at"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        DropBPOptions(0.5).seed = 3
+    with pytest.raises(ValueError, match="seed must be an int >= 0, got -1"):
+        DropBPOptions(0.5, seed=-1)
+    pytest.importorskip("transformers")
+    from dropbp.integrations.hf import DropBPCallback, attach, build_callback
+
+    assert list(inspect.signature(attach).parameters) == ["trainer", *run]
+    assert list(inspect.signature(build_callback).parameters) == ["trainer", *run]
+    assert list(inspect.signature(DropBPCallback).parameters) == run
+    pytest.importorskip("pydantic")
+    from dropbp.integrations.axolotl import DropBPArgs
+
+    assert list(DropBPArgs.model_fields) == [f"dropbp_{n}" for n in run]

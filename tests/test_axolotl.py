@@ -76,7 +76,7 @@ def test_config_keys_default_to_attach_defaults():
         ({"dropbp_dropped_grads": "none"}, r"dropbp_dropped_grads must be one of \('skip', 'zero', 'reuse'\)"),
         ({"dropbp_seed": -1}, r"dropbp_seed must be an int >= 0, got -1"),
         ({"dropbp_max_patterns": 0}, r"dropbp_max_patterns must be an int >= 1, got 0"),
-        ({"dropbp_chunked_loss": 0}, r"dropbp_chunked_loss \(tokens per chunk, or true/false\) must be an int >= 1"),
+        ({"dropbp_chunked_loss": 0}, r"dropbp_chunked_loss must be False, True or a positive int \(tokens per chunk\)"),
     ],
 )
 def test_bad_config_values_are_refused_by_key(raw, message):

@@ -11,7 +11,7 @@ from conftest import VOCAB, tiny_model, with_lora
 import dropbp
 
 transformers = pytest.importorskip("transformers")
-from dropbp.integrations.hf import STATE_FILE, attach  # noqa: E402
+from dropbp.integrations.hf import STATE_FILE, DropBPCallback, attach  # noqa: E402
 
 SEQ = 32
 
@@ -44,12 +44,13 @@ def _args(tmp_path, **kw) -> transformers.TrainingArguments:
     return transformers.TrainingArguments(**base)
 
 
-def _trainer(tmp_path, **kw) -> transformers.Trainer:
+def _trainer(tmp_path, callbacks=None, **kw) -> transformers.Trainer:
     return transformers.Trainer(
         model=with_lora(tiny_model("llama", layers=4)),
         args=_args(tmp_path, **kw),
         train_dataset=_dataset(),
         data_collator=transformers.default_data_collator,
+        callbacks=callbacks,
     )
 
 
@@ -108,9 +109,11 @@ def test_sft_trainer_calibrates_once_and_logs(tmp_path):
     _check_logs(trainer.state.log_history)
 
 
-def _record_patterns(callback) -> list[tuple[str, ...]]:
+def _record_patterns(callback, model=None) -> list[tuple[str, ...]]:
+    """The pattern of every training forward of ``model`` (default: the trainer's); the callback's controller is
+    looked up at each forward, so a callback that applies DropBP when training begins is recorded too."""
     seen: list[tuple[str, ...]] = []
-    model = callback.trainer.model
+    model = callback.trainer.model if model is None else model
 
     def record(module, args, output):
         if module.training and torch.is_grad_enabled() and callback.controller._hooks.forced is None:
@@ -249,3 +252,124 @@ def test_chunked_loss_trains_as_the_plain_loss(tmp_path):
         weights.append({n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad})
     for name, want in weights[0].items():
         torch.testing.assert_close(weights[1][name], want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# -- DropBPCallback given to the trainer when it is made: the same run as attach ----------------------------------
+def _logs(history: list[dict]) -> list[dict]:
+    """``log_history`` without its timings: every entry's keys, and every DropBP value."""
+    return [
+        {k: (v if k.startswith("dropbp/") or k in ("step", "epoch") else None) for k, v in h.items()} for h in history
+    ]
+
+
+def _run(trainer, callback, resume=None):
+    patterns = _record_patterns(callback, trainer.model)
+    trainer.train(resume_from_checkpoint=resume)
+    return patterns
+
+
+def _saved(folder) -> list[str]:
+    return sorted(p.read_text() for p in folder.rglob(STATE_FILE))
+
+
+@pytest.mark.parametrize("pattern", ["uniform", "cut"])
+def test_callback_at_construction_trains_as_attach(tmp_path, pattern):
+    """``Trainer(callbacks=[DropBPCallback(...)])`` under gradient accumulation: the patterns of every
+    micro-batch, the calibrated rates, the log entries and the checkpoints' DropBP state are attach's."""
+    kw = dict(gradient_accumulation_steps=2, max_steps=10, logging_steps=2, save_strategy="steps", save_steps=5)
+    attached = _trainer(tmp_path, output_dir=str(tmp_path / "a"), **kw)
+    by_attach = attach(attached, 0.5, pattern=pattern, warmup=0.2)
+    want = _run(attached, by_attach)
+
+    callback = DropBPCallback(drop_rate=0.5, pattern=pattern, warmup=0.2)
+    built = _trainer(tmp_path, callbacks=[callback], output_dir=str(tmp_path / "b"), **kw)
+    assert callback.controller is None  # nothing applied before training begins
+    got = _run(built, callback)
+    assert len(want) == 20 and got == want
+    assert callback.controller.state_dict() == by_attach.controller.state_dict()
+    assert callback.calibrated == by_attach.calibrated == (pattern == "uniform")
+    assert _logs(built.state.log_history) == _logs(attached.state.log_history)
+    assert _saved(tmp_path / "b") == _saved(tmp_path / "a") and len(_saved(tmp_path / "a")) == 2
+
+
+def test_callback_at_construction_resumes_with_the_same_patterns(tmp_path):
+    kw = dict(save_strategy="steps", save_steps=10, output_dir=str(tmp_path / "run"))
+    full = _trainer(tmp_path, **kw)
+    want = _run(full, attach(full, drop_rate=0.5))
+    callback = DropBPCallback(drop_rate=0.5, seed=123)  # the saved seed must win
+    resumed = _trainer(tmp_path, callbacks=[callback], **kw)
+    got = _run(resumed, callback, resume=str(tmp_path / "run" / "checkpoint-10"))
+    assert len(got) == 10 and got == want[10:]
+    assert callback.controller.seed == 0 and callback.controller.step == 20
+
+
+def test_callback_at_construction_in_sft_trainer_trains_as_attach(tmp_path):
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {f"<{i}>": i for i in range(VOCAB)}
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<3>")),
+        pad_token="<0>",
+        eos_token="<2>",
+    )
+    data = datasets.Dataset.from_dict({"input_ids": _token_ids(64)})
+    runs = []
+    for how in ("attach", "callback"):
+        config = trl.SFTConfig(
+            **_args(tmp_path, output_dir=str(tmp_path / how), gradient_accumulation_steps=2).to_dict()
+            | {"max_length": SEQ, "packing": False}
+        )
+        callback = DropBPCallback(drop_rate=0.5, pattern="uniform") if how == "callback" else None
+        model = with_lora(tiny_model("llama", layers=4))
+        trainer = trl.SFTTrainer(
+            model=model,
+            args=config,
+            train_dataset=data,
+            processing_class=tok,
+            callbacks=[callback] if callback else None,
+        )
+        if callback is None:
+            callback = attach(trainer, drop_rate=0.5, pattern="uniform")
+        patterns = _run(trainer, callback)
+        runs.append((patterns, callback.controller.state_dict(), _logs(trainer.state.log_history)))
+        _check_logs(trainer.state.log_history)
+    assert len(runs[0][0]) == 40 and runs[1] == runs[0]
+
+
+def test_callback_options_are_checked_when_it_is_made():
+    with pytest.raises(ValueError, match=r"calibrate_at=0.1 needs pattern='uniform'"):
+        DropBPCallback(calibrate_at=0.1)
+    with pytest.raises(TypeError, match=r"DropBPCallback\(\) does not take total_steps: the run decides it"):
+        DropBPCallback(total_steps=100)
+    with pytest.raises(TypeError, match=r"attach\(\) does not take warmup_steps: .*pass warmup="):
+        attach(object(), warmup_steps=10)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'drop_rates'; its options are drop_rate, seed"):
+        DropBPCallback(drop_rates=0.5)
+    with pytest.raises(ValueError, match=r"drop_rate must be in \[0, 1\), got 1.5"):
+        DropBPCallback(1.5)
+
+
+def test_callback_at_construction_calibrates_with_the_models_own_loss_or_says_why(tmp_path):
+    """Without labels the model has no loss of its own: the calibration says so, and what to do."""
+    callback = DropBPCallback(drop_rate=0.5, pattern="uniform")
+    trainer = transformers.Trainer(
+        model=with_lora(tiny_model("llama", layers=4)),
+        args=_args(tmp_path),
+        train_dataset=[{"input_ids": torch.tensor(x)} for x in _token_ids(64)],
+        data_collator=transformers.default_data_collator,
+        callbacks=[callback],
+    )
+    trainer.compute_loss = lambda model, inputs, **kw: model(**inputs, labels=inputs["input_ids"]).loss
+    with pytest.raises(ValueError, match=r"returned none \(no labels in the batch\?\); use attach\(trainer"):
+        trainer.train()
+
+
+def test_removing_the_controller_takes_a_construction_callback_off_its_trainer(tmp_path):
+    callback = DropBPCallback(drop_rate=0.5)
+    trainer = _trainer(tmp_path, callbacks=[callback], max_steps=4)
+    trainer.train()
+    callback.controller.remove()
+    assert callback not in trainer.callback_handler.callbacks
+    trainer.train()  # a plain Trainer again
+    assert callback.controller.step == 4

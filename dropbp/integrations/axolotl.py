@@ -8,6 +8,10 @@
     dropbp_calibrate_at: auto    # a fraction of the steps, auto, or false/null (never)
     dropbp_seed: 0               # default: the run's seed
 
+Every key is ``dropbp_`` and an option of :class:`dropbp.options.TrainerOptions` (those of
+:func:`dropbp.integrations.hf.attach`), with its default and help: :data:`DropBPArgs` is generated
+from them, so a new option is a new key with no edit here.
+
 axolotl imports this module by that dotted name, makes an instance of the class, merges
 :class:`DropBPArgs` into its config model (so a bad value stops ``axolotl train`` while the config
 is checked, before any model is loaded) and calls the plugin's hooks. The plugin does what
@@ -29,15 +33,16 @@ imports without it (the plugin then subclasses ``object``; tests/test_axolotl.py
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
-from typing import Any, Literal
+import dataclasses
+from collections.abc import Mapping, MutableMapping, Sequence
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, model_validator
+from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, create_model, model_validator
 from transformers import Trainer, TrainerCallback
 
-from ..checks import check_choice, check_fraction, check_int
-from ..dropped_grads import DEFAULT_DROPPED_GRADS, DROPPED_GRADS
-from .hf import build_callback, check_schedule
+from ..options import TrainerOptions, named_as, option_fields
+from .hf import _built
 
 try:
     from axolotl.integrations.base import BasePlugin
@@ -48,54 +53,37 @@ except ModuleNotFoundError as missing:
 
 __all__ = ["DropBPArgs", "DropBPPlugin"]
 
-
-def _value_error(check: Any, *args: Any, **kw: Any) -> Any:
-    """``check(*args, **kw)`` with its TypeError turned into a ValueError: pydantic reports only those."""
-    try:
-        return check(*args, **kw)
-    except TypeError as err:
-        raise ValueError(str(err)) from None
+#: What goes before each option's name to make its config key.
+PREFIX = "dropbp_"
 
 
-class DropBPArgs(BaseModel):
-    """The plugin's config keys, checked when axolotl checks the config; defaults as ``attach``'s.
+def _yaml_type(annotation: Any) -> Any:
+    """The pydantic type of a config key for an option of this type: strict numbers and booleans (YAML gives
+    them their own types, and a lax model would read ``true`` as a drop rate of 1.0), lists for sequences;
+    what YAML cannot write (a ``Backend`` instance) is left out of a union."""
+    if annotation is float:
+        return StrictFloat
+    if annotation is int:
+        return StrictInt
+    if annotation is bool:
+        return StrictBool
+    if annotation in (str, type(None)):
+        return annotation
+    if get_origin(annotation) in (Sequence, list, tuple):
+        return list[get_args(annotation)[0]]
+    if get_origin(annotation) in (Union, UnionType):
+        kept = [_yaml_type(a) for a in get_args(annotation)]
+        kept = [k for k in kept if k is not None or type(None) in get_args(annotation)]
+        return Union[tuple(k if k is not None else type(None) for k in kept)]  # noqa: UP007
+    return None
 
-    Strict types: YAML gives numbers and booleans their own types, and a lax model would read
-    ``true`` as a drop rate of 1.0.
-    """
 
-    dropbp_drop_rate: StrictFloat = Field(
-        default=0.5,
-        description="Fraction of the residual branches' backward work dropped per step, in [0, 1).",
-    )
-    dropbp_pattern: str = Field(
-        default="cut",
-        description="'cut' (drop every branch below a random depth) or 'uniform' (the paper's patterns).",
-    )
-    dropbp_warmup: StrictFloat = Field(
-        default=0.2, description="Fraction of the training steps over which the drop rates rise from 0."
-    )
-    dropbp_calibrate_at: StrictFloat | Literal["auto", False] = Field(
-        default="auto",
-        description=(
-            "Fraction of the training steps at which the rates are calibrated (uniform patterns only); "
-            "'auto': 0.1 with uniform patterns, never with cut ones; false or null: never."
-        ),
-    )
-    dropbp_seed: StrictInt | None = Field(
-        default=None, description="Seed of the drop patterns; default: the run's seed."
-    )
-    dropbp_branches: list[str] | None = Field(
-        default=None, description="Module names of the branches, for architectures dropbp does not recognise."
-    )
-    dropbp_max_patterns: StrictInt | None = Field(default=None, description="Bound on distinct drop patterns.")
-    dropbp_unbiased: StrictBool = Field(default=False, description="Scale kept branches' gradients by 1 / (1 - rate).")
-    dropbp_dropped_grads: str = Field(
-        default=DEFAULT_DROPPED_GRADS, description="What the optimizer sees for dropped parameters: skip, zero, reuse."
-    )
-    dropbp_chunked_loss: StrictBool | StrictInt = Field(
-        default=False, description="Chunked LM head and loss: true, or tokens per chunk."
-    )
+# The keys whose YAML form differs from the Python one: ``dropbp_calibrate_at: false`` means never.
+_YAML_OVERRIDES: dict[str, Any] = {"calibrate_at": StrictFloat | Literal["auto", False]}
+
+
+class _DropBPArgsBase(BaseModel):
+    """What :class:`DropBPArgs` adds to its generated fields: the checks, and the way back to the options."""
 
     @model_validator(mode="before")
     @classmethod
@@ -110,29 +98,17 @@ class DropBPArgs(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _dropbp_check(self) -> DropBPArgs:
-        """The checks ``attach`` and ``apply`` make, with the messages naming the config keys.
+    def _dropbp_check(self) -> _DropBPArgsBase:
+        """The options' own checks (:class:`dropbp.options.TrainerOptions`), the messages naming the config keys.
 
         The validators' names start with ``_dropbp`` because axolotl merges this class into its own
         config model, where a validator of the same name would replace one of axolotl's or be replaced.
         """
         try:
-            check_fraction("dropbp_drop_rate", self.dropbp_drop_rate)
-        except (TypeError, ValueError) as err:
-            raise ValueError(
-                f"{err}: it is the fraction of the residual branches' backward passes skipped per step; "
-                "set it to e.g. 0.5 (the paper uses 0.5 to 0.875)"
-            ) from None
-        calibrate_at = None if self.dropbp_calibrate_at is False else self.dropbp_calibrate_at
-        _value_error(check_schedule, self.dropbp_pattern, calibrate_at, self.dropbp_warmup, prefix="dropbp_")
-        _value_error(check_choice, "dropbp_dropped_grads", self.dropbp_dropped_grads, DROPPED_GRADS)
-        if self.dropbp_seed is not None:
-            _value_error(check_int, "dropbp_seed", self.dropbp_seed, 0)
-        if self.dropbp_max_patterns is not None:
-            _value_error(check_int, "dropbp_max_patterns", self.dropbp_max_patterns, 1)
-        if not isinstance(self.dropbp_chunked_loss, bool):
-            name = "dropbp_chunked_loss (tokens per chunk, or true/false)"
-            _value_error(check_int, name, self.dropbp_chunked_loss, 1)
+            with named_as(PREFIX):
+                self.options()
+        except TypeError as error:  # pydantic reports only ValueErrors
+            raise ValueError(str(error)) from None
         return self
 
     @classmethod
@@ -142,18 +118,34 @@ class DropBPArgs(BaseModel):
 
     def attach_kwargs(self) -> dict[str, Any]:
         """The arguments of :func:`dropbp.integrations.hf.attach` that these keys stand for."""
-        return {
-            "drop_rate": self.dropbp_drop_rate,
-            "pattern": self.dropbp_pattern,
-            "warmup": self.dropbp_warmup,
-            "calibrate_at": None if self.dropbp_calibrate_at is False else self.dropbp_calibrate_at,
-            "seed": self.dropbp_seed,
-            "branches": self.dropbp_branches,
-            "max_patterns": self.dropbp_max_patterns,
-            "unbiased": self.dropbp_unbiased,
-            "dropped_grads": self.dropbp_dropped_grads,
-            "chunked_loss": self.dropbp_chunked_loss,
-        }
+        kwargs = {f.name: getattr(self, PREFIX + f.name) for f in option_fields(TrainerOptions)}
+        if kwargs["calibrate_at"] is False:
+            kwargs["calibrate_at"] = None
+        return kwargs
+
+    def options(self) -> TrainerOptions:
+        """The options these keys stand for, checked."""
+        return TrainerOptions(**self.attach_kwargs())
+
+
+def _key(option: dataclasses.Field, annotation: Any) -> tuple[Any, Any]:
+    kind = _YAML_OVERRIDES.get(option.name) or _yaml_type(annotation)
+    if kind is None:
+        raise TypeError(f"dropbp option {option.name} has a type YAML cannot write ({annotation}): give it a key type")
+    return kind, Field(default=option.default, description=option.metadata["help"])
+
+
+#: The plugin's config keys: ``dropbp_`` and the name of every option of :class:`dropbp.options.TrainerOptions`,
+#: with its default and help, checked by its own checks when axolotl checks the config.
+DropBPArgs = create_model(
+    "DropBPArgs",
+    __base__=_DropBPArgsBase,
+    __module__=__name__,
+    **{
+        PREFIX + f.name: _key(f, hint)
+        for f, hint in ((f, get_type_hints(TrainerOptions)[f.name]) for f in option_fields(TrainerOptions))
+    },
+)
 
 
 class DropBPPlugin(BasePlugin):
@@ -178,5 +170,4 @@ class DropBPPlugin(BasePlugin):
 
         The seed defaults to ``trainer.args.seed``, which axolotl sets from the config's ``seed``.
         """
-        args = DropBPArgs.from_config(cfg)
-        return [build_callback(trainer, **args.attach_kwargs())]
+        return [_built(trainer, DropBPArgs.from_config(cfg).options())]

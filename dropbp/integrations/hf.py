@@ -1,22 +1,34 @@
-"""DropBP for a Hugging Face ``transformers.Trainer`` (and ``trl.SFTTrainer``, a Trainer subclass).
+"""DropBP for a Hugging Face ``transformers.Trainer``, and every trainer built on it (TRL, LLaMA-Factory, Unsloth).
 
-    from dropbp.integrations.hf import attach
-    trainer = SFTTrainer(model=model, args=args, train_dataset=data)
-    attach(trainer, drop_rate=0.5)      # before trainer.train()
+The Hugging Face way, a callback given to the trainer when it is made (built from the options alone):
+
+    from dropbp.integrations.hf import DropBPCallback
+    trainer = SFTTrainer(model=model, args=args, train_dataset=data, callbacks=[DropBPCallback(drop_rate=0.5)])
     trainer.train()
 
-``attach`` applies DropBP to ``trainer.model`` and adds a callback that
+or, for a trainer already made, the one-liner (the same callback, applied at once):
+
+    from dropbp.integrations.hf import attach
+    attach(trainer, drop_rate=0.5)      # before trainer.train()
+
+Their options are :class:`dropbp.options.TrainerOptions` (``dropbp.apply``'s, with ``warmup`` and
+``calibrate_at`` as fractions of the run). The callback applies DropBP to the trainer's model
+(``attach``: at once; ``DropBPCallback``: when training begins, to the ``model`` the Trainer hands
+its callbacks, possibly already inside DDP or DeepSpeed, which ``dropbp.apply`` accepts) and
 - warms the drop rates up from 0 over the first ``warmup`` of training (default 20%) and, knowing the
   run's length (``max_steps`` times gradient accumulation, in training forwards), gives the drop rate
   its time schedule (``drop_schedule``, :mod:`dropbp.schedule`) with the run's mean rate equal to
   ``drop_rate``: what the warm-up leaves undropped is dropped later,
 - with the paper's uniform patterns (``pattern="uniform"``), calibrates once, at ``calibrate_at`` of
-  training (default 10%), on the first batch of the training data with the trainer's own
-  ``compute_loss`` (one forward; see ``DropBPController.calibrate``); the default cut patterns keep
-  their own rates,
+  training (default 10%), on the first batch of the training data (its first examples, in order:
+  no random draw) with one forward (see ``DropBPController.calibrate``): ``attach``, which knows the
+  trainer, uses the trainer's own ``compute_loss``; ``DropBPCallback``, which the Trainer does not
+  hand itself, uses the model's own loss (``model(**batch).loss``, the same for ``Trainer`` and
+  ``SFTTrainer``; a trainer whose loss is not the model's should calibrate through ``attach``);
+  the default cut patterns keep their own rates,
 - logs the calibrated rates and, at every logging step, the drop figures since the last log
-  (``dropbp/dropped_branches`` per forward, ``dropbp/dropped_flops_fraction``) through
-  ``trainer.log``, so they reach the console, ``log_history`` and every report integration,
+  (``dropbp/dropped_branches`` per forward, ``dropbp/dropped_flops_fraction``) as ``Trainer.log``
+  logs (into ``log_history``, then every callback's ``on_log``: console and report integrations),
 - saves the controller state (rates, seed, step counter, whether calibrated) as
   ``dropbp_state.json`` in each checkpoint folder and restores it when training resumes (from
   ``output_dir/checkpoint-<step>`` or ``args.resume_from_checkpoint``), so a resumed run continues
@@ -28,11 +40,13 @@ No step can fail because every trainable branch dropped (``DropBPController`` gu
 The trainer places its own step boundaries; nothing here adds graph breaks.
 
 Multi-process (``torchrun`` / ``accelerate launch``): every rank draws the same patterns. DDP must
-accept parameters left without a gradient, so when ``ddp_find_unused_parameters`` is left unset
-(the Trainer would turn it off under activation checkpointing) ``attach`` sets it to True.
-DeepSpeed ZeRO stages 1 to 3 (``deepspeed=`` in the arguments, or ``accelerate launch`` with a
-DeepSpeed config) work as they are; a configuration DropBP cannot train with is refused here, before
-anything is attached (:mod:`dropbp.integrations.deepspeed`).
+accept parameters left without a gradient. The Trainer lets it unless activation checkpointing is on
+and ``ddp_find_unused_parameters`` is left unset; ``attach`` then sets it to True, while with
+``DropBPCallback`` (which sees the trainer only after its DDP settings are made) pass
+``ddp_find_unused_parameters=True`` in the arguments: otherwise the first training forward stops
+with that advice. DeepSpeed ZeRO stages 1 to 3 (``deepspeed=`` in the arguments, or ``accelerate
+launch`` with a DeepSpeed config) work as they are; a configuration DropBP cannot train with is
+refused before anything is attached (:mod:`dropbp.integrations.deepspeed`).
 """
 
 from __future__ import annotations
@@ -40,19 +54,18 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Sequence
+import sys
+from collections.abc import Mapping
 from typing import Any
 
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_callback import CallbackHandler
 
-from .. import apply
-from ..checks import check_choice, check_fraction
+from ..api import apply_options
 from ..controller import DropBPController
-from ..dropped_grads import DEFAULT_DROPPED_GRADS
-from ..policy import DEFAULT_RAMP
-from ..sampler import SAMPLERS
+from ..options import TrainerOptions, takes_options
 
-__all__ = ["STATE_FILE", "DropBPCallback", "attach", "build_callback", "check_schedule"]
+__all__ = ["STATE_FILE", "DropBPCallback", "attach", "build_callback"]
 
 log = logging.getLogger("dropbp")
 
@@ -60,23 +73,91 @@ STATE_FILE = "dropbp_state.json"
 
 
 class DropBPCallback(TrainerCallback):
-    """Calibration, logging and checkpointing of a :class:`DropBPController` inside a Trainer."""
+    """DropBP in a Trainer, from its options alone: ``Trainer(..., callbacks=[DropBPCallback(drop_rate=0.5)])``.
 
-    def __init__(
-        self, trainer: Trainer, controller: DropBPController, calibrate_at: float | None, warmup: float = 0.0
-    ) -> None:
-        self.trainer = trainer
-        self.controller = controller
-        self.calibrate_at = calibrate_at
-        self.warmup = warmup
+    Applies :func:`dropbp.apply` to the trainer's model when training begins, then warms up, schedules,
+    calibrates, logs and checkpoints as the module's docstring says. ``callback.controller`` is the
+    :class:`DropBPController` (``None`` until training begins); ``callback.controller.remove()`` takes
+    DropBP off the model and this callback off its trainer.
+    """
+
+    @takes_options(TrainerOptions)
+    def __init__(self, drop_rate: float = 0.5, **options: Any) -> None:
+        self._setup(TrainerOptions.given("DropBPCallback", drop_rate=drop_rate, **options))
+
+    def _setup(self, options: TrainerOptions) -> None:
+        #: The options, checked when made.
+        self.options = options
+        #: The controller; ``None`` until DropBP is applied (by :func:`attach`, or when training begins).
+        self.controller: DropBPController | None = None
+        #: The trainer, known when :func:`attach` (or :func:`build_callback`) made this callback; else ``None``.
+        self.trainer: Trainer | None = None
         self.calibrated = False
+        self._handler: CallbackHandler | None = None  # the trainer's, to log as Trainer.log does and to leave it
+        self._removed = False
 
-    def _calibration_step(self, state: TrainerState) -> int | None:
-        if self.calibrate_at is None or self.calibrated:
-            return None
-        return int(self.calibrate_at * state.max_steps)
+    @classmethod
+    def from_options(cls, options: TrainerOptions) -> DropBPCallback:
+        """The callback of already checked options (:func:`attach`, the axolotl plugin)."""
+        if not isinstance(options, TrainerOptions):
+            raise TypeError(f"options must be a dropbp.options.TrainerOptions, got {type(options).__name__}")
+        callback = cls.__new__(cls)
+        callback._setup(options)
+        return callback
+
+    @property
+    def calibrate_at(self) -> float | None:
+        """The fraction of the training steps at which the rates are calibrated (``"auto"`` resolved), or None."""
+        return self.options.calibration_point
+
+    @property
+    def warmup(self) -> float:
+        """The fraction of the training steps over which the rates rise from 0."""
+        return self.options.warmup
+
+    def _bind(self, trainer: Trainer) -> None:
+        """Apply DropBP to ``trainer.model`` now, knowing the trainer (what :func:`attach` does)."""
+        if not isinstance(trainer, Trainer):
+            raise TypeError(f"trainer must be a transformers.Trainer, got {type(trainer).__name__}")
+        if getattr(trainer, "is_deepspeed_enabled", False):  # --deepspeed, or accelerate launch with DeepSpeed
+            self._check_deepspeed(trainer.accelerator.state.deepspeed_plugin, trainer.args)
+        self.trainer = trainer
+        self._handler = trainer.callback_handler
+        self._apply(trainer.model, trainer.args)
+        _let_ddp_skip_unused_parameters(trainer)
+
+    def _check_deepspeed(self, plugin: Any, args: TrainingArguments) -> None:
+        from .deepspeed import check_config
+
+        check_config(plugin.deepspeed_config, self.options.dropped_grads, args.gradient_accumulation_steps)
+
+    def _apply(self, model: Any, args: TrainingArguments) -> None:
+        seed = args.seed if self.options.seed is None else self.options.seed
+        self.controller = apply_options(model, self.options.apply_options(seed=seed))
+        # Removing the controller takes the callback off the trainer too: a removed controller's callback
+        # would stop train() ("this DropBP controller was removed"), and attach again would leave two.
+        self.controller._on_remove.append(self._leave)
+
+    def _leave(self) -> None:
+        self._removed = True
+        if self._handler is not None and self in self._handler.callbacks:
+            self._handler.remove_callback(self)
+
+    def _active(self) -> bool:
+        return self.controller is not None and not self._removed
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any):
+        if self._handler is None:
+            self._handler = _calling_handler(sys._getframe(1))
+        if self._removed:
+            return
+        if self.controller is None:
+            if kw.get("model") is None:
+                raise RuntimeError("DropBPCallback: the Trainer handed its callbacks no model at on_train_begin")
+            plugin = getattr(args, "deepspeed_plugin", None)
+            if plugin is not None:
+                self._check_deepspeed(plugin, args)
+            self._apply(kw["model"], args)
         forwards = state.max_steps * args.gradient_accumulation_steps  # the controller counts micro-batches
         if self.warmup:
             self.controller.warmup_steps = round(self.warmup * forwards)
@@ -102,172 +183,145 @@ class DropBPCallback(TrainerCallback):
         self.calibrated = saved["calibrated"]
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any):
-        if state.global_step != self._calibration_step(state):
+        if not self._active() or self.calibrate_at is None or self.calibrated:
             return
-        batch = next(iter(self.trainer.get_train_dataloader()))
-        inputs = self.trainer._prepare_inputs(batch)
-        model = self.trainer.model
-        self.controller.calibrate(lambda: self.trainer.compute_loss(model, inputs))
+        if state.global_step != int(self.calibrate_at * state.max_steps):
+            return
+        batch = _first_batch(kw["train_dataloader"])
+        if self.trainer is not None:
+            trainer, inputs = self.trainer, self.trainer._prepare_inputs(batch)
+            self.controller.calibrate(lambda: trainer.compute_loss(trainer.model, inputs))
+        else:
+            model = kw["model"]
+            inputs = _to_device(batch, next(model.parameters()).device)
+            self.controller.calibrate(lambda: _own_loss(model, inputs))
         self.calibrated = True
         rates = self.controller.rates
         log.info("dropbp: calibrated at step %d; rates %s", state.global_step, [round(r, 2) for r in rates])
-        self.trainer.log(
+        self._log(
+            args,
+            state,
+            control,
             {
                 "dropbp/rate_mean": sum(rates) / len(rates),
                 "dropbp/rate_min": min(rates),
                 "dropbp/rate_max": max(rates),
                 **{f"dropbp/rate/{i}": r for i, r in enumerate(rates)},
-            }
+            },
         )
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any):
-        if control.should_log:
+        if self._active() and control.should_log:
             stats = self.controller.drop_stats(reset=True)
-            self.trainer.log(
+            self._log(
+                args,
+                state,
+                control,
                 {
                     "dropbp/dropped_branches": stats["dropped_branches"],
                     "dropbp/dropped_flops_fraction": stats["dropped_flops_fraction"],
-                }
+                },
             )
-            control.should_log = True  # Trainer.log cleared it: the Trainer still logs its loss at this step
+            control.should_log = True  # the log cleared it: the Trainer still logs its loss at this step
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any):
-        if not state.is_world_process_zero:
+        if not self._active() or not state.is_world_process_zero:
             return
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, STATE_FILE), "w") as f:
             json.dump({"controller": self.controller.state_dict(), "calibrated": self.calibrated}, f)
 
+    def _log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: dict) -> None:
+        """What ``Trainer.log`` does, without the trainer: an entry in ``log_history``, then every ``on_log``.
 
-def attach(
-    trainer: Trainer,
-    drop_rate: float = 0.5,
-    *,
-    calibrate_at: float | None | str = "auto",
-    seed: int | None = None,
-    branches: Sequence[str] | None = None,
-    max_patterns: int | None = None,
-    unbiased: bool = False,
-    dropped_grads: str = DEFAULT_DROPPED_GRADS,
-    warmup: float = 0.2,
-    pattern: str = "cut",
-    chunked_loss: bool | int = False,
-    drop_schedule: str = "constant",
-    ramp: float = DEFAULT_RAMP,
-) -> DropBPCallback:
+        Not ``trainer.log`` itself, even when the trainer is known, so ``attach`` and ``DropBPCallback`` log
+        alike: a subclass's ``log`` (TRL's) would merge its own pending metrics into DropBP's entry.
+        """
+        if state.epoch is not None:
+            logs["epoch"] = state.epoch
+        if getattr(args, "include_num_input_tokens_seen", "no") not in ("no", False):
+            logs["num_input_tokens_seen"] = state.num_input_tokens_seen
+        state.log_history.append({**logs, "step": state.global_step})
+        if self._handler is not None:
+            self._handler.on_log(args, state, control, logs)
+        else:
+            log.info("dropbp: step %d: %s", state.global_step, logs)
+
+
+@takes_options(TrainerOptions)
+def attach(trainer: Trainer, drop_rate: float = 0.5, **options: Any) -> DropBPCallback:
     """Attach DropBP to ``trainer.model`` and register its callback; call before ``trainer.train()``.
 
-    ``pattern`` is :func:`dropbp.apply`'s (``"cut"``, or ``"uniform"`` for the paper's patterns).
-    ``calibrate_at``: fraction of the training steps at which sensitivities are measured and the
-    rates allocated, uniform patterns only; ``"auto"``: 0.1 with ``pattern="uniform"`` (the paper),
-    ``None`` (keep the shape's own rates) with ``"cut"``. ``seed`` defaults to ``trainer.args.seed``.
-    ``unbiased`` and ``dropped_grads`` are :func:`dropbp.apply`'s; the dropped gradients are filled
-    in an optimizer pre-step hook, after the Trainer's gradient clipping. ``warmup``: fraction of the
-    training steps over which the rates rise from 0 (``dropbp.apply``'s ``warmup_steps``); 0.2, the
-    best setting measured (docs/convergence.md), 0 to drop from the first step. Pass
-    ``pattern="uniform"`` for the memory saving too (every step then drops about ``drop_rate`` of the
-    branches; a cut drops none in some steps). ``chunked_loss``: :func:`dropbp.apply`'s,
-    the memory-lean head and loss for long sequences (:mod:`dropbp.chunked_loss`). ``drop_schedule``
-    and ``ramp``: :func:`dropbp.apply`'s, over the run's length, which ``attach`` passes as
-    ``total_steps`` when training begins: the run's mean drop rate, warm-up included, is ``drop_rate``.
-    Returns the callback; its ``controller`` is the :class:`DropBPController`. ``callback.controller.remove()``
-    takes DropBP off the model and the callback off the trainer; only then can ``attach`` be called again.
+    The one-liner for a trainer already made: :class:`DropBPCallback` with the same options, applied at
+    once (``seed`` defaults to ``trainer.args.seed``). Returns the callback; its ``controller`` is the
+    :class:`DropBPController`. ``callback.controller.remove()`` takes DropBP off the model and the
+    callback off the trainer; only then can ``attach`` be called again.
     """
-    callback = build_callback(
-        trainer,
-        drop_rate,
-        calibrate_at=calibrate_at,
-        seed=seed,
-        branches=branches,
-        max_patterns=max_patterns,
-        unbiased=unbiased,
-        dropped_grads=dropped_grads,
-        warmup=warmup,
-        pattern=pattern,
-        chunked_loss=chunked_loss,
-        drop_schedule=drop_schedule,
-        ramp=ramp,
-    )
+    callback = _built(trainer, TrainerOptions.given("attach", drop_rate=drop_rate, **options))
     trainer.add_callback(callback)
     return callback
 
 
-def build_callback(
-    trainer: Trainer,
-    drop_rate: float = 0.5,
-    *,
-    calibrate_at: float | None | str = "auto",
-    seed: int | None = None,
-    branches: Sequence[str] | None = None,
-    max_patterns: int | None = None,
-    unbiased: bool = False,
-    dropped_grads: str = DEFAULT_DROPPED_GRADS,
-    warmup: float = 0.2,
-    pattern: str = "cut",
-    chunked_loss: bool | int = False,
-    drop_schedule: str = "constant",
-    ramp: float = DEFAULT_RAMP,
-) -> DropBPCallback:
+@takes_options(TrainerOptions)
+def build_callback(trainer: Trainer, drop_rate: float = 0.5, **options: Any) -> DropBPCallback:
     """:func:`attach` without registering the callback: for frameworks that add callbacks themselves.
 
-    Applies DropBP to ``trainer.model`` (arguments as :func:`attach`) and returns the callback that
+    Applies DropBP to ``trainer.model`` (options as :func:`attach`) and returns the callback that
     the caller must add to ``trainer`` exactly once (axolotl's plugin hands it back from
     ``add_callbacks_post_trainer``, and axolotl adds it).
     """
-    if not isinstance(trainer, Trainer):
-        raise TypeError(f"trainer must be a transformers.Trainer, got {type(trainer).__name__}")
-    pattern, calibrate_at, warmup = check_schedule(pattern, calibrate_at, warmup)
-    if getattr(trainer, "is_deepspeed_enabled", False):  # --deepspeed, or accelerate launch with DeepSpeed
-        from .deepspeed import check_config
+    return _built(trainer, TrainerOptions.given("build_callback", drop_rate=drop_rate, **options))
 
-        config = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
-        check_config(config, dropped_grads, trainer.args.gradient_accumulation_steps)
-    controller = apply(
-        trainer.model,
-        drop_rate,
-        seed=trainer.args.seed if seed is None else seed,
-        branches=branches,
-        max_patterns=max_patterns,
-        unbiased=unbiased,
-        dropped_grads=dropped_grads,
-        pattern=pattern,
-        chunked_loss=chunked_loss,
-        drop_schedule=drop_schedule,
-        ramp=ramp,
-    )
-    _let_ddp_skip_unused_parameters(trainer)
-    callback = DropBPCallback(trainer, controller, calibrate_at, warmup)
-    # ``callback.controller.remove()`` takes the callback off the trainer too: a removed controller's callback
-    # would stop train() ("this DropBP controller was removed"), and attach again would leave two.
-    controller._on_remove.append(lambda: trainer.pop_callback(callback))
+
+def _built(trainer: Trainer, options: TrainerOptions) -> DropBPCallback:
+    callback = DropBPCallback.from_options(options)
+    callback._bind(trainer)
     return callback
 
 
-def check_schedule(
-    pattern: object, calibrate_at: object, warmup: object, *, prefix: str = ""
-) -> tuple[str, float | None, float]:
-    """:func:`attach`'s ``pattern``, ``calibrate_at`` and ``warmup`` checked, ``calibrate_at="auto"`` resolved.
+def _calling_handler(frame: Any) -> CallbackHandler | None:
+    """The ``CallbackHandler`` whose ``call_event`` called a callback's event (the frame given).
 
-    Separate from :func:`attach` so a config file can be checked before any model is loaded (the
-    axolotl plugin's arguments). ``prefix`` goes before every argument name in the messages, so they
-    name the keys the user wrote (``dropbp_pattern``).
+    The Trainer hands its callbacks neither itself nor its handler; the handler is what logs reach every
+    callback through (``Trainer.log`` calls its ``on_log``) and what a callback leaves. ``None`` where the
+    caller is something else (a framework calling events its own way): logs then go to ``log_history``
+    and the ``dropbp`` logger only.
     """
-    pattern = check_choice(f"{prefix}pattern", pattern, tuple(SAMPLERS))
-    if calibrate_at == "auto":
-        calibrate_at = 0.1 if pattern == "uniform" else None
-    if calibrate_at is not None:
-        calibrate_at = check_fraction(
-            f"{prefix}calibrate_at", calibrate_at, what="a fraction of the training steps (or None)"
+    caller = frame.f_locals.get("self")
+    return caller if isinstance(caller, CallbackHandler) else None
+
+
+def _first_batch(loader: Any) -> Any:
+    """The first batch of the training data: its first examples in order, collated as the trainer does.
+
+    Indexing the dataset draws nothing, so calibration leaves the data order and the random state of
+    training as they were; an iterable dataset gives the first batch its loader yields.
+    """
+    base = getattr(loader, "base_dataloader", loader)  # Accelerate's wrapper: the torch DataLoader inside
+    dataset, size = getattr(base, "dataset", None), getattr(base, "batch_size", None)
+    if size is not None and hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+        return base.collate_fn([dataset[i] for i in range(min(size, len(dataset)))])
+    return next(iter(base))
+
+
+def _to_device(batch: Any, device: Any) -> Any:
+    if isinstance(batch, Mapping):
+        return type(batch)({k: _to_device(v, device) for k, v in batch.items()})
+    return batch.to(device) if hasattr(batch, "to") else batch
+
+
+def _own_loss(model: Any, inputs: Mapping[str, Any]) -> Any:
+    """The model's own loss on ``inputs`` (a batch with labels), as ``Trainer.compute_loss`` takes it."""
+    outputs = model(**inputs)
+    loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs[0]
+    if loss is None:
+        raise ValueError(
+            "DropBPCallback calibrates with the model's own loss on the first training batch, and the model "
+            "returned none (no labels in the batch?); use attach(trainer, ...) to calibrate with the trainer's "
+            "compute_loss, or calibrate_at=None"
         )
-        if pattern != "uniform":
-            raise ValueError(
-                f"{prefix}calibrate_at={calibrate_at} needs {prefix}pattern='uniform': calibrated rates do not fall "
-                f"with depth, so {prefix}pattern={pattern!r} cannot realise them; pass {prefix}pattern='uniform' to "
-                f"calibrate, or {prefix}calibrate_at=None"
-            )
-    warmup = check_fraction(f"{prefix}warmup", warmup, what="a fraction of the training steps")
-    return pattern, calibrate_at, warmup
+    return loss
 
 
 def _let_ddp_skip_unused_parameters(trainer: Trainer) -> None:

@@ -1,0 +1,341 @@
+"""The options of ``dropbp.apply`` and of the Trainer integration, declared and validated once.
+
+:class:`DropBPOptions` holds every keyword option of :func:`dropbp.apply`; :class:`TrainerOptions`
+adds what only a Trainer run has (``warmup`` and ``calibrate_at``, fractions of the run) and leaves
+out what the run decides itself (``warmup_steps`` and ``total_steps``, which the callback of
+:mod:`dropbp.integrations.hf` derives from the run's length). Each field carries its default and its
+help text; :func:`takes_options` turns them into the keyword parameters that ``help()`` shows for
+``apply``, ``attach`` and ``DropBPCallback``, and the axolotl plugin derives its ``dropbp_*`` config
+keys from the same fields (:mod:`dropbp.integrations.axolotl`).
+
+**Adding an option is one edit, here**: a field of :class:`DropBPOptions` (or of
+:class:`TrainerOptions`, if only a Trainer run has it) with its default, its help and its check in
+``__post_init__``. ``apply``, ``attach``, ``DropBPCallback`` and the axolotl keys take it from
+there; what the option *does* is then wired where it acts (the policy, the controller).
+
+Validation happens once, when an options object is made: an object that exists is valid (it is
+frozen), so the parts built from it (policy, controller, hooks) do not check its values again.
+Settings that can also be changed later (``ctl.seed = ...``) are checked by the same functions of
+:mod:`dropbp.checks` in their setters, so a value is refused with the same message either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import textwrap
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar, get_type_hints
+
+from .backends import Backend
+from .checks import check_bool, check_choice, check_fraction, check_int, check_ramp
+from .dropped_grads import DEFAULT_DROPPED_GRADS, DROPPED_GRADS
+from .policy import DEFAULT_RAMP
+from .sampler import SAMPLERS
+from .schedule import DROP_SCHEDULES
+
+__all__ = ["DropBPOptions", "TrainerOptions", "option_fields", "takes_options"]
+
+# What goes before every option's name in error messages: "" for Python callers, "dropbp_" while the
+# axolotl plugin checks its config keys (:func:`named_as`).
+_PREFIX: ContextVar[str] = ContextVar("dropbp_option_prefix", default="")
+
+
+def _help(text: str, **more: Any) -> dict[str, Any]:
+    return {"help": " ".join(text.split()), **more}
+
+
+@dataclass(frozen=True)
+class DropBPOptions:
+    """The keyword options of :func:`dropbp.apply`; made, they are valid (see the module's docstring)."""
+
+    drop_rate: float = field(
+        metadata=_help(
+            """The FLOP-weighted mean drop probability of the branches, in [0, 1): with the cut shape, spread
+            over the depth; with the uniform shape, every branch's (``calibrate`` or ``set_rates`` can make
+            them differ); ``ctl.drop_rate``."""
+        )
+    )
+    seed: int = field(
+        default=0,
+        metadata=_help("Fixes the patterns: they are a function of (seed, step), identical on every process."),
+    )
+    branches: Sequence[str] | None = field(
+        default=None,
+        metadata=_help(
+            """Module names (as in ``model.named_modules()``) of the branches, in forward order, for a model
+            that is not a recognised architecture: each module's output must be what is then added to the
+            residual stream, not a module that adds the residual itself (a whole layer; BERT's
+            ``encoder.layer.N.attention``, which ends in ``LayerNorm(x + ...)``). For BERT:
+            ``[f"bert.encoder.layer.{i}.{m}" for i in range(n) for m in ("attention.self", "intermediate")]``.
+            A whole layer, or a module holding one or another named branch, is refused; a choice that cuts
+            every trainable parameter off the output is stopped at that forward with this advice."""
+        ),
+    )
+    max_patterns: int | None = field(
+        default=None,
+        metadata=_help(
+            """Bound on distinct patterns (for compiled graphs); ``None``: the backend's default (a bound on
+            lazily compiled devices)."""
+        ),
+    )
+    seq_len: int = field(
+        default=512, metadata=_help("The typical sequence length, used only to weigh attention FLOPs.")
+    )
+    backend: str | Backend | None = field(
+        default=None,
+        metadata=_help(
+            """A backend name or instance (default :func:`dropbp.backends.get`: ``DROPBP_BACKEND``, else
+            detected); ``ctl.backend``, whose step boundaries :meth:`DropBPController.backward` and
+            :meth:`DropBPController.optimizer_step` place."""
+        ),
+    )
+    unbiased: bool = field(
+        default=False,
+        metadata=_help(
+            """Multiply the gradient entering each kept branch by ``1 / (1 - rate)`` (forward unchanged), so
+            every parameter's expected gradient is the full-backprop gradient; ``ctl.unbiased``, settable."""
+        ),
+    )
+    dropped_grads: str = field(
+        default=DEFAULT_DROPPED_GRADS,
+        metadata=_help(
+            """What the optimizer sees for a dropped branch's parameters: ``"skip"`` (no gradient, so no
+            update: the paper), ``"zero"`` (a zero gradient: momentum optimizers keep moving them) or
+            ``"reuse"`` (their last computed gradient); see :mod:`dropbp.dropped_grads`. The fill runs in an
+            optimizer pre-step hook, after a Trainer's gradient clipping."""
+        ),
+    )
+    warmup_steps: int = field(
+        default=0,
+        metadata=_help(
+            """Training forwards over which every rate rises linearly from 0: the first steps, where a
+            fine-tune learns fastest, run (nearly) full backprop; ``ctl.warmup_steps``, saved in
+            ``state_dict``.""",
+            trainer="the run decides it: pass warmup= (a fraction of the training steps)",
+        ),
+    )
+    pattern: str = field(
+        default="cut",
+        metadata=_help(
+            """The shape of the drop patterns. ``"cut"`` (the default): each step draws a depth and drops every
+            branch below it, so a kept branch's gradient misses no path through a dropped branch above it;
+            the rates fall with depth (:func:`dropbp.allocation.cut_rates`, capped at ``(1 + drop_rate) / 2``
+            so the bottom still trains), their FLOP-weighted mean is ``drop_rate``, and the top branch is
+            always kept. It reached a given loss sooner than the paper's patterns in every setting measured
+            (``docs/patterns.md``). The number dropped varies from step to step, down to none, so it does
+            not lower the peak memory. ``"uniform"``: the paper's, every branch dropped at its own rate
+            wherever it sits, the same number in every step (steady memory: use it to train longer
+            sequences), and the only shape ``calibrate`` can allocate for. ``ctl.pattern``, settable."""
+        ),
+    )
+    chunked_loss: bool | int = field(
+        default=False,
+        metadata=_help(
+            """For a Hugging Face causal LM called with ``labels`` in training, compute the LM head and
+            cross-entropy in chunks recomputed in backward (:mod:`dropbp.chunked_loss`): same loss and
+            gradients, but the full logits and their gradient never exist at once, so they no longer cap
+            the memory dropping saves. ``True``: chunks of 64 MiB of float32 logits; an int: tokens per
+            chunk. Such forwards return ``logits=None``. Works at any rate, 0 included; ``ctl.remove()``
+            restores the model's forward."""
+        ),
+    )
+    total_steps: int | None = field(
+        default=None,
+        metadata=_help(
+            """The run's length in training forwards (micro-batches: optimizer steps times gradient
+            accumulation), counted like ``warmup_steps``. Given, the rates follow ``drop_schedule`` over the
+            run and are scaled so that the run's mean drop rate, warm-up included, is ``drop_rate`` (the
+            compute it asks to save); without it, the rates stay as set after the warm-up.
+            ``ctl.total_steps``, saved in ``state_dict``.""",
+            trainer="the run decides it: max_steps x gradient_accumulation_steps, when training begins",
+        ),
+    )
+    drop_schedule: str = field(
+        default="constant",
+        metadata=_help(
+            """How the rates move over a run of known length (:mod:`dropbp.schedule`): ``"constant"`` (only
+            the warm-up), or rising from 0 over the first ``ramp`` of the run, ``"linear"``, ``"cosine"`` or
+            ``"step"``, then held at the peak that keeps the mean: with the cut shape, a randomised
+            progressive freezing from the bottom. A peak the pattern shape cannot take (a rate above 1) is
+            refused. ``ctl.drop_schedule``."""
+        ),
+    )
+    ramp: float = field(
+        default=DEFAULT_RAMP,
+        metadata=_help("The share of the run, in (0, 1], over which a rising ``drop_schedule`` rises; ``ctl.ramp``."),
+    )
+
+    #: The value given to ``seed`` may be None (the Trainer integration: the run's own seed).
+    _seed_may_be_none: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        key = _PREFIX.get().__add__
+        try:
+            self._set("drop_rate", check_fraction(key("drop_rate"), self.drop_rate))
+        except ValueError as error:
+            raise ValueError(
+                f"{error}: it is the fraction of the residual branches' backward passes skipped per step; "
+                "set it to e.g. 0.5 (the paper uses 0.5 to 0.875)"
+            ) from None
+        if self.seed is not None or not self._seed_may_be_none:
+            check_int(key("seed"), self.seed, 0)
+        if self.branches is not None:
+            if not isinstance(self.branches, (list, tuple)):
+                raise TypeError(f"{key('branches')} must be a list of module names, got {type(self.branches).__name__}")
+            self._set("branches", tuple(self.branches))
+        if self.max_patterns is not None:
+            check_int(key("max_patterns"), self.max_patterns, 1)
+        check_int(key("seq_len"), self.seq_len, 1)
+        if not (self.backend is None or isinstance(self.backend, (str, Backend))):
+            raise TypeError(f"{key('backend')} must be a name, a Backend or None, got {type(self.backend).__name__}")
+        check_bool(key("unbiased"), self.unbiased)
+        check_choice(key("dropped_grads"), self.dropped_grads, DROPPED_GRADS)
+        check_int(key("warmup_steps"), self.warmup_steps, 0)
+        check_choice(key("pattern"), self.pattern, tuple(SAMPLERS))
+        chunked = self.chunked_loss
+        if not (isinstance(chunked, bool) or (isinstance(chunked, int) and chunked >= 1)):
+            raise ValueError(
+                f"{key('chunked_loss')} must be False, True or a positive int (tokens per chunk), got {chunked!r}"
+            )
+        if self.total_steps is not None:
+            check_int(key("total_steps"), self.total_steps, 1)
+        check_choice(key("drop_schedule"), self.drop_schedule, DROP_SCHEDULES)
+        self._set("ramp", check_ramp(key("ramp"), self.ramp))
+
+    def _set(self, name: str, value: Any) -> None:
+        """Store a checked value in its normal form (a float for a number given as an int, a tuple of names)."""
+        object.__setattr__(self, name, value)
+
+    @classmethod
+    def given(cls: type[_O], caller: str, **options: Any) -> _O:
+        """The options ``caller`` was given as keywords; a name that is not an option is a TypeError saying
+        which are."""
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        for name in options:
+            if name not in names:
+                known = ", ".join(f.name for f in option_fields(cls))
+                raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}; its options are {known}")
+            if not names[name].init:
+                raise TypeError(f"{caller}() does not take {name}: {names[name].metadata['trainer']}")
+        return cls(**options)
+
+    def apply_options(self, **overrides: Any) -> DropBPOptions:
+        """These options as :func:`dropbp.apply`'s, with ``overrides`` (what a Trainer run decides)."""
+        own = {f.name: getattr(self, f.name) for f in option_fields(DropBPOptions)}
+        return DropBPOptions(**{**own, **overrides})
+
+
+_O = TypeVar("_O", bound=DropBPOptions)
+
+
+@dataclass(frozen=True)
+class TrainerOptions(DropBPOptions):
+    """The options of a Trainer run (``attach``, ``DropBPCallback``, the axolotl keys): ``apply``'s, less
+    ``warmup_steps`` and ``total_steps`` (the run's length decides them), plus ``warmup`` and ``calibrate_at``."""
+
+    drop_rate: float = field(default=0.5, metadata=DropBPOptions.__dataclass_fields__["drop_rate"].metadata)
+    seed: int | None = field(
+        default=None, metadata=_help("Fixes the patterns (as ``apply``'s); ``None``: the run's ``args.seed``.")
+    )
+    warmup_steps: int = field(
+        default=0, init=False, metadata=DropBPOptions.__dataclass_fields__["warmup_steps"].metadata
+    )
+    total_steps: int | None = field(
+        default=None, init=False, metadata=DropBPOptions.__dataclass_fields__["total_steps"].metadata
+    )
+    warmup: float = field(
+        default=0.2,
+        metadata=_help(
+            """Fraction of the training steps over which the rates rise from 0 (``apply``'s ``warmup_steps``):
+            0.2, the best setting measured (docs/convergence.md); 0 to drop from the first step. Knowing the
+            run's length, the drop rate also gets its time schedule (``drop_schedule``): the run's mean drop
+            rate, warm-up included, is ``drop_rate``."""
+        ),
+    )
+    calibrate_at: float | str | None = field(
+        default="auto",
+        metadata=_help(
+            """Fraction of the training steps at which sensitivities are measured and the rates allocated,
+            uniform patterns only; ``"auto"``: 0.1 with ``pattern="uniform"`` (the paper), ``None`` (keep the
+            shape's own rates) with ``"cut"``."""
+        ),
+    )
+
+    _seed_may_be_none: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        key = _PREFIX.get().__add__
+        if self.calibrate_at not in (None, "auto"):
+            point = check_fraction(
+                key("calibrate_at"), self.calibrate_at, what="a fraction of the training steps (or None)"
+            )
+            if self.pattern != "uniform":
+                calibrate_at, pattern = key("calibrate_at"), key("pattern")
+                raise ValueError(
+                    f"{calibrate_at}={point} needs {pattern}='uniform': calibrated rates do not fall with depth, "
+                    f"so {pattern}={self.pattern!r} cannot realise them; pass {pattern}='uniform' to calibrate, "
+                    f"or {calibrate_at}=None"
+                )
+            self._set("calibrate_at", point)
+        self._set("warmup", check_fraction(key("warmup"), self.warmup, what="a fraction of the training steps"))
+
+    @property
+    def calibration_point(self) -> float | None:
+        """``calibrate_at`` with ``"auto"`` resolved: the fraction of the run at which to calibrate, or None."""
+        if self.calibrate_at == "auto":
+            return 0.1 if self.pattern == "uniform" else None
+        return self.calibrate_at  # type: ignore[return-value]
+
+
+def option_fields(cls: type[DropBPOptions]) -> list[dataclasses.Field]:
+    """The fields of ``cls`` that its callers pass (not those a Trainer run decides), in declaration order."""
+    return [f for f in dataclasses.fields(cls) if f.init]
+
+
+@contextmanager
+def named_as(prefix: str) -> Iterator[None]:
+    """Error messages of the options made inside name every option ``prefix + name`` (axolotl's keys)."""
+    token = _PREFIX.set(prefix)
+    try:
+        yield
+    finally:
+        _PREFIX.reset(token)
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def takes_options(cls: type[DropBPOptions]) -> Callable[[_F], _F]:
+    """Give a function that takes ``**options`` the signature and docstring of every option of ``cls``.
+
+    Its own parameters (``model, drop_rate`` of ``apply``) come first, as written; each other option
+    becomes a keyword-only parameter with its default and type, documented from its help, so
+    ``help(dropbp.apply)`` lists every option and a new field needs no edit here.
+    """
+    hints = get_type_hints(cls)
+
+    def decorate(function: _F) -> _F:
+        signature = inspect.signature(function)
+        own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        named = {p.name for p in own}
+        extra = [
+            inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
+            for f in option_fields(cls)
+            if f.name not in named
+        ]
+        function.__signature__ = signature.replace(parameters=[*own, *extra])  # type: ignore[attr-defined]
+        lines = [f"\n    Options (:class:`dropbp.options.{cls.__name__}`; keywords, except where named above):"]
+        for f in option_fields(cls):
+            text = textwrap.fill(
+                f"{f.name}: {f.metadata['help']}", 104, subsequent_indent="    ", break_on_hyphens=False
+            )
+            lines.append(textwrap.indent(text, "        "))
+        function.__doc__ = (function.__doc__ or "").rstrip() + "\n" + "\n".join(lines) + "\n"
+        return function
+
+    return decorate
