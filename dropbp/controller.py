@@ -264,9 +264,10 @@ class DropBPController:
             )
         boundary = self.backend.graph_break  # lazy devices: one graph per pass, not one for all
         if "deepspeed" in sys.modules:  # a DeepSpeed engine cannot take calibration passes
-            from .integrations.deepspeed import calibration_closure
+            from .integrations.deepspeed import calibration_closure, calibration_method
 
             closure = calibration_closure(closure)
+            method = calibration_method(self._model.parameters(), method)
         sens = sensitivity.measure(
             self._model,
             [b.parts[-1] for b in self._found],  # what the residual add receives: the tail's last part

@@ -157,6 +157,18 @@ def check_config(config: Mapping[str, Any], dropped_grads: str, accumulation: in
     )
 
 
+def calibration_method(params: Iterable[nn.Parameter], method: str) -> str:
+    """``method``, or ``"exact-recompute"`` for parameters a ZeRO-3 optimizer holds.
+
+    One-pass calibration runs several backward passes over one retained graph; ZeRO-3 releases a
+    module's gathered parameters once its backward has run, so a later pass can find them partitioned
+    (a size-mismatch RuntimeError; seen in the two-process Trainer test when the step before calibration
+    had dropped branches). Each pass of exact-recompute is its own forward and backward, gathered as in
+    training.
+    """
+    return "exact-recompute" if zero_stage(params) == 3 else method
+
+
 def calibration_closure(closure: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
     """``closure``, stopped with advice if its loss came out of a ``DeepSpeedEngine`` forward.
 
