@@ -16,8 +16,8 @@ from .backends import get as get_backend
 from .checks import check_int
 from .controller import DropBPController
 from .discovery import find_branches
-from .distributed import unwrap
 from .dropped_grads import DEFAULT_DROPPED_GRADS
+from .frameworks import unwrap
 from .policy import DEFAULT_RAMP, DropPolicy
 
 __all__ = ["apply"]

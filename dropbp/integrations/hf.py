@@ -240,7 +240,7 @@ def build_callback(
     callback = DropBPCallback(trainer, controller, calibrate_at, warmup)
     # ``callback.controller.remove()`` takes the callback off the trainer too: a removed controller's callback
     # would stop train() ("this DropBP controller was removed"), and attach again would leave two.
-    controller._on_remove.append(lambda: trainer.pop_callback(callback))
+    controller.on_remove(lambda: trainer.pop_callback(callback))
     return callback
 
 
