@@ -315,3 +315,28 @@ def test_no_private_attribute_is_read_across_modules():
     ``ctl.on_remove``, ``controller_of``), not its parts."""
     files = [*PACKAGE.rglob("*.py"), *Path(__file__).parent.glob("*.py"), *(PACKAGE.parent / "backends").glob("*.py")]
     assert not [hit for path in sorted(files) for hit in _private_reads(path)]
+
+
+def test_the_controller_answers_what_other_modules_asked_its_parts():
+    from conftest import batch
+
+    from dropbp.controller import controller_of
+
+    model = tiny_model("llama", layers=2).train()
+    ctl = dropbp.apply(model, 0.5, pattern="uniform")
+    assert ctl.model is model and controller_of(model) is ctl and controller_of(model.model.layers[1].mlp) is ctl
+    seen = []
+    model.register_forward_hook(lambda module, args, output: seen.append((ctl.forced, ctl.step)))
+    with ctl.forcing({1}):
+        model(input_ids=batch(0))
+    model(input_ids=batch(0))
+    assert seen == [((ctl.branches[1].name,), 0), (None, 1)]
+    with pytest.raises(ValueError, match=r"pattern must hold branch indices in \[0, 4\), got \[4\]"), ctl.forcing({4}):
+        pass
+    undone = []
+    ctl.on_remove(lambda: undone.append("first"))
+    ctl.on_remove(lambda: undone.append("second"))
+    ctl.remove()
+    assert undone == ["second", "first"] and controller_of(model) is None
+    with pytest.raises(RuntimeError, match="was removed"), ctl.forcing(()):
+        pass
