@@ -27,6 +27,7 @@ from .xpu import XPUBackend
 __all__ = [
     "ENTRY_POINT_GROUP",
     "Backend",
+    "BUILTIN",
     "BackendUnavailable",
     "UnknownBackend",
     "available",
@@ -37,7 +38,8 @@ __all__ = [
 ENTRY_POINT_GROUP = "dropbp.backends"
 ENV_VAR = "DROPBP_BACKEND"
 
-_BUILTIN: dict[str, type[Backend]] = {
+#: The built-in backend classes by name (plugins come from the entry points of ENTRY_POINT_GROUP).
+BUILTIN: dict[str, type[Backend]] = {
     "cpu": CPUBackend,
     "cuda": CUDABackend,
     "hpu": HPUBackend,
@@ -49,12 +51,12 @@ _DETECTION_ORDER = ("hpu", "cuda", "xpu", "cpu")
 
 def _plugins() -> dict[str, EntryPoint]:
     found = {ep.name.strip().lower(): ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
-    return {name: ep for name, ep in found.items() if name not in _BUILTIN}
+    return {name: ep for name, ep in found.items() if name not in BUILTIN}
 
 
 def available() -> list[str]:
     """Names of the registered backends (built-in and plugins), whether or not their device is here."""
-    return sorted({*_BUILTIN, *_plugins()})
+    return sorted({*BUILTIN, *_plugins()})
 
 
 def detection() -> list[tuple[str, str | None]]:
@@ -63,7 +65,7 @@ def detection() -> list[tuple[str, str | None]]:
     What :func:`get` would detect, and why the devices before it were passed over: reports such as
     ``dropbp check`` show it, since "why did it pick the CPU?" is the first question on a GPU host.
     """
-    return [(n, _BUILTIN[n].unavailable_reason()) for n in _DETECTION_ORDER]
+    return [(n, BUILTIN[n].unavailable_reason()) for n in _DETECTION_ORDER]
 
 
 def _load_plugin(name: str, ep: EntryPoint) -> type[Backend]:
@@ -83,8 +85,8 @@ def _load_plugin(name: str, ep: EntryPoint) -> type[Backend]:
 
 
 def _lookup(name: str, source: str) -> type[Backend]:
-    if name in _BUILTIN:
-        return _BUILTIN[name]
+    if name in BUILTIN:
+        return BUILTIN[name]
     plugins = _plugins()
     if name in plugins:
         return _load_plugin(name, plugins[name])
@@ -108,7 +110,7 @@ def get(name: str | None = None) -> Backend:
         raise TypeError(f"backend name must be a str or None, got {type(name).__name__}")
     requested = requested.strip().lower() or "auto"
     if requested == "auto":  # the CPU is always available, so detection always ends with a backend
-        return next(_BUILTIN[n]() for n in _DETECTION_ORDER if _BUILTIN[n].is_available())
+        return next(BUILTIN[n]() for n in _DETECTION_ORDER if BUILTIN[n].is_available())
     cls = _lookup(requested, source)
     reason = cls.unavailable_reason()
     if reason is not None:

@@ -15,7 +15,7 @@ from torch import nn
 from .backends import get as get_backend
 from .controller import DropBPController
 from .discovery import find_branches
-from .distributed import unwrap
+from .frameworks import unwrap
 from .options import DropBPOptions, takes_options
 from .policy import DropPolicy
 

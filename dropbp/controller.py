@@ -9,9 +9,9 @@ next step; the :class:`~dropbp.discovery.Branch` objects it hands out are read-o
 
 from __future__ import annotations
 
-import sys
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -26,19 +26,27 @@ from .chunked_loss import ChunkedLoss
 from .compile import EnclosingCompileWarning
 from .copies import CleanCopies
 from .discovery import Branch
-from .distributed import check_ddp, unwrap
+from .distributed import RunningDDPCheck, check_ddp
+from .dropped_grads import DroppedGrads
+from .frameworks import FrameworkWatch, calibration_closure, calibration_method, check_wrapper, unwrap
 from .hooks import StepHooks
 from .options import DropBPOptions
 from .policy import DropPolicy
 from .stats import DropTally
 
-__all__ = ["DropBPController"]
+__all__ = ["DropBPController", "controller_of"]
 
 # Modules (models and branch modules) that already carry a controller: applying twice would stack
 # hooks and make two policies fight over one model.
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, DropBPController] = weakref.WeakKeyDictionary()
 
 _STATE_VERSION = 1
+
+
+def controller_of(module: nn.Module) -> DropBPController | None:
+    """The controller attached to ``module`` (a model given to :func:`dropbp.apply`, unwrapped, or one of its
+    branch modules), or None: how tools that take "the model" find its branches and patterns."""
+    return _ATTACHED.get(module)
 
 
 def _policy_setting(name: str, doc: str) -> property:
@@ -48,7 +56,7 @@ def _policy_setting(name: str, doc: str) -> property:
         return getattr(self._policy, name)
 
     def set(self: DropBPController, value: Any) -> None:
-        self._check_attached()
+        self.check_attached()
         setattr(self._policy, name, value)
 
     return property(get, set, doc=f"{doc} Settable: validated, and effective from the next step.")
@@ -92,10 +100,8 @@ class DropBPController:
             )
         self._policy = policy
         self._unbiased = options.unbiased  # the options are valid (checked when made): no check again here
-        if ddp is None and wrapper is not model:  # a DeepSpeedEngine
-            from .integrations.deepspeed import check_engine
-
-            check_engine(wrapper, options.dropped_grads)
+        if ddp is None and wrapper is not model:  # a framework's wrapper (a DeepSpeedEngine)
+            check_wrapper(wrapper, options.dropped_grads)
         #: The device backend whose step boundaries :meth:`backward` and :meth:`optimizer_step` place.
         self.backend = backend
         self._model = model
@@ -105,15 +111,13 @@ class DropBPController:
         # first: a model it cannot handle leaves no hooks
         chunked = options.chunked_loss
         self._chunked = None if chunked is False else ChunkedLoss(model, None if chunked is True else chunked)
-        self._hooks = StepHooks(
-            model,
-            [b.parts for b in branches],
-            flops,
-            policy,
-            [b.name for b in self._found],
-            lambda: self._unbiased,
-            options.dropped_grads,
-        )
+        self._hooks = StepHooks(model, self._found, policy, lambda: self._unbiased)
+        self._fill = DroppedGrads(options.dropped_grads, self._hooks.holders)
+        self._tally = DropTally(flops)
+        self._hooks.listen(RunningDDPCheck())  # first: it may refuse the step before anything notes it
+        self._hooks.listen(self._fill)
+        self._hooks.listen(FrameworkWatch(model, self._hooks.holders, options.dropped_grads))
+        self._hooks.listen(self._tally)
         compile_warning = EnclosingCompileWarning()
         self._compile_handles = compile_warning.attach(model, [b.name for b in self._found])
         touched = [
@@ -127,9 +131,7 @@ class DropBPController:
         for module in (model, *self._modules):
             _ATTACHED[module] = self
         self._removed = False
-        #: Undo steps of integrations that hooked this controller into something else (a Trainer's callback),
-        #: run by :meth:`remove` so that removing the controller removes them too.
-        self._on_remove: list[Callable[[], None]] = []
+        self._undo: list[Callable[[], None]] = []  # see on_remove
 
     def _names(self, indices: frozenset[int]) -> tuple[str, ...]:
         return tuple(self._found[i].name for i in sorted(indices))
@@ -148,7 +150,7 @@ class DropBPController:
     def set_rates(self, rates: Sequence[float]) -> None:
         """Set one drop rate per branch (branch order). Uniform shape: each in [0, 1), summing to at most
         N - 1. Cut shape: each in [0, 1], not rising with depth, the top one 0."""
-        self._check_attached()
+        self.check_attached()
         self._policy.set_rates(rates)
 
     drop_rate = _policy_setting(
@@ -189,9 +191,34 @@ class DropBPController:
     @property
     def dropped_grads(self) -> str:
         """What the optimizer sees for dropped branches: "skip", "zero" or "reuse" (see apply)."""
-        return self._hooks.fill.mode
+        return self._fill.mode
 
     # -- what happened ---------------------------------------------------------------------------
+    @property
+    def model(self) -> nn.Module:
+        """The module DropBP is attached to: the model given to :func:`dropbp.apply`, or the one its DDP or
+        DeepSpeed wrapper wraps."""
+        return self._model
+
+    @contextmanager
+    def forcing(self, pattern: Collection[int]) -> Iterator[None]:
+        """Within the block every forward drops exactly the branches ``pattern`` (indices in branch order)
+        and takes no step: no pattern is drawn, the step counter stays (what calibration does;
+        :mod:`dropbp.memory` measures with it)."""
+        self.check_attached()
+        indices = frozenset(pattern)
+        if not all(isinstance(i, int) and 0 <= i < len(self._found) for i in indices):
+            raise ValueError(f"pattern must hold branch indices in [0, {len(self._found)}), got {sorted(pattern)}")
+        with self._hooks.force(indices):
+            yield
+
+    @property
+    def forced(self) -> tuple[str, ...] | None:
+        """Names of the branches a forced pattern (:meth:`forcing`, calibration) drops in the forwards running
+        now; None outside such a block, where forwards draw the step's pattern."""
+        forced = self._hooks.forced
+        return None if forced is None else self._names(forced)
+
     @property
     def last_dropped(self) -> tuple[str, ...]:
         """Names of the branches dropped in the most recent training-mode forward."""
@@ -217,9 +244,9 @@ class DropBPController:
     def drop_stats(self, reset: bool = True) -> dict[str, float]:
         """What was dropped over the training forwards since the last reset: their number, the mean
         number of branches dropped per forward, and the mean fraction of branch FLOPs dropped."""
-        stats = self._hooks.tally.summary(sum(b.flops for b in self._found))
+        stats = self._tally.summary()
         if reset:
-            self._hooks.tally = DropTally()
+            self._tally.reset()
         return stats
 
     # -- calibration and optimizer ---------------------------------------------------------------
@@ -251,7 +278,7 @@ class DropBPController:
         Returns:
             The sensitivities, in branch order.
         """
-        self._check_attached()
+        self.check_attached()
         if not callable(closure):
             raise TypeError(f"closure must be callable and return the loss, got {type(closure).__name__}")
         check_choice("method", method, sensitivity.CALIBRATION_METHODS)
@@ -263,11 +290,8 @@ class DropBPController:
                 "before calibrating, or keep the cut's rates"
             )
         boundary = self.backend.graph_break  # lazy devices: one graph per pass, not one for all
-        if "deepspeed" in sys.modules:  # a DeepSpeed engine cannot take calibration passes
-            from .integrations.deepspeed import calibration_closure, calibration_method
-
-            closure = calibration_closure(closure)
-            method = calibration_method(self._model.parameters(), method)
+        closure = calibration_closure(closure)  # e.g. a DeepSpeed engine cannot take calibration passes
+        method = calibration_method(self._model.parameters(), method)  # e.g. ZeRO-3: exact-recompute
         sens = sensitivity.measure(
             self._model,
             [b.parts[-1] for b in self._found],  # what the residual add receives: the tail's last part
@@ -306,7 +330,7 @@ class DropBPController:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; the branches must be the same as when it was saved."""
-        self._check_attached()
+        self.check_attached()
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict from state_dict(), got {type(state).__name__}")
         missing = {"version", "branches", "rates", "drop_rate", "seed", "step", "max_patterns"} - set(state)
@@ -368,10 +392,16 @@ class DropBPController:
             if _ATTACHED.get(module) is self:
                 del _ATTACHED[module]
         self._removed = True
-        while self._on_remove:
-            self._on_remove.pop()()
+        while self._undo:
+            self._undo.pop()()
 
-    def _check_attached(self) -> None:
+    def on_remove(self, undo: Callable[[], None]) -> None:
+        """Run ``undo`` when :meth:`remove` runs (the last given first): for integrations that hooked this
+        controller into something else (a Trainer's callback), so that removing the controller removes them too."""
+        self._undo.append(undo)
+
+    def check_attached(self) -> None:
+        """Raise ``RuntimeError``, saying what to do, if this controller was removed (:meth:`remove`)."""
         if self._removed:
             raise RuntimeError("this DropBP controller was removed; call dropbp.apply(model, ...) again")
 

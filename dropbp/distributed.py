@@ -17,31 +17,15 @@ Every rank draws the same pattern without communicating (a pure function of seed
   (DDP names the wrapper running a forward in ``DistributedDataParallel._active_ddp_module``). With
   ``find_unused_parameters=True`` DDP leaves the gradient of a parameter unused on every rank untouched.
 - **DeepSpeed** ZeRO treats a parameter without a gradient differently per stage, never as one process
-  does; :mod:`dropbp.integrations.deepspeed` makes it (here: a ``DeepSpeedEngine`` given to ``apply``
-  is unwrapped like DDP).
+  does; :mod:`dropbp.integrations.deepspeed` makes it (a ``DeepSpeedEngine`` given to ``apply`` is unwrapped
+  like DDP, :func:`dropbp.frameworks.unwrap`).
 """
 
 from __future__ import annotations
 
-import sys
-
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["check_ddp", "check_running_ddp", "check_running_ddp_checkpointing", "unwrap"]
-
-
-def unwrap(model: nn.Module) -> tuple[nn.Module, DistributedDataParallel | None]:
-    """The module DropBP attaches to (a DDP wrapper's or a ``DeepSpeedEngine``'s ``.module``) and
-    the DDP wrapper, if any."""
-    if isinstance(model, DistributedDataParallel):
-        return model.module, model
-    if "deepspeed" in sys.modules:
-        from .integrations.deepspeed import is_engine
-
-        if is_engine(model):
-            return model.module, None
-    return model, None
+__all__ = ["RunningDDPCheck", "check_ddp", "check_running_ddp", "check_running_ddp_checkpointing"]
 
 
 def check_ddp(ddp: DistributedDataParallel) -> None:
@@ -71,6 +55,18 @@ def check_running_ddp() -> None:
     ddp = _running_ddp()
     if ddp is not None:
         check_ddp(ddp)
+
+
+class RunningDDPCheck:
+    """Step listener (:class:`dropbp.hooks.StepListener`): a DDP wrapper added after ``apply`` must cope with
+    parameters that get no gradient, checked at each training forward that drops a branch."""
+
+    def on_training_forward(self, pattern: frozenset[int]) -> None:
+        if pattern:
+            check_running_ddp()
+
+    def on_remove(self) -> None:
+        """Nothing to undo."""
 
 
 def check_running_ddp_checkpointing() -> None:

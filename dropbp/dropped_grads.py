@@ -38,7 +38,9 @@ DEFAULT_DROPPED_GRADS = "skip"
 
 class DroppedGrads:
     """Fills dropped branches' gradients before each optimizer step, per ``mode`` (one of :data:`DROPPED_GRADS`,
-    checked by the entry point: :class:`dropbp.options.DropBPOptions`)."""
+    checked by the entry point: :class:`dropbp.options.DropBPOptions`).
+
+    A step listener (:class:`dropbp.hooks.StepListener`): the controller adds it to its step hooks."""
 
     def __init__(self, mode: str, modules: list[nn.Module]) -> None:
         self.mode = mode
@@ -57,13 +59,13 @@ class DroppedGrads:
 
             self._handle = register_optimizer_step_pre_hook(hook)
 
-    def note_dropped(self, indices: Iterable[int]) -> None:
+    def on_training_forward(self, pattern: Iterable[int]) -> None:
         """Record the branches a training forward dropped (called once per forward). The record
         covers every forward since the last optimizer step (gradient accumulation), and stays until
         the next forward, so several optimizers stepping in turn all see it."""
         if self._stepped:
             self._pending, self._stepped = set(), False
-        self._pending.update(indices)
+        self._pending.update(pattern)
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._stepped = True
@@ -86,7 +88,7 @@ class DroppedGrads:
     def _trainable(module: nn.Module, held: set[int]) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in module.named_parameters() if p.requires_grad and id(p) in held]
 
-    def remove(self) -> None:
+    def on_remove(self) -> None:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None

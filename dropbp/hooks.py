@@ -9,31 +9,44 @@ called: a dropped one runs without autograd (:mod:`dropbp.no_grad`) and is not r
 checkpointing (:mod:`dropbp.recompute`); a kept one may get its incoming gradient scaled
 (:mod:`dropbp.scaling`). Eval and no-grad forwards draw nothing. Calibration forces a pattern
 (:meth:`StepHooks.force`) without taking a step. Every hook runs outside ``torch.compile`` graphs.
+
+Whatever else must follow each step's pattern (the fill of dropped gradients, the DDP check, a
+framework's guard, the drop tally) is a :class:`StepListener` its owner adds (:meth:`StepHooks.listen`):
+a new concern adds a listener, not a line here.
 """
 
 from __future__ import annotations
 
-import sys
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .discovery import holder
-from .distributed import check_running_ddp, check_running_ddp_checkpointing
-from .dropped_grads import DroppedGrads
+from .discovery import Branch, holder
+from .distributed import check_running_ddp_checkpointing
 from .eager import outside_graphs
 from .no_grad import attach_no_grad_hooks
 from .optimizer import compensation
 from .policy import DropPolicy
 from .recompute import RecomputeCache, forward_region, in_backward, recomputed_region
 from .scaling import attach_gradient_scaling
-from .stats import DropTally
 
-__all__ = ["StepHooks"]
+__all__ = ["StepHooks", "StepListener"]
+
+
+class StepListener(Protocol):
+    """A concern that follows each training step's pattern."""
+
+    def on_training_forward(self, pattern: frozenset[int]) -> None:
+        """Called at each training forward that draws a pattern (not at calibration's forced ones), with the
+        indices of the branches it drops, before any branch runs; may raise to stop the step."""
+
+    def on_remove(self) -> None:
+        """Undo whatever this listener installed: DropBP is being removed from the model."""
 
 
 class StepHooks:
@@ -41,31 +54,21 @@ class StepHooks:
 
     Args:
         model: the model whose training forwards are the steps.
-        parts: per branch, in branch order, its module and then its tail (post-norms between its
-            output and the residual add): every part runs without autograd when the branch drops.
-        flops: their costs, for the drop tally.
+        branches: in branch order; each branch's parts (its module, then its tail: post-norms between its
+            output and the residual add) run without autograd when the branch drops.
         policy: decides each step's pattern.
-        names: the branches' module names, for messages.
         unbiased: read at every forward: whether kept branches' incoming gradients are scaled.
-        dropped_grads: what the optimizer sees for dropped branches ("skip", "zero", "reuse").
     """
 
     def __init__(
-        self,
-        model: nn.Module,
-        parts: Sequence[Sequence[nn.Module]],
-        flops: Sequence[float],
-        policy: DropPolicy,
-        names: Sequence[str],
-        unbiased: Callable[[], bool],
-        dropped_grads: str,
+        self, model: nn.Module, branches: Sequence[Branch], policy: DropPolicy, unbiased: Callable[[], bool]
     ) -> None:
+        parts = [b.parts for b in branches]
         self._model = model
-        self._names = list(names)
+        self._names = [b.name for b in branches]
         self._modules = [branch[0] for branch in parts]
         #: Per branch, one module holding every parameter of it (tail included).
         self.holders = [holder(branch) for branch in parts]
-        self._flops = list(flops)
         self._policy = policy
         self._unbiased = unbiased
         #: Training forwards that drew a pattern so far (the step counter).
@@ -76,12 +79,10 @@ class StepHooks:
         self.last: frozenset[int] = frozenset()
         #: The pattern calibration forces, or None.
         self.forced: frozenset[int] | None = None
-        self.tally = DropTally()
+        self._listeners: list[StepListener] = []
         self._recompute = RecomputeCache(self._modules)
         #: Per checkpointed region of a training forward (as checkpointing keeps it), that forward's pattern.
         self._regions: weakref.WeakKeyDictionary[object, frozenset[int]] = weakref.WeakKeyDictionary()
-        self.fill = DroppedGrads(dropped_grads, self.holders)
-        self._zero = None  # a dropbp.integrations.deepspeed.ZeroGuard, once a ZeRO optimizer holds the model
         self._handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(self._on_model_forward),
             model.register_forward_hook(self._after_model_forward, always_call=True),
@@ -98,6 +99,10 @@ class StepHooks:
     def handles(self) -> list[RemovableHandle]:
         """Every hook this object has on the model (copies of the model leave them out)."""
         return self._handles
+
+    def listen(self, listener: StepListener) -> None:
+        """Call ``listener`` at every training forward from now on (in the order added) and when removed."""
+        self._listeners.append(listener)
 
     def pattern(self, step: int) -> frozenset[int]:
         """The pattern the policy draws at ``step`` for this model."""
@@ -138,16 +143,11 @@ class StepHooks:
         if not (model.training and torch.is_grad_enabled()):
             return  # eval or no-grad forwards drop nothing and leave the step's decision alone
         self.dropped = self.pattern(self.step)
-        if self.dropped:
-            check_running_ddp()  # a DDP wrapper added after apply() must cope with unused parameters
+        for listener in self._listeners:  # one may refuse the step (raise): before anything moves on
+            listener.on_training_forward(self.dropped)
         self._recompute.begin_forward()
-        self.fill.note_dropped(self.dropped)
-        self._watch_zero()
-        if self._zero is not None:
-            self._zero.begin_forward(self.dropped)
         self.step += 1
         self.last = self.dropped
-        self.tally.record(self.dropped, self._flops)
 
     @outside_graphs
     def _after_model_forward(self, model: nn.Module, args: tuple, output: object) -> None:
@@ -180,21 +180,6 @@ class StepHooks:
             "branches=[f'bert.encoder.layer.{i}.attention.self', f'bert.encoder.layer.{i}.intermediate' ...]"
         )
 
-    def _watch_zero(self) -> None:
-        """Install the DeepSpeed ZeRO guard at the first training forward under a ZeRO optimizer.
-
-        ``deepspeed.initialize`` may run before or after ``apply`` (the Hugging Face Trainer runs it in
-        ``train()``), so it is looked for at each forward until found; never when deepspeed was not imported.
-        """
-        if self._zero is not None or "deepspeed" not in sys.modules:
-            return
-        from .integrations.deepspeed import ZeroGuard, zero_stage
-
-        params = [p for p in self._model.parameters() if p.requires_grad]
-        stage = zero_stage(params)
-        if stage is not None:
-            self._zero = ZeroGuard(stage, params, self.holders, self.fill.mode)
-
     def _trainable_branches(self) -> list[bool] | None:
         """Per branch, whether it holds a trainable parameter; ``None`` if something outside does.
 
@@ -223,8 +208,6 @@ class StepHooks:
             h.remove()
         self._handles = []
         self._recompute.clear()
-        self.fill.remove()
-        if self._zero is not None:
-            self._zero.remove()
-            self._zero = None
+        while self._listeners:
+            self._listeners.pop(0).on_remove()
         self.dropped = frozenset()

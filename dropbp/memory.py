@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .controller import _ATTACHED, DropBPController
+from .controller import DropBPController, controller_of
 
 __all__ = ["SavedBytes", "branch_bytes", "saved_bytes"]
 
@@ -158,7 +158,7 @@ def _controller(target: DropBPController | nn.Module) -> DropBPController:
     if isinstance(target, DropBPController):
         return target
     if isinstance(target, nn.Module):
-        ctl = _ATTACHED.get(target)
+        ctl = controller_of(target)
         if ctl is not None:
             return ctl
         raise ValueError(
@@ -201,10 +201,10 @@ def _closure(model: nn.Module, batch: Batch) -> Callable[[], torch.Tensor]:
 def _measure(
     ctl: DropBPController, run: Callable[[], torch.Tensor], pattern: frozenset[int]
 ) -> tuple[int, list[int], int]:
-    model = ctl._model
+    model = ctl.model
     excluded = {(str(t.device), t.untyped_storage().data_ptr()) for t in (*model.parameters(), *model.buffers())}
     recorder = _Recorder([b.parts for b in ctl.branches], pattern)
-    with ctl._hooks.force(pattern), recorder.recording():
+    with ctl.forcing(pattern), recorder.recording():
         loss = run()
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"the forward must return the loss tensor, got {type(loss).__name__}")
@@ -234,8 +234,8 @@ def saved_bytes(
         compare_full: also measure the same forward with nothing dropped (``full_total``).
     """
     ctl = _controller(target)
-    ctl._check_attached()
-    model = ctl._model
+    ctl.check_attached()
+    model = ctl.model
     if not model.training or not torch.is_grad_enabled():
         raise RuntimeError("saved_bytes measures a training forward: call model.train() and leave grad mode on")
     dropped = _pattern(ctl, pattern)

@@ -3,30 +3,43 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 __all__ = ["DropTally"]
 
 
-@dataclass
 class DropTally:
-    """Running totals over training forwards: how many, branches dropped, branch FLOPs dropped."""
+    """Running totals over training forwards: how many, branches dropped, branch FLOPs dropped.
 
-    forwards: int = 0
-    branches: int = 0
-    flops: float = 0.0
+    A step listener (:class:`dropbp.hooks.StepListener`): the controller adds it to its step hooks.
 
-    def record(self, dropped: frozenset[int], flops: Sequence[float]) -> None:
-        """Count one training forward that dropped ``dropped`` (indices into ``flops``)."""
+    Args:
+        flops: the branches' costs, in branch order.
+    """
+
+    def __init__(self, flops: Sequence[float]) -> None:
+        self._flops = list(flops)
+        self.reset()
+
+    def reset(self) -> None:
+        """Start the totals again from nothing."""
+        self.forwards = 0
+        self.branches = 0
+        self.flops = 0.0
+
+    def on_training_forward(self, pattern: frozenset[int]) -> None:
+        """Count one training forward that dropped ``pattern`` (branch indices)."""
         self.forwards += 1
-        self.branches += len(dropped)
-        self.flops += sum(flops[i] for i in dropped)
+        self.branches += len(pattern)
+        self.flops += sum(self._flops[i] for i in pattern)
 
-    def summary(self, total_flops: float) -> dict[str, float]:
+    def on_remove(self) -> None:
+        """Nothing to undo: the totals stay readable."""
+
+    def summary(self) -> dict[str, float]:
         """Forwards, mean branches dropped per forward, mean fraction of branch FLOPs dropped."""
         n = self.forwards
         return {
             "forwards": float(n),
             "dropped_branches": self.branches / n if n else 0.0,
-            "dropped_flops_fraction": self.flops / (n * total_flops) if n else 0.0,
+            "dropped_flops_fraction": self.flops / (n * sum(self._flops)) if n else 0.0,
         }

@@ -311,9 +311,11 @@ def test_never_drops_every_trainable_branch():
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).train()
     ctl = dropbp.apply(model, 0.5, seed=1, pattern="uniform")
     attention = {b.name for b in ctl.branches if b.kind == "attn"}
+    # the same settings' patterns without the guard (no trainable-branch test given)
+    raw = DropPolicy([b.flops for b in ctl.branches], ctl.drop_rate, ctl.seed, ctl.max_patterns, 0, ctl.pattern)
     raw_all_attention = 0
     for step in range(200):
-        if attention <= {ctl.branches[i].name for i in ctl._policy.draw(step)}:
+        if attention <= {ctl.branches[i].name for i in raw.draw(step)}:
             raw_all_attention += 1
         ids = batch(step % 5)
         loss = model(input_ids=ids, labels=ids).loss

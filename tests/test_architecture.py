@@ -204,7 +204,7 @@ def test_device_questions_are_asked_of_the_backend_or_its_tool_services():
     assert tools.training_dtype == torch.float32 and isinstance(tools.training_autocast(), nullcontext)
     assert cpu.has_allocator_stats is False
     for name in ("cuda", "hpu", "xpu"):
-        assert backends._BUILTIN[name].has_allocator_stats is True
+        assert backends.BUILTIN[name].has_allocator_stats is True
 
 
 def test_no_device_type_test_outside_backends():
@@ -270,3 +270,104 @@ def test_an_option_is_declared_once_and_reaches_apply_attach_the_callback_and_ax
     from dropbp.integrations.axolotl import DropBPArgs
 
     assert list(DropBPArgs.model_fields) == [f"dropbp_{n}" for n in run]
+
+
+def test_the_core_imports_nothing_above_it():
+    """The core (``dropbp/*.py``) reaches integrations and tools only through interfaces they register into
+    (:mod:`dropbp.frameworks`), function-level imports included. ``__init__.py`` is exempt: the package's face,
+    where the layers meet (it imports the DeepSpeed integration so that it registers); so is ``__main__.py``,
+    the command's entry point into the tools."""
+    core = {n: p for n, p in _MODULES.items() if n.count("/") == 1 and n not in ("dropbp/__main__",)}
+    core = {n: p for n, p in core.items() if p.name != "__init__.py"}
+    above = ("dropbp.integrations", "dropbp.tools")
+    offenders = {n: sorted(d for d in _imports(p) if d.startswith(above)) for n, p in core.items()}
+    assert len(core) > 20 and not {n: d for n, d in offenders.items() if d}
+
+
+def test_only_the_deepspeed_module_asks_whether_deepspeed_was_imported():
+    import re
+
+    probe = re.compile(r"""["']deepspeed["']\s+(not\s+)?in\s+sys\.modules|sys\.modules(\.get\(|\[)\s*["']deepspeed""")
+    found = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if probe.search(p.read_text())}
+    assert found == {"integrations/deepspeed.py"}
+
+
+#: Private names of other libraries that code or tests must read, and why.
+_FOREIGN_PRIVATES = {
+    "_C": "torch's C bindings: the autograd state that recomputation reads (dropbp.recompute)",
+    "_autograd": "torch._C._autograd: the saved-tensor hooks in force (dropbp.recompute)",
+    "_top_saved_tensors_default_hooks": "torch: the saved-tensor hooks in force (dropbp.recompute)",
+    "_current_autograd_node": "torch: the node a backward runs now (dropbp.recompute)",
+    "_current_graph_task_id": "torch: which backward runs now (dropbp.recompute)",
+    "_execution_engine": "torch: a callback at the end of the running backward (dropbp.recompute, a stand-in test)",
+    "_getframe": "sys: the checkpoint frame that recomputation runs in (dropbp.recompute)",
+    "_exit": "os: the memory probe's child process ends without interpreter teardown",
+    "_prepare_inputs": "transformers.Trainer: the batch as the trainer feeds it (dropbp.integrations.hf)",
+    "_hp_mapping": "DeepSpeed ZeRO 1-2's mark on the parameters it holds (dropbp.integrations.deepspeed)",
+    "_z3_optimizer": "DeepSpeed ZeRO-3's mark on the parameters it holds (dropbp.integrations.deepspeed)",
+    "_zero_optimizer": "DeepSpeed ZeRO 1-2's optimizer on its parameters (dropbp.integrations.deepspeed)",
+    "_forward_pre_hooks": "torch.nn.Module: tests check that remove() leaves no hook behind",
+    "_forward_hooks": "torch.nn.Module: tests check that remove() leaves no hook behind",
+    "_dynamo": "torch._dynamo: tests reset compiled graphs between cases",
+    "_is_compiled": "torch.xpu._is_compiled, which a test stands in for on a machine without XPU",
+    "_local_scalar_dense": "torch.ops.aten: the op a host sync runs, counted by the HPU stand-in test",
+    "_weight_prepack": "intel_extension_for_pytorch: where its prepacked linear layer lives (test_ipex)",
+    "_IPEXLinear": "intel_extension_for_pytorch: its prepacked linear layer (test_ipex)",
+}
+#: Never read from outside, whatever a file defines: the controller's parts and the attached-model registry.
+_CONTROLLER_PRIVATES = {"_hooks", "_policy", "_model", "_ATTACHED", "_on_remove", "_undo", "_fill", "_tally"}
+
+
+def _private_reads(path: Path) -> list[str]:
+    """``x._name`` in ``path`` where ``x`` is not ``self``/``cls``, ``_name`` no dunder, not a method or instance
+    attribute of a class of this file (``other._state`` inside the class that defines it), nor listed above."""
+    tree = ast.parse(path.read_text())
+    own = {
+        n.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in ("self", "cls")
+    }
+    own |= {d.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for d in c.body if hasattr(d, "name")}
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        base = node.value.id if isinstance(node.value, ast.Name) else None
+        if base in ("self", "cls") or node.attr in _FOREIGN_PRIVATES:
+            continue
+        if node.attr in own and node.attr not in _CONTROLLER_PRIVATES and base not in ("ctl", "controller"):
+            continue
+        found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_private_attribute_is_read_across_modules():
+    """Tests and modules use the controller's public accessors (``ctl.model``, ``ctl.forcing``, ``ctl.forced``,
+    ``ctl.on_remove``, ``controller_of``), not its parts."""
+    files = [*PACKAGE.rglob("*.py"), *Path(__file__).parent.glob("*.py"), *(PACKAGE.parent / "backends").glob("*.py")]
+    assert not [hit for path in sorted(files) for hit in _private_reads(path)]
+
+
+def test_the_controller_answers_what_other_modules_asked_its_parts():
+    from conftest import batch
+
+    from dropbp.controller import controller_of
+
+    model = tiny_model("llama", layers=2).train()
+    ctl = dropbp.apply(model, 0.5, pattern="uniform")
+    assert ctl.model is model and controller_of(model) is ctl and controller_of(model.model.layers[1].mlp) is ctl
+    seen = []
+    model.register_forward_hook(lambda module, args, output: seen.append((ctl.forced, ctl.step)))
+    with ctl.forcing({1}):
+        model(input_ids=batch(0))
+    model(input_ids=batch(0))
+    assert seen == [((ctl.branches[1].name,), 0), (None, 1)]
+    with pytest.raises(ValueError, match=r"pattern must hold branch indices in \[0, 4\), got \[4\]"), ctl.forcing({4}):
+        pass
+    undone = []
+    ctl.on_remove(lambda: undone.append("first"))
+    ctl.on_remove(lambda: undone.append("second"))
+    ctl.remove()
+    assert undone == ["second", "first"] and controller_of(model) is None
+    with pytest.raises(RuntimeError, match="was removed"), ctl.forcing(()):
+        pass

@@ -100,7 +100,7 @@ def test_an_explicit_name_wins_over_the_environment(monkeypatch):
 )
 def test_auto_detection_order(monkeypatch, present, expected):
     for name in ("hpu", "cuda", "xpu"):
-        cls = backends._BUILTIN[name]
+        cls = backends.BUILTIN[name]
         reason = None if name in present else f"{name} absent in this test"
         monkeypatch.setattr(cls, "unavailable_reason", classmethod(lambda c, r=reason: r))
         monkeypatch.setattr(cls, "__init__", lambda self: None)

@@ -335,7 +335,7 @@ def _train_with_trainer(out_dir: str, stage: int) -> dict:
     snapshots: list[dict[str, torch.Tensor]] = []
 
     def record(module, inputs, output):
-        if module.training and torch.is_grad_enabled() and callback.controller._hooks.forced is None:
+        if module.training and torch.is_grad_enabled() and callback.controller.forced is None:
             patterns.append(callback.controller.last_dropped)
 
     class Snapshot(transformers.TrainerCallback):

@@ -188,7 +188,7 @@ def _train_with_trainer(out_dir: Path) -> dict:
     patterns: list[tuple[str, ...]] = []
 
     def record(module, inputs, output):
-        if module.training and torch.is_grad_enabled() and callback.controller._hooks.forced is None:
+        if module.training and torch.is_grad_enabled() and callback.controller.forced is None:
             patterns.append(callback.controller.last_dropped)
 
     trainer.model.register_forward_hook(record)

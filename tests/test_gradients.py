@@ -206,5 +206,5 @@ def test_unbiased_scaling_equals_scaled_reference(method):
     torch.manual_seed(0)
     a = ctl.calibrate(lambda: model(input_ids=ids, labels=ids).loss)
     torch.manual_seed(0)
-    b = plain.calibrate(lambda: plain._model(input_ids=ids, labels=ids).loss)
+    b = plain.calibrate(lambda: plain.model(input_ids=ids, labels=ids).loss)
     assert a == pytest.approx(b, rel=1e-4)

@@ -116,7 +116,7 @@ def _record_patterns(callback, model=None) -> list[tuple[str, ...]]:
     model = callback.trainer.model if model is None else model
 
     def record(module, args, output):
-        if module.training and torch.is_grad_enabled() and callback.controller._hooks.forced is None:
+        if module.training and torch.is_grad_enabled() and callback.controller.forced is None:
             seen.append(callback.controller.last_dropped)
 
     model.register_forward_hook(record)

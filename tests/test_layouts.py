@@ -71,7 +71,7 @@ def test_gradients_equal_reference_detaching_what_the_residual_receives(arch, me
 @pytest.mark.parametrize("arch", ["gemma2", "olmo2"])
 def test_post_norm_is_part_of_the_branch(arch):
     ctl = dropbp.apply(_model(arch), 0.5, pattern="uniform")
-    modules = dict(ctl._model.named_modules())
+    modules = dict(ctl.model.named_modules())
     for b in ctl.branches:
         assert b.tail == (modules[_added(arch, b.name)],)
         assert b.parts == (modules[b.name], modules[_added(arch, b.name)])

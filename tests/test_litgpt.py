@@ -104,7 +104,7 @@ def test_gradients_equal_detached_reference(name, method, pattern, caplog):
 def test_post_norms_belong_to_their_branch():
     ctl = dropbp.apply(build("post-norms"), 0.5, pattern="uniform")
     assert [type(b.tail[0]).__name__ for b in ctl.branches] == ["RMSNorm"] * 6
-    modules = dict(ctl._model.named_modules())
+    modules = dict(ctl.model.named_modules())
     assert ctl.branches[0].tail == (modules["transformer.h.0.post_attention_norm"],)
     assert ctl.branches[1].tail == (modules["transformer.h.0.post_mlp_norm"],)
     plain = dropbp.apply(build("llama"), 0.5, pattern="uniform")

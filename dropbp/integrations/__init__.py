@@ -1,2 +1,3 @@
 """Integrations with training frameworks, imported on demand: ``dropbp.integrations.hf`` (Trainer, TRL),
-``.axolotl``, ``.deepspeed`` (ZeRO 1-3; the core reaches it only once deepspeed has been imported)."""
+``.axolotl``; ``.deepspeed`` (ZeRO 1-3) is imported by ``import dropbp`` and registers itself with
+:mod:`dropbp.frameworks`, through which alone the core reaches it."""

@@ -11,7 +11,7 @@ What ZeRO does with a parameter that got no gradient in a step (DeepSpeed 0.19, 
   applied (and counted in the clipping norm); one dropped in the first micro-step and kept in a
   later one gets the stale gradient plus the new one.
 
-:class:`ZeroGuard` fixes both. It is installed by the step hooks at the first training forward that
+:class:`ZeroGuard` fixes both. It listens to the step hooks from the first training forward that
 finds a ZeRO optimizer's marks on the parameters (``_z3_optimizer``: stage 3; ``_hp_mapping``: 1 and 2), so
 ``dropbp.apply`` works before or after ``deepspeed.initialize`` and under the Hugging Face Trainer.
 
@@ -46,7 +46,9 @@ Under fp16 dynamic loss scaling with ZeRO 1 or 2, a step skipped for an overflow
 step, so the window after it is counted together with it: a parameter that got a gradient only in
 the skipped window steps with a zero gradient in the next one. (ZeRO-3 starts each window afresh.)
 
-Nothing here imports ``deepspeed`` unless a model already carries its marks; ``import dropbp`` never does.
+This module owns everything DeepSpeed: the core reaches it only through :mod:`dropbp.frameworks`, where
+``import dropbp`` registers :data:`DEEPSPEED` (engine unwrapping and checks, the guard, the calibration closure).
+Nothing here imports ``deepspeed``: each answer first looks whether it was imported; ``import dropbp`` never does.
 """
 
 from __future__ import annotations
@@ -60,7 +62,11 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from .. import frameworks
+
 __all__ = [
+    "DEEPSPEED",
+    "DeepSpeed",
     "ZeroGuard",
     "calibration_closure",
     "check_config",
@@ -246,6 +252,8 @@ def _check_internals(z3: object | None, params: Sequence[nn.Parameter]) -> None:
 class ZeroGuard:
     """Makes a ZeRO optimizer leave alone what one process would leave alone, per ``dropped_grads``.
 
+    A step listener (:class:`dropbp.hooks.StepListener`), found by :meth:`DeepSpeed.step_listener`.
+
     On one process a parameter without a gradient (``.grad is None``) is skipped by the optimizer:
     under ``"skip"`` every parameter that got no gradient in the window (a dropped branch's, and the
     norm feeding only that branch), under ``"zero"`` those outside the dropped branches (the branches'
@@ -303,7 +311,7 @@ class ZeroGuard:
         self._handles = [p.register_post_accumulate_grad_hook(used) for p in self._params]
         self._handles += [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
 
-    def begin_forward(self, dropped: Iterable[int]) -> None:
+    def on_training_forward(self, dropped: Iterable[int]) -> None:
         """Called at every training forward with the branches it drops; the first forward after an
         optimizer step starts a new gradient-accumulation window."""
         new_window = self._stepped or self._first
@@ -365,9 +373,45 @@ class ZeroGuard:
                         v[where] = 0
         self._saved = []
 
-    def remove(self) -> None:
+    def on_remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
         self._saved = []
         self._used.clear()
+
+
+class DeepSpeed:
+    """DeepSpeed as the core meets it (:class:`dropbp.frameworks.Framework`); every answer is "nothing here"
+    while ``deepspeed`` was never imported, so nothing is imported and little is read."""
+
+    def unwrap(self, model: nn.Module) -> nn.Module | None:
+        """A ``DeepSpeedEngine``'s ``.module``."""
+        return model.module if is_engine(model) else None
+
+    def check_wrapper(self, wrapper: nn.Module, dropped_grads: str) -> None:
+        check_engine(wrapper, dropped_grads)
+
+    def step_listener(self, model: nn.Module, holders: Sequence[nn.Module], dropped_grads: str) -> ZeroGuard | None:
+        """The :class:`ZeroGuard`, once a ZeRO optimizer holds ``model``'s parameters. ``deepspeed.initialize``
+        may run before or after ``apply`` (the Hugging Face Trainer runs it in ``train()``), so the core asks
+        at each training forward until one is found."""
+        if "deepspeed" not in sys.modules:
+            return None
+        params = [p for p in model.parameters() if p.requires_grad]
+        stage = zero_stage(params)
+        return None if stage is None else ZeroGuard(stage, params, holders, dropped_grads)
+
+    def calibration_closure(self, closure: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """A DeepSpeed engine cannot take calibration's passes: :func:`calibration_closure`."""
+        return calibration_closure(closure) if "deepspeed" in sys.modules and callable(closure) else closure
+
+
+    def calibration_method(self, params: Sequence[nn.Parameter], method: str) -> str:
+        """Exact-recompute under ZeRO-3: :func:`calibration_method`."""
+        return calibration_method(params, method) if "deepspeed" in sys.modules else method
+
+
+#: The one instance the core consults.
+DEEPSPEED = DeepSpeed()
+frameworks.register(DEEPSPEED)

@@ -136,7 +136,7 @@ class DropBPCallback(TrainerCallback):
         self.controller = apply_options(model, self.options.apply_options(seed=seed))
         # Removing the controller takes the callback off the trainer too: a removed controller's callback
         # would stop train() ("this DropBP controller was removed"), and attach again would leave two.
-        self.controller._on_remove.append(self._leave)
+        self.controller.on_remove(self._leave)
 
     def _leave(self) -> None:
         self._removed = True

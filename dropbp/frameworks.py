@@ -1,0 +1,126 @@
+"""Training frameworks that wrap the model or drive its optimizer, met by the core through one interface.
+
+The core names no framework (DDP, torch's own, aside: :mod:`dropbp.distributed`): each registers a
+:class:`Framework` here when its module is imported (``dropbp/__init__.py`` imports dropbp's own,
+:mod:`dropbp.integrations.deepspeed`), and the core asks every registered one to unwrap a model given to
+``apply`` (:func:`unwrap`), to check such a wrapper (:func:`check_wrapper`), to guard a calibration closure
+(:func:`calibration_closure`), and, at each training forward until one answers, for a step listener
+(:class:`FrameworkWatch`): a framework may take hold of the model after ``apply`` (the Hugging Face Trainer
+runs ``deepspeed.initialize`` in ``train()``). A framework whose package was never imported answers nothing,
+at the cost of a dictionary look-up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .hooks import StepListener
+
+__all__ = [
+    "Framework",
+    "FrameworkWatch",
+    "calibration_closure",
+    "calibration_method",
+    "check_wrapper",
+    "register",
+    "unwrap",
+]
+
+
+class Framework(Protocol):
+    """What a framework tells the core; every method answers for this framework's objects only."""
+
+    def unwrap(self, model: nn.Module) -> nn.Module | None:
+        """The module ``model`` wraps, if ``model`` is this framework's wrapper; otherwise None."""
+
+    def check_wrapper(self, wrapper: nn.Module, dropped_grads: str) -> None:
+        """Raise ``ValueError``, saying what to change, if ``wrapper`` (one :meth:`unwrap` unwrapped) is set up
+        in a way DropBP cannot train with under the controller's ``dropped_grads``."""
+
+    def step_listener(self, model: nn.Module, holders: Sequence[nn.Module], dropped_grads: str) -> StepListener | None:
+        """A listener to the model's training forwards once this framework holds ``model`` (None: not yet).
+
+        ``holders``: per branch, in branch order, one module holding all its parameters."""
+
+    def calibration_closure(self, closure: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """``closure``, stopped with advice where this framework cannot take calibration's passes."""
+
+    def calibration_method(self, params: Sequence[nn.Parameter], method: str) -> str:
+        """The calibration method to use for ``params`` where this framework holds them (else ``method``)."""
+
+
+_REGISTERED: list[Framework] = []
+
+
+def register(framework: Framework) -> None:
+    """Make the core consult ``framework`` (once, however often its module registers it)."""
+    if framework not in _REGISTERED:
+        _REGISTERED.append(framework)
+
+
+def unwrap(model: nn.Module) -> tuple[nn.Module, DistributedDataParallel | None]:
+    """The module DropBP attaches to (a DDP wrapper's or a registered framework's wrapper's ``.module``) and
+    the DDP wrapper, if any (:mod:`dropbp.distributed` checks it)."""
+    if isinstance(model, DistributedDataParallel):
+        return model.module, model
+    for framework in _REGISTERED:
+        inner = framework.unwrap(model)
+        if inner is not None:
+            return inner, None
+    return model, None
+
+
+def check_wrapper(wrapper: nn.Module, dropped_grads: str) -> None:
+    """Every registered framework's :meth:`Framework.check_wrapper` for a wrapper given to ``apply``."""
+    for framework in _REGISTERED:
+        if framework.unwrap(wrapper) is not None:
+            framework.check_wrapper(wrapper, dropped_grads)
+
+
+def calibration_closure(closure: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """``closure`` guarded by every registered framework (:meth:`Framework.calibration_closure`)."""
+    for framework in _REGISTERED:
+        closure = framework.calibration_closure(closure)
+    return closure
+
+
+def calibration_method(params: Iterable[nn.Parameter], method: str) -> str:
+    """``method`` as every registered framework would have it (:meth:`Framework.calibration_method`)."""
+    params = list(params)
+    for framework in _REGISTERED:
+        method = framework.calibration_method(params, method)
+    return method
+
+
+class FrameworkWatch:
+    """A step listener that asks the registered frameworks, at each training forward until one answers,
+    for their own listener (:meth:`Framework.step_listener`), and passes every forward on to it.
+
+    Args:
+        model: the model DropBP is attached to.
+        holders: per branch, in branch order, one module holding all its parameters.
+        dropped_grads: the controller's setting (:mod:`dropbp.dropped_grads`).
+    """
+
+    def __init__(self, model: nn.Module, holders: Sequence[nn.Module], dropped_grads: str) -> None:
+        self._model = model
+        self._holders = list(holders)
+        self._mode = dropped_grads
+        self._listener: StepListener | None = None
+
+    def on_training_forward(self, pattern: frozenset[int]) -> None:
+        if self._listener is None:
+            found = (f.step_listener(self._model, self._holders, self._mode) for f in _REGISTERED)
+            self._listener = next((listener for listener in found if listener is not None), None)
+        if self._listener is not None:
+            self._listener.on_training_forward(pattern)
+
+    def on_remove(self) -> None:
+        if self._listener is not None:
+            self._listener.on_remove()
+            self._listener = None
