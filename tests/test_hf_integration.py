@@ -87,7 +87,8 @@ def test_trainer_calibrates_once_and_logs(tmp_path):
     _check_logs(trainer.state.log_history)
 
 
-def test_sft_trainer_calibrates_once_and_logs(tmp_path):
+def _sft_parts():
+    """TRL, a word-level tokenizer over the tiny vocabulary, and a dataset of token ids (skips without TRL)."""
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
     tokenizers = pytest.importorskip("tokenizers")
@@ -97,7 +98,11 @@ def test_sft_trainer_calibrates_once_and_logs(tmp_path):
         pad_token="<0>",
         eos_token="<2>",
     )
-    data = datasets.Dataset.from_dict({"input_ids": _token_ids(64)})
+    return trl, tok, datasets.Dataset.from_dict({"input_ids": _token_ids(64)})
+
+
+def test_sft_trainer_calibrates_once_and_logs(tmp_path):
+    trl, tok, data = _sft_parts()
     config = trl.SFTConfig(**_args(tmp_path).to_dict() | {"max_length": SEQ, "packing": False})
     trainer = trl.SFTTrainer(
         model=with_lora(tiny_model("llama", layers=4)), args=config, train_dataset=data, processing_class=tok
@@ -304,16 +309,7 @@ def test_callback_at_construction_resumes_with_the_same_patterns(tmp_path):
 
 
 def test_callback_at_construction_in_sft_trainer_trains_as_attach(tmp_path):
-    trl = pytest.importorskip("trl")
-    datasets = pytest.importorskip("datasets")
-    tokenizers = pytest.importorskip("tokenizers")
-    vocab = {f"<{i}>": i for i in range(VOCAB)}
-    tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<3>")),
-        pad_token="<0>",
-        eos_token="<2>",
-    )
-    data = datasets.Dataset.from_dict({"input_ids": _token_ids(64)})
+    trl, tok, data = _sft_parts()
     runs = []
     for how in ("attach", "callback"):
         config = trl.SFTConfig(
