@@ -47,13 +47,13 @@ def test_demo_quick_writes_results(tiny_model_dir, tmp_path, capsys):
     record = json.loads((out_dir / "demo.json").read_text())
     names = ["full backprop", "DropBP 0.5, equal steps", "DropBP 0.5, equal time"]
     assert [r["run"] for r in record["summary"]] == names
-    assert (record["settings"]["steps"], record["settings"]["accumulation"], record["dropbp_steps"]) == (10, 4, 12)
+    assert (record["settings"]["steps"], record["settings"]["accumulation"], record["dropbp_steps"]) == (10, 4, 14)
     runs = {r["name"]: r for r in record["runs"]}
-    assert [len(runs[n]["step_seconds"]) for n in names] == [10, 10, 12]
+    assert [len(runs[n]["step_seconds"]) for n in names] == [10, 10, 14]
     config = runs["DropBP 0.5, equal time"]["config"]
     assert (config["schedule"], config["drop_schedule"], config["pattern"]) == ("warmup", "constant", "cut")
-    # the rates attach ships: the cut's for 0.5 under the run's schedule (12 steps x 4 micro-batches)
-    assert runs["DropBP 0.5, equal time"]["rates"] == _rates(tiny_model_dir, total_steps=48, warmup_steps=10)
+    # the rates attach ships: the cut's for 0.5 under the run's schedule (14 steps x 4 micro-batches)
+    assert runs["DropBP 0.5, equal time"]["rates"] == _rates(tiny_model_dir, total_steps=56, warmup_steps=11)
     assert record["timing"]["reliable"] in (True, False) and record["timing"]["baseline_spread"] >= 0
     assert all(r["val_loss_at_equal_time"] is not None for r in record["summary"])
     assert (out_dir / "demo.png").stat().st_size > 10_000
