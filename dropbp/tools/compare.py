@@ -446,6 +446,8 @@ def summarise(results: list[RunResult], steps: int) -> list[dict]:
                 "step_speedup": _median([b / x for b, x in pairs]) if pairs else float("nan"),
                 "val_loss_at_equal_steps": _loss_at(r, steps),
                 "val_loss_at_equal_time": _loss_at_equal_time(r, base.eval_seconds[-1]),
+                # equal time read the other way: full backprop's loss when this run's training ended
+                "baseline_val_loss_at_run_end": loss_at_time(base, r.eval_seconds[-1]),
                 "final_val_loss": r.val_loss[-1],
                 "steps": len(r.step_seconds),
                 "train_s": sum(r.step_seconds) + r.calibration_seconds,
