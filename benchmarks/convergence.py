@@ -41,7 +41,7 @@ from dropbp import backends
 from dropbp.tools.compare import Run, RunResult, compare, summarise
 from dropbp.tools.pretrained import DEFAULT_MODEL, load_causal_lm
 from dropbp.tools.qlora import quantize_4bit
-from dropbp.tools.report import plot_curves
+from dropbp.tools.report import plot_curves, steps_and_time_table
 from dropbp.tools.textdata import CORPORA
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -324,38 +324,16 @@ def _comparison_table(record: dict) -> list[str]:
 
 
 def _regime_table(record: dict) -> list[str]:
-    """Each run over its own steps: final loss and its gap to the baseline's, training time saved, the loss
-    at the baseline's training time (equal time) and the time to reach the baseline's final loss."""
-    rows = record["summary"]
-    base = rows[0]
-    lines = [
-        f"{_setting(record)}, lr {record['lr']:g}, {record['device']} ({record['date']}); "
-        f"target = the baseline's final validation loss {base['final_val_loss']:.3f}. Command: `{record['command']}`",
+    """Each run over its own steps, at equal steps and equal time (:func:`dropbp.tools.report.steps_and_time_table`)."""
+    return [
+        f"{_setting(record)}, every run at lr {record['lr']:g} and seed 0, {record['device']} ({record['date']}). "
+        f"Command: `{record['command']}`",
         "",
-        "| run | steps | step speedup | training time (s) | time saved | final val loss | gap | "
-        "val loss @ baseline's time | full backprop @ this run's time | time to target (s) | time-to-target speedup |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        at_time = r.get("val_loss_at_equal_time")
-        ttt = "not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.0f}"
-        sp = "-" if r["time_to_target_speedup"] is None else f"{r['time_to_target_speedup']:.2f}x"
-        gap = r["final_val_loss"] / base["final_val_loss"] - 1
-        lines.append(
-            f"| {r['run']} | {r['steps']} | {r['step_speedup']:.2f}x | {r['train_s']:.0f} | "
-            f"{1 - r['train_s'] / base['train_s']:+.0%} | {r['final_val_loss']:.3f} | {gap:+.2%} | "
-            f"{'-' if at_time is None else f'{at_time:.3f}'} | {_number(r.get('baseline_val_loss_at_run_end'))} | "
-            f"{ttt} | {sp} |"
-        )
-    return lines + [
+        *steps_and_time_table(record["summary"]),
         "",
         "A run that trained for less time than the baseline is read at its own end: its final loss against full "
         "backprop's loss at that time (never more time than the baseline had).",
     ]
-
-
-def _number(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
 
 
 if __name__ == "__main__":

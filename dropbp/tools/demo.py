@@ -26,7 +26,7 @@ from ..backends import Backend
 from ..imports import require
 from .compare import Run, apply_options, compare, summarise, timing_check
 from .pretrained import UnusableModel, load_causal_lm
-from .report import plot_curves
+from .report import plot_curves, steps_and_time_table
 from .textdata import pydoc_topics
 
 __all__ = ["EQUAL_TIME_FACTOR", "DemoSettings", "demo_runs", "run_demo"]
@@ -141,30 +141,10 @@ def run_demo(
     return record
 
 
-def _number(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
-
-
 def table(record: dict) -> str:
-    """Equal steps (final loss, its gap, training time saved), equal time (the loss at the baseline's
-    training time) and time to the baseline's final loss."""
-    base = record["summary"][0]
-    target = base["final_val_loss"]
-    lines = [
-        f"| run | steps | time/step | step speedup | training time | time saved | final val loss | gap "
-        f"| val loss @ baseline's time | full backprop @ this run's time | time to {target:.3f} | vs full backprop |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in record["summary"]:
-        reached = "not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.0f} s"
-        ratio = "-" if r["time_to_target_speedup"] is None else f"{r['time_to_target_speedup']:.2f}x"
-        at_time = r["val_loss_at_equal_time"]
-        lines.append(
-            f"| {r['run']} | {r['steps']} | {r['step_s']:.2f} s | {r['step_speedup']:.2f}x | {r['train_s']:.0f} s | "
-            f"{1 - r['train_s'] / base['train_s']:+.0%} | {r['final_val_loss']:.3f} | "
-            f"{r['final_val_loss'] / target - 1:+.2%} | {'-' if at_time is None else f'{at_time:.3f}'} | "
-            f"{_number(r.get('baseline_val_loss_at_run_end'))} | {reached} | {ratio} |"
-        )
+    """The comparison at equal steps and equal time (:func:`dropbp.tools.report.steps_and_time_table`), and the
+    timing warning when the machine was too busy."""
+    lines = steps_and_time_table(record["summary"])
     warning = record.get("timing", {}).get("warning")
     if warning:
         lines.append(f"\n{warning}")
