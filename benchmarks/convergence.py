@@ -41,7 +41,7 @@ from dropbp import backends
 from dropbp.tools.compare import Run, RunResult, compare, summarise
 from dropbp.tools.pretrained import DEFAULT_MODEL, load_causal_lm
 from dropbp.tools.qlora import quantize_4bit
-from dropbp.tools.report import plot_curves, steps_and_time_table
+from dropbp.tools.report import plot_curves, seeds_table, steps_and_time_table
 from dropbp.tools.textdata import CORPORA
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -178,6 +178,9 @@ def main() -> None:
         "--seed", type=int, default=0, help="LoRA's initial adapters, the batches' order and the drop patterns"
     )
     parser.add_argument("--render", type=Path, help="only rewrite the summary, .md and .png of a recorded .json")
+    parser.add_argument(
+        "--seeds", type=Path, nargs="+", help="only write the per-seed and mean table of recorded runs of one setting"
+    )
     parser.add_argument("--regime", choices=sorted(REGIMES), default="step")
     parser.add_argument(
         "--batch-size", type=int, default=None, help="sequences per optimizer step (default: 4, or 8 when accumulating)"
@@ -189,6 +192,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.render is not None:
         render(args.render)
+        return
+    if args.seeds:
+        over_seeds(args.seeds)
         return
     transformers.logging.set_verbosity_error()
     lr = args.lr if args.lr is not None else swept_lr(args.out, args.method)
@@ -283,6 +289,26 @@ def render(path: Path) -> None:
     """Rewrite a recorded run's summary and tables from its measurements (nothing is retrained)."""
     record = json.loads(path.read_text())
     write(record, [RunResult.from_dict(run) for run in record["runs"]], path.parent)
+
+
+def over_seeds(paths: list[Path]) -> None:
+    """Write ``<benchmark>_seeds.md`` beside the first record: the same setting's runs over several seeds, each shown,
+    and their mean (:func:`dropbp.tools.report.seeds_table`)."""
+    records = sorted((json.loads(p.read_text()) for p in paths), key=lambda r: r.get("seed", 0))
+    setting = {f"{_setting(r)}, lr {r['lr']:g}, {r['steps']} baseline steps" for r in records}
+    if len(setting) > 1:
+        raise SystemExit(f"--seeds takes runs of one setting; these differ: {sorted(setting)}")
+    seeds = [r.get("seed", 0) for r in records]
+    stem = records[0]["benchmark"].removesuffix(f"_seed{seeds[0]}")
+    lines = [
+        f"{_setting(records[0])}, lr {records[0]['lr']:g}, seeds {', '.join(map(str, seeds))} "
+        f"({', '.join(sorted({r['date'] for r in records}))}). Commands: "
+        + "; ".join(f"`{r['command']}`" for r in records),
+        "",
+        *seeds_table([r["summary"] for r in records], seeds),
+    ]
+    (paths[0].parent / f"{stem}_seeds.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def _setting(record: dict) -> str:

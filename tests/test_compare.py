@@ -185,3 +185,32 @@ def test_bench_flags_a_busy_baseline_like_the_demo():
     assert "UNRELIABLE" not in markdown_table({**results, "points": [{**point, "timing": quiet}]})
     table = markdown_table({**results, "points": [{**point, "timing": busy}]})
     assert "- tiny/full seq 16 batch 1: UNRELIABLE TIMING" in table
+
+
+def _row(run: str, final: float, train_s: float, at_time: float, base_at_end: float | None, ttt: float | None) -> dict:
+    return {
+        "run": run,
+        "final_val_loss": final,
+        "train_s": train_s,
+        "steps": 10,
+        "val_loss_at_equal_time": at_time,
+        "baseline_val_loss_at_run_end": base_at_end,
+        "time_to_target_speedup": ttt,
+    }
+
+
+def test_the_seeds_table_shows_each_seed_and_the_mean_and_keeps_not_reached_visible():
+    from dropbp.tools.report import seeds_table
+
+    seed0 = [_row("full", 2.0, 100.0, 2.0, 2.0, 1.0), _row("dropbp", 2.02, 80.0, 2.02, 2.01, None)]
+    seed1 = [_row("full", 2.2, 100.0, 2.2, 2.2, 1.0), _row("dropbp", 2.2, 60.0, 2.1, None, 1.5)]
+    lines = seeds_table([seed0, seed1], [0, 1])
+    dropbp_row = lines[-1].split(" | ")
+    assert dropbp_row[2] == "+20%/+40%; +30%"  # time saved
+    assert dropbp_row[3] == "2.020/2.200"
+    assert dropbp_row[4] == "+1.00%/+0.00%; +0.50%"  # gap at equal steps
+    # equal time: seed 0 ended first (against full backprop at that moment), seed 1 ran longer (at full's end)
+    assert dropbp_row[5] == "+0.010/-0.100; -0.045"
+    assert dropbp_row[6] == "-/1.50x; not reached |"
+    with pytest.raises(ValueError, match="seed 1 has runs"):
+        seeds_table([seed0, seed1[:1]], [0, 1])

@@ -8,7 +8,7 @@ from pathlib import Path
 from ..imports import require
 from .compare import RunResult
 
-__all__ = ["plot_curves", "steps_and_time_table"]
+__all__ = ["plot_curves", "seeds_table", "steps_and_time_table"]
 
 
 def plot_curves(results: Sequence[RunResult], path: Path, title: str) -> Path:
@@ -63,3 +63,46 @@ def steps_and_time_table(summary: Sequence[dict]) -> list[str]:
             f"{_loss(r.get('baseline_val_loss_at_run_end'))} | {reached} | {ratio} |"
         )
     return lines
+
+
+def equal_time_difference(row: dict, target: float) -> float:
+    """A run's loss minus full backprop's at equal training time: at the baseline's time for a run that trained at
+    least as long, else at the run's own end (a run whose schedule ended first is never given more time)."""
+    reference = row.get("baseline_val_loss_at_run_end")
+    return row["val_loss_at_equal_time"] - (target if reference is None else reference)
+
+
+def seeds_table(summaries: Sequence[Sequence[dict]], seeds: Sequence[int]) -> list[str]:
+    """Markdown rows of one setting over several seeds (one :func:`dropbp.tools.compare.summarise` each, the same
+    runs in each, the baseline first): per seed and the mean, the equal-steps gap, the time saved, the loss
+    difference to full backprop at equal time and the time-to-target speedup ("not reached" counts against the
+    mean: it is shown as such rather than averaged away)."""
+    names = [row["run"] for row in summaries[0]]
+    for summary, seed in zip(summaries, seeds, strict=True):
+        if [row["run"] for row in summary] != names:
+            raise ValueError(f"seed {seed} has runs {[row['run'] for row in summary]}, seed {seeds[0]} has {names}")
+    each = "/".join(f"s{seed}" for seed in seeds)
+    lines = [
+        f"| run | steps | time saved ({each}; mean) | final val loss ({each}) | gap ({each}; mean) "
+        f"| at equal time, minus full backprop ({each}; mean) | time-to-target speedup ({each}; mean) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for i, name in enumerate(names):
+        rows = [summary[i] for summary in summaries]
+        bases = [summary[0] for summary in summaries]
+        saved = [1 - r["train_s"] / b["train_s"] for r, b in zip(rows, bases, strict=True)]
+        gaps = [r["final_val_loss"] / b["final_val_loss"] - 1 for r, b in zip(rows, bases, strict=True)]
+        at_time = [equal_time_difference(r, b["final_val_loss"]) for r, b in zip(rows, bases, strict=True)]
+        ttt = [r["time_to_target_speedup"] for r in rows]
+        ttt_mean = "not reached" if None in ttt else f"{sum(ttt) / len(ttt):.2f}x"
+        finals = "/".join(f"{r['final_val_loss']:.3f}" for r in rows)
+        lines.append(
+            f"| {name} | {'/'.join(str(r['steps']) for r in rows)} | {_each(saved, '{:+.0%}')} | "
+            f"{finals} | {_each(gaps, '{:+.2%}')} | "
+            f"{_each(at_time, '{:+.3f}')} | {'/'.join('-' if t is None else f'{t:.2f}x' for t in ttt)}; {ttt_mean} |"
+        )
+    return lines
+
+
+def _each(values: Sequence[float], fmt: str) -> str:
+    return "/".join(fmt.format(v) for v in values) + "; " + fmt.format(sum(values) / len(values))
