@@ -65,7 +65,7 @@ def steps_and_time_table(summary: Sequence[dict]) -> list[str]:
     return lines
 
 
-def equal_time_difference(row: dict, target: float) -> float:
+def _equal_time_difference(row: dict, target: float) -> float:
     """A run's loss minus full backprop's at equal training time: at the baseline's time for a run that trained at
     least as long, else at the run's own end (a run whose schedule ended first is never given more time)."""
     reference = row.get("baseline_val_loss_at_run_end")
@@ -87,12 +87,13 @@ def seeds_table(summaries: Sequence[Sequence[dict]], seeds: Sequence[int]) -> li
         f"| at equal time, minus full backprop ({each}; mean) | time-to-target speedup ({each}; mean) |",
         "|---|---|---|---|---|---|---|",
     ]
+    bases = [summary[0] for summary in summaries]
     for i, name in enumerate(names):
         rows = [summary[i] for summary in summaries]
-        bases = [summary[0] for summary in summaries]
-        saved = [1 - r["train_s"] / b["train_s"] for r, b in zip(rows, bases, strict=True)]
-        gaps = [r["final_val_loss"] / b["final_val_loss"] - 1 for r, b in zip(rows, bases, strict=True)]
-        at_time = [equal_time_difference(r, b["final_val_loss"]) for r, b in zip(rows, bases, strict=True)]
+        pairs = list(zip(rows, bases, strict=True))
+        saved = [1 - r["train_s"] / b["train_s"] for r, b in pairs]
+        gaps = [r["final_val_loss"] / b["final_val_loss"] - 1 for r, b in pairs]
+        at_time = [_equal_time_difference(r, b["final_val_loss"]) for r, b in pairs]
         ttt = [r["time_to_target_speedup"] for r in rows]
         ttt_mean = "not reached" if None in ttt else f"{sum(ttt) / len(ttt):.2f}x"
         finals = "/".join(f"{r['final_val_loss']:.3f}" for r in rows)
