@@ -38,7 +38,7 @@ import torch
 import transformers
 
 from dropbp import backends
-from dropbp.tools.compare import Run, RunResult, compare, summarise
+from dropbp.tools.compare import TAIL_WINDOW, Run, RunResult, compare, summarise, with_timed_tails
 from dropbp.tools.pretrained import DEFAULT_MODEL, load_causal_lm
 from dropbp.tools.qlora import quantize_4bit
 from dropbp.tools.report import plot_curves, seeds_table, steps_and_time_table
@@ -281,7 +281,7 @@ def write(record: dict, results: list[RunResult], out: Path) -> None:
     lines = _lr_sweep_table(record) if grid == "lr" else _comparison_table(record)
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     title = f"{record['model']} {record['method']} on {record.get('corpus', 'pydoc')}"
-    plot_curves(results, out / f"{stem}.png", title=title)
+    plot_curves(with_timed_tails(results), out / f"{stem}.png", title=title)
     print("\n".join(lines))
 
 
@@ -367,6 +367,19 @@ def _regime_table(record: dict) -> list[str]:
         "",
         "A run that trained for less time than the baseline is read at its own end: its final loss against full "
         "backprop's loss at that time (never more time than the baseline had).",
+        *_tail_note(record["summary"]),
+    ]
+
+
+def _tail_note(rows: list[dict]) -> list[str]:
+    """Which runs' steps past the baseline's were timed as their last lockstep steps, and why."""
+    timed = [f"{r['run']} ({r['tail_timed']} steps)" for r in rows if r.get("tail_timed")]
+    if not timed:
+        return []
+    return [
+        "",
+        f"Timed as their last lockstep steps (the median of the last {TAIL_WINDOW:.0%} of the baseline's steps), "
+        f"since they ran after the baseline had stopped, under another load: the tails of {', '.join(timed)}.",
     ]
 
 

@@ -12,6 +12,7 @@ from dropbp.tools.compare import (
     Run,
     RunResult,
     compare,
+    lockstep_timed,
     loss_at_time,
     summarise,
     time_to_target,
@@ -34,6 +35,51 @@ def test_time_to_target_and_loss_at_time_interpolate_between_evaluations():
     assert time_to_target(r, 1.0) is None
     assert loss_at_time(r, 15.0) == pytest.approx(1.75)
     assert loss_at_time(r, 25.0) is None  # the run stopped before
+
+
+def _timed_run(run: Run, seconds: list[float], calibration: float = 0.0) -> RunResult:
+    """A run evaluated every 5 steps, its calibration (if any) timed before step 5."""
+    r = RunResult(run, step_seconds=seconds, calibration_seconds=calibration)
+    r.eval_steps = list(range(0, len(seconds) + 1, 5))
+    r.eval_seconds = [sum(seconds[:s]) + (calibration if s >= 5 else 0.0) for s in r.eval_steps]
+    r.val_loss = [3.0 - 0.1 * i for i in range(len(r.eval_steps))]
+    return r
+
+
+@pytest.mark.parametrize("tail", [0.1, 2.0])  # the machine grew quiet, or busy, once the baseline stopped
+def test_a_tail_trained_alone_is_timed_as_its_lockstep_steps(tail):
+    base = _timed_run(Run("full backprop"), [1.0] * 10)
+    run = Run("DropBP", 0.5, pattern="cut", schedule="warmup", drop_schedule="constant")
+    longer = _timed_run(run, [0.9, 0.6, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.4, 0.6] + [tail] * 5, calibration=0.3)
+    timed = lockstep_timed(longer, baseline_steps=10)
+    assert timed.step_seconds == longer.step_seconds[:10] + [0.5] * 5  # the median of steps 8 and 9
+    assert timed.eval_seconds == pytest.approx([0.0, 3.3, 5.8, 8.3])  # calibration kept, the tail at 0.5 a step
+    assert timed.val_loss == longer.val_loss and timed.eval_steps == longer.eval_steps
+    rows = summarise([base, longer], 10)
+    assert rows[1]["train_s"] == pytest.approx(8.3) and rows[1]["tail_timed"] == 5
+    # it trained for less time than the baseline's 10 s: read at its end, against full backprop's loss at 8.3 s
+    assert rows[1]["val_loss_at_equal_time"] == 2.7
+    assert rows[1]["baseline_val_loss_at_run_end"] == pytest.approx(2.9 - 0.1 * 3.3 / 5)
+    assert rows[0]["tail_timed"] == 0
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        Run("anneal", 0.5, schedule="anneal"),  # the rates fall over the tail: it costs more than before
+        Run("rise over the whole run", 0.5, drop_schedule="linear", ramp=1.0),  # still rising in the window
+    ],
+)
+def test_a_tail_whose_rates_still_move_is_left_as_measured(run):
+    longer = _timed_run(run, [0.5] * 10 + [0.1] * 5)
+    assert lockstep_timed(longer, baseline_steps=10) is longer
+    rows = summarise([_timed_run(Run("full backprop"), [1.0] * 10), longer], 10)
+    assert rows[1]["train_s"] == pytest.approx(5.5) and rows[1]["tail_timed"] == 0
+
+
+def test_a_run_no_longer_than_the_baseline_is_left_as_measured():
+    run = _timed_run(Run("DropBP", 0.5), [0.5, 0.1, 0.9])
+    assert lockstep_timed(run, baseline_steps=3) is run
 
 
 def _data(n: int = 48, seq: int = 12) -> TokenData:

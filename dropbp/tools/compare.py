@@ -20,8 +20,8 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from itertools import pairwise
+from dataclasses import dataclass, field, replace
+from itertools import accumulate, pairwise
 
 import torch
 from torch import nn
@@ -35,7 +35,17 @@ from ..schedule import anneal_factor
 from .device_services import services
 from .textdata import TokenData
 
-__all__ = ["Run", "RunResult", "apply_options", "compare", "loss_at_time", "summarise", "time_to_target"]
+__all__ = [
+    "Run",
+    "RunResult",
+    "apply_options",
+    "compare",
+    "lockstep_timed",
+    "with_timed_tails",
+    "loss_at_time",
+    "summarise",
+    "time_to_target",
+]
 
 
 WARMUP_FRACTION = 0.2
@@ -422,6 +432,52 @@ def timing_check(results: list[RunResult]) -> dict:
     return timing_verdict(_timed(results[0]))
 
 
+#: The share of the baseline's steps, at their end, whose step times stand for a longer run's tail.
+TAIL_WINDOW = 0.2
+
+
+def steady_from(run: Run, baseline_steps: int, own_steps: int) -> int | None:
+    """The first optimizer step from which ``run``'s drop rates stop moving, or None if they move until its end
+    (an anneal). A warm-up ends within its share of the run (of the baseline's forwards without a time schedule,
+    which are at most as many optimizer steps); a time schedule's rise within its ``ramp`` of the run's own."""
+    if run.drop_rate is None:
+        return 0
+    if run.schedule == "anneal":
+        return None
+    moving = WARMUP_FRACTION if run.schedule == "warmup" else 0.0
+    if run.drop_schedule not in (None, "constant"):
+        moving = max(moving, run.ramp)
+    return math.ceil(moving * (own_steps if run.drop_schedule is not None else baseline_steps))
+
+
+def lockstep_timed(result: RunResult, baseline_steps: int) -> RunResult:
+    """``result`` with each step past the baseline's last timed as the run's own steps were in lockstep.
+
+    Lockstep cancels the machine's load only while the runs take turns: a run given more steps than the
+    baseline trains its tail alone, while other processes on a shared machine may start or stop, so its
+    measured tail can be faster or slower than its lockstep steps for reasons of its own. Each tail step is
+    given the median of the run's step times over the last :data:`TAIL_WINDOW` of the shared steps, and its
+    evaluation times move with them. That holds when its rates no longer move there (a warm-up or a rise that
+    ended before the window, :func:`steady_from`); otherwise, and for runs no longer than the baseline, the
+    result is returned as measured."""
+    steps = len(result.step_seconds)
+    start = max(_TIMED_FROM, baseline_steps - max(1, round(TAIL_WINDOW * baseline_steps)))
+    steady = steady_from(result.run, baseline_steps, steps)
+    if steps <= baseline_steps or steady is None or steady > start:
+        return result
+    typical = statistics.median(result.step_seconds[start:baseline_steps])
+    seconds = result.step_seconds[:baseline_steps] + [typical] * (steps - baseline_steps)
+    shift = [0.0, *(m - t for m, t in zip(accumulate(result.step_seconds), accumulate(seconds), strict=True))]
+    eval_seconds = [at - shift[step] for step, at in zip(result.eval_steps, result.eval_seconds, strict=True)]
+    return replace(result, step_seconds=seconds, eval_seconds=eval_seconds)
+
+
+def with_timed_tails(results: Sequence[RunResult]) -> list[RunResult]:
+    """Every run of a comparison (``results[0]`` is the baseline) with its tail timed by :func:`lockstep_timed`."""
+    base = results[0]
+    return [base, *(lockstep_timed(r, len(base.step_seconds)) for r in results[1:])]
+
+
 def summarise(results: list[RunResult], steps: int) -> list[dict]:
     """Per run: median step time, step speedup, validation loss at the baseline's last step
     (``steps``) and at the baseline's training time, and the time to reach the baseline's final loss
@@ -430,13 +486,15 @@ def summarise(results: list[RunResult], steps: int) -> list[dict]:
     Step times leave out each run's first step (warm-up). The step speedup is the median over the
     steps both ran of the baseline's step time over the run's: the runs take turns within each step
     (lockstep), so a slow spell of the machine hits both sides of most ratios, and the median of
-    ratios, unlike the ratio of medians, cancels it (as ``dropbp bench`` does).
+    ratios, unlike the ratio of medians, cancels it (as ``dropbp bench`` does). A run's steps past the
+    baseline's are timed as its last lockstep steps (:func:`lockstep_timed`; ``tail_timed`` counts them).
     """
     base = results[0]
+    timed = with_timed_tails(results)
     target = base.val_loss[-1]
     base_reached = time_to_target(base, target)  # may come before its last step if the curve dips
     rows = []
-    for r in results:
+    for measured, r in zip(results, timed, strict=True):
         pairs = list(zip(base.step_seconds, r.step_seconds, strict=False))[_TIMED_FROM:]
         reached = time_to_target(r, target)
         rows.append(
@@ -453,6 +511,7 @@ def summarise(results: list[RunResult], steps: int) -> list[dict]:
                 "train_s": sum(r.step_seconds) + r.calibration_seconds,
                 "time_to_target_s": reached,
                 "time_to_target_speedup": None if not reached else base_reached / reached,  # 0: started below
+                "tail_timed": 0 if r is measured else len(r.step_seconds) - len(base.step_seconds),
             }
         )
     return rows
