@@ -20,6 +20,7 @@ linear warm-up and cosine decay over each run's own steps, AdamW weight decay as
 
     python benchmarks/convergence.py --grid time-schedules --regime accumulate --lr 2e-3 --dropbp-steps 120
     python benchmarks/convergence.py --grid default --regime accumulate --method full --lr 1e-4 --dropbp-steps 135
+    python benchmarks/convergence.py --learning-rates A.json B.json C.json  # the grid at each lr: each run's best
 Writes benchmarks/results/convergence_<grid>_<method>_<corpus>.json, .md and .png.
 """
 
@@ -41,7 +42,7 @@ from dropbp import backends
 from dropbp.tools.compare import TAIL_WINDOW, Run, RunResult, compare, summarise, with_timed_tails
 from dropbp.tools.pretrained import DEFAULT_MODEL, load_causal_lm
 from dropbp.tools.qlora import quantize_4bit
-from dropbp.tools.report import plot_curves, seeds_table, steps_and_time_table
+from dropbp.tools.report import learning_rates_table, plot_curves, seeds_table, steps_and_time_table
 from dropbp.tools.textdata import CORPORA
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -181,6 +182,12 @@ def main() -> None:
     parser.add_argument(
         "--seeds", type=Path, nargs="+", help="only write the per-seed and mean table of recorded runs of one setting"
     )
+    parser.add_argument(
+        "--learning-rates",
+        type=Path,
+        nargs="+",
+        help="only write the table of recorded runs of one setting at several learning rates (each run's best)",
+    )
     parser.add_argument("--regime", choices=sorted(REGIMES), default="step")
     parser.add_argument(
         "--batch-size", type=int, default=None, help="sequences per optimizer step (default: 4, or 8 when accumulating)"
@@ -195,6 +202,9 @@ def main() -> None:
         return
     if args.seeds:
         over_seeds(args.seeds)
+        return
+    if args.learning_rates:
+        over_learning_rates(args.learning_rates)
         return
     transformers.logging.set_verbosity_error()
     lr = args.lr if args.lr is not None else swept_lr(args.out, args.method)
@@ -308,6 +318,27 @@ def over_seeds(paths: list[Path]) -> None:
         *seeds_table([r["summary"] for r in records], seeds),
     ]
     (paths[0].parent / f"{stem}_seeds.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def over_learning_rates(paths: list[Path]) -> None:
+    """Write ``<setting>_lrs.md`` beside the first record: one setting's runs at several learning rates, each run's
+    best and the bests against each other (:func:`dropbp.tools.report.learning_rates_table`)."""
+    records = sorted((json.loads(p.read_text()) for p in paths), key=lambda r: r["lr"])
+    setting = {f"{_setting(r)}, seed {r.get('seed', 0)}, {r['steps']} baseline steps" for r in records}
+    if len(setting) > 1 or len({r["lr"] for r in records}) < len(records):
+        raise SystemExit(f"--learning-rates takes one setting's runs at different rates; these are: {sorted(setting)}")
+    first = records[0]
+    stem = f"convergence_{first['grid']}_{first['method']}_{first['corpus']}_{first['regime']}"
+    stem += f"_seed{first['seed']}" if first.get("seed") else ""
+    comparisons = [(r["lr"], [RunResult.from_dict(run) for run in r["runs"]]) for r in records]
+    lines = [
+        f"{setting.pop()}, every run at each learning rate ({', '.join(sorted({r['date'] for r in records}))}). "
+        "Commands: " + "; ".join(f"`{r['command']}`" for r in records),
+        "",
+        *learning_rates_table(comparisons),
+    ]
+    (paths[0].parent / f"{stem}_lrs.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

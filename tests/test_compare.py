@@ -260,3 +260,36 @@ def test_the_seeds_table_shows_each_seed_and_the_mean_and_keeps_not_reached_visi
     assert dropbp_row[6] == "-/1.50x; not reached |"
     with pytest.raises(ValueError, match="seed 1 has runs"):
         seeds_table([seed0, seed1[:1]], [0, 1])
+
+
+def _with_losses(result: RunResult, losses: list[float]) -> RunResult:
+    result.val_loss = losses
+    return result
+
+
+def test_the_learning_rates_table_takes_each_runs_own_best_rate_in_its_comparisons_time():
+    """DropBP is best at the rate where full backprop is worse, and that comparison ran on a machine twice as
+    slow: each run is read at its own best rate, in units of its own comparison's baseline time."""
+    from dropbp.tools.report import learning_rates_table
+
+    def comparison(step: float, base: list[float], dropbp: list[float]) -> list[RunResult]:
+        return [
+            _with_losses(_timed_run(Run("full backprop"), [step] * 10), base),
+            _with_losses(_timed_run(Run("DropBP", 0.5), [step / 2] * 15), dropbp),
+        ]
+
+    lines = learning_rates_table(
+        [
+            (1e-3, comparison(1.0, [3.0, 2.5, 2.0], [3.0, 2.6, 2.2, 2.1])),
+            (2e-3, comparison(2.0, [3.0, 2.6, 2.2], [3.0, 2.4, 1.95, 1.9])),
+        ]
+    )
+    assert lines[2] == "| full backprop | 2.000 | 2.200 | 0.001 |"
+    assert lines[3] == "| DropBP | 2.100 | 1.900 | 0.002 |"
+    assert "full backprop at its own (0.001, final loss 2.000)" in lines[5]
+    # 0.75 of its comparison's baseline time; against full backprop at 0.75 of its own (2.25); 2.0 reached at
+    # 0.25 + 0.25 * 0.4 / 0.45 of the time full backprop took
+    assert lines[-1] == "| DropBP | 0.002 | 0.75 | 1.900 | -5.00% | -0.350 | 2.12x |"
+    assert lines[-2] == "| full backprop | 0.001 | 1.00 | 2.000 | +0.00% | +0.000 | 1.00x |"
+    with pytest.raises(ValueError, match="lr 0.002 has runs"):
+        learning_rates_table([(1e-3, comparison(1.0, [3, 2, 1], [3, 2, 1, 1])), (2e-3, [_timed_run(Run("x"), [1.0])])])

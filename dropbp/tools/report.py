@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from ..imports import require
-from .compare import RunResult
+from .compare import RunResult, loss_at_time, time_to_target, with_timed_tails
 
-__all__ = ["plot_curves", "seeds_table", "steps_and_time_table"]
+__all__ = ["learning_rates_table", "plot_curves", "seeds_table", "steps_and_time_table"]
 
 
 def plot_curves(results: Sequence[RunResult], path: Path, title: str) -> Path:
@@ -107,3 +108,56 @@ def seeds_table(summaries: Sequence[Sequence[dict]], seeds: Sequence[int]) -> li
 
 def _each(values: Sequence[float], fmt: str) -> str:
     return "/".join(fmt.format(v) for v in values) + "; " + fmt.format(sum(values) / len(values))
+
+
+def learning_rates_table(comparisons: Sequence[tuple[float, Sequence[RunResult]]]) -> list[str]:
+    """Markdown rows of one setting trained at several learning rates, every run at each (one comparison per rate,
+    its first run the baseline): each run's final validation loss per rate, then each run at its own best rate
+    against full backprop at its own best. Times are in units of each comparison's own baseline training time
+    (a comparison that shared the machine with more processes is not held against its runs), tails timed as in
+    :func:`dropbp.tools.compare.summarise`."""
+    names = [r.run.name for r in comparisons[0][1]]
+    for lr, results in comparisons:
+        if [r.run.name for r in results] != names:
+            first = comparisons[0][0]
+            raise ValueError(f"lr {lr:g} has runs {[r.run.name for r in results]}, lr {first:g} has {names}")
+    scaled = {lr: _in_baseline_units(results) for lr, results in comparisons}
+    rates = [lr for lr, _ in comparisons]
+    best = {i: min(rates, key=lambda lr: scaled[lr][i].val_loss[-1]) for i in range(len(names))}
+    lines = [
+        "| run | " + " | ".join(f"final val loss, lr {lr:g}" for lr in rates) + " | its best lr |",
+        "|---|" + "---|" * (len(rates) + 1),
+    ]
+    for i, name in enumerate(names):
+        cells = [f"{scaled[lr][i].val_loss[-1]:.3f}" for lr in rates]
+        lines.append(f"| {name} | {' | '.join(cells)} | {best[i]:g} |")
+    base = scaled[best[0]][0]
+    target = base.val_loss[-1]
+    base_reached = time_to_target(base, target)
+    lines += [
+        "",
+        f"Each run at its own best learning rate against full backprop at its own ({best[0]:g}, final loss "
+        f"{target:.3f}); training time in units of the same comparison's full backprop:",
+        "",
+        "| run | lr | training time | final val loss | gap | at equal time, minus full backprop | time-to-target "
+        "speedup |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for i, name in enumerate(names):
+        run = scaled[best[i]][i]
+        end = run.eval_seconds[-1]
+        at_time = (loss_at_time(run, 1.0) - target) if end >= 1.0 else run.val_loss[-1] - loss_at_time(base, end)
+        reached = time_to_target(run, target)
+        speedup = "not reached" if reached is None else f"{base_reached / reached:.2f}x"
+        lines.append(
+            f"| {name} | {best[i]:g} | {end:.2f} | {run.val_loss[-1]:.3f} | {run.val_loss[-1] / target - 1:+.2%} | "
+            f"{at_time:+.3f} | {speedup} |"
+        )
+    return lines
+
+
+def _in_baseline_units(results: Sequence[RunResult]) -> list[RunResult]:
+    """A comparison's runs, tails timed, with evaluation times over its baseline's training time."""
+    timed = with_timed_tails(results)
+    unit = timed[0].eval_seconds[-1]
+    return [replace(r, eval_seconds=[t / unit for t in r.eval_seconds]) for r in timed]
