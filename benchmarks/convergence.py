@@ -119,6 +119,14 @@ GRIDS["default"] = [
     Run("DropBP 0.5, equal time", 0.5, **_CUT_WARMUP),
 ]
 
+# Controls of the shipped default at equal time: the paper's uniform shape with the same warm-up, and the cut
+# with no warm-up (a constant rate over the whole run: no time schedule at all).
+GRIDS["controls"] = [
+    Run("full backprop"),
+    Run("uniform 0.5 + warm-up (mean kept), equal time", 0.5, **{**_CUT_WARMUP, "pattern": "uniform"}),
+    Run("cut 0.5, no warm-up, equal time", 0.5, pattern="cut"),
+]
+
 # Regimes (--regime): "step" is the one every run before issue 23 used (one pattern per optimizer step,
 # a constant learning rate, no weight decay); "accumulate" is the research code's shape on a CPU budget.
 REGIMES = {
