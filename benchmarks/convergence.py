@@ -237,22 +237,6 @@ def main() -> None:
         losses = " | ".join(f"{k}: {v:.3f}" for k, v in latest.items())
         print(f"step {step} ({time.perf_counter() - started:.0f} s)  val {losses}", file=sys.stderr, flush=True)
 
-    results = compare(
-        model,
-        runs,
-        data,
-        steps=args.steps,
-        lr=lr,
-        batch_size=batch_size,
-        backend=backend,
-        eval_every=args.eval_every,
-        dropbp_steps=args.dropbp_steps,
-        progress=progress,
-        accumulation=regime["accumulation"],
-        lr_schedule=regime["lr_schedule"],
-        weight_decay=regime["weight_decay"][args.method],
-        seed=args.seed,
-    )
     stem = f"convergence_{args.grid}_{args.method}_{args.corpus}"
     if args.grid == "lr" and args.lrs:
         stem += "_" + "_".join(f"{x:g}" for x in args.lrs)
@@ -286,11 +270,35 @@ def main() -> None:
         "python": platform.python_version(),
     }
     args.out.mkdir(parents=True, exist_ok=True)
+    results = compare(
+        model,
+        runs,
+        data,
+        steps=args.steps,
+        lr=lr,
+        batch_size=batch_size,
+        backend=backend,
+        eval_every=args.eval_every,
+        dropbp_steps=args.dropbp_steps,
+        progress=progress,
+        accumulation=regime["accumulation"],
+        lr_schedule=regime["lr_schedule"],
+        weight_decay=regime["weight_decay"][args.method],
+        seed=args.seed,
+        on_evaluation=lambda so_far: keep_partial(record, so_far, args.out),
+    )
     write(record, results, args.out)
 
 
+def keep_partial(record: dict, results: list[RunResult], out: Path) -> None:
+    """Write what a running comparison has measured so far to ``<benchmark>.partial.json`` (the settings and each
+    run's curves; no summary): a run stopped before its end keeps its figures. :func:`write` removes it."""
+    partial = {**record, "runs": [r.to_dict() for r in results]}
+    (out / f"{record['benchmark']}.partial.json").write_text(json.dumps(partial, indent=2) + "\n")
+
+
 def write(record: dict, results: list[RunResult], out: Path) -> None:
-    """Summarise, then write ``<benchmark>.json``, ``.md`` and ``.png`` into ``out``."""
+    """Summarise, then write ``<benchmark>.json``, ``.md`` and ``.png`` into ``out`` (and drop the partial record)."""
     record["summary"] = summarise(results, record["steps"])
     record["runs"] = [r.to_dict() for r in results]
     stem = record["benchmark"]
@@ -300,6 +308,7 @@ def write(record: dict, results: list[RunResult], out: Path) -> None:
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     title = f"{record['model']} {record['method']} on {record.get('corpus', 'pydoc')}"
     plot_curves(with_timed_tails(results), out / f"{stem}.png", title=title)
+    (out / f"{stem}.partial.json").unlink(missing_ok=True)
     print("\n".join(lines))
 
 

@@ -89,7 +89,8 @@ def _data(n: int = 48, seq: int = 12) -> TokenData:
 
 def test_lockstep_runs_share_the_start_and_the_batches():
     """Two identical baselines and a DropBP run at rate 0: identical curves (same weights, batches,
-    learning rate); schedules and budgets are honoured."""
+    learning rate); schedules and budgets are honoured; what was measured is handed on at each evaluation."""
+    kept = []
     runs = [
         Run("full backprop"),
         Run("again"),
@@ -107,6 +108,7 @@ def test_lockstep_runs_share_the_start_and_the_batches():
         backend=backends.get("cpu"),
         eval_every=3,
         dropbp_steps=9,
+        on_evaluation=lambda so_far: kept.append([(r.run.name, r.eval_steps[-1]) for r in so_far]),
     )
     base, again, zero, warm, anneal = results
     assert base.val_loss == again.val_loss == zero.val_loss[: len(base.val_loss)]
@@ -117,6 +119,10 @@ def test_lockstep_runs_share_the_start_and_the_batches():
     rows = summarise(results, 6)
     assert rows[0]["step_speedup"] == 1.0 and rows[0]["time_to_target_speedup"] == 1.0
     assert {"val_loss_at_equal_time", "val_loss_at_equal_steps"} <= set(rows[1])
+    names = [r.name for r in runs]
+    assert kept == [list(zip(names, [s, s, s, s, s], strict=True)) for s in (3, 6)] + [
+        list(zip(names, [6, 6, 9, 9, 9], strict=True))
+    ]
 
 
 def test_bad_schedule_is_named():

@@ -294,6 +294,7 @@ def compare(
     accumulation: int = 1,
     lr_schedule: str = "constant",
     weight_decay: float = 0.0,
+    on_evaluation: Callable[[list[RunResult]], None] | None = None,
 ) -> list[RunResult]:
     """Train a copy of ``model`` per run, in lockstep, and return their timings and curves.
 
@@ -302,6 +303,8 @@ def compare(
     own ``Run.steps`` overrides either. Each optimizer step takes ``batch_size`` sequences, as
     ``accumulation`` micro-batches (a training forward, and a drop pattern, each); its learning rate
     follows ``lr_schedule`` over the run's own steps (:func:`lr_factor`); AdamW's ``weight_decay``.
+    ``on_evaluation`` gets the results so far after every step that evaluated a run, so that a long
+    comparison which is stopped keeps what it measured.
     """
     if not runs:
         raise ValueError("compare needs at least one run")
@@ -339,9 +342,11 @@ def compare(
             if t.run.calibrate and step == calibration_step:
                 t.calibrate(ids)
             t.train_step(ids, step, limit[t.run.name])
-        for t in active:
-            if (step + 1) % eval_every == 0 or step + 1 in (steps, limit[t.run.name]):
-                latest[t.run.name] = t.evaluate(step + 1, val)
+        evaluated = [t for t in active if (step + 1) % eval_every == 0 or step + 1 in (steps, limit[t.run.name])]
+        for t in evaluated:
+            latest[t.run.name] = t.evaluate(step + 1, val)
+        if evaluated and on_evaluation is not None:
+            on_evaluation([t.result for t in trainees])
         if progress is not None:
             progress(step + 1, latest)
     for t in trainees:
