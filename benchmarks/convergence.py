@@ -196,6 +196,9 @@ def main() -> None:
         nargs="+",
         help="only write the table of recorded runs of one setting at several learning rates (each run's best)",
     )
+    parser.add_argument(
+        "--only", nargs="+", metavar="RUN", help="of the grid, only these runs (by name) beside full backprop"
+    )
     parser.add_argument("--regime", choices=sorted(REGIMES), default="step")
     parser.add_argument(
         "--batch-size", type=int, default=None, help="sequences per optimizer step (default: 4, or 8 when accumulating)"
@@ -230,6 +233,11 @@ def main() -> None:
         runs = [Run(f"full backprop, lr {x:g}", lr=x) for x in args.lrs or LR_CANDIDATES[args.method]]
     else:  # steps=-1 in a grid: the baseline's number of steps
         runs = [replace(r, steps=args.steps) if r.steps == -1 else r for r in GRIDS[args.grid]]
+        if args.only:
+            unknown = set(args.only) - {r.name for r in runs}
+            if unknown:
+                raise SystemExit(f"--only: no run {sorted(unknown)} in grid {args.grid}: {[r.name for r in runs]}")
+            runs = [runs[0], *(r for r in runs[1:] if r.name in args.only)]
 
     started = time.perf_counter()
 
