@@ -217,6 +217,15 @@ def main() -> None:
     if args.learning_rates:
         over_learning_rates(args.learning_rates)
         return
+    if args.grid == "lr":
+        runs = [Run(f"full backprop, lr {x:g}", lr=x) for x in args.lrs or LR_CANDIDATES[args.method]]
+    else:  # steps=-1 in a grid: the baseline's number of steps
+        runs = [replace(r, steps=args.steps) if r.steps == -1 else r for r in GRIDS[args.grid]]
+        if args.only:
+            unknown = set(args.only) - {r.name for r in runs}
+            if unknown:
+                raise SystemExit(f"--only: no run {sorted(unknown)} in grid {args.grid}: {[r.name for r in runs]}")
+            runs = [runs[0], *(r for r in runs[1:] if r.name in args.only)]
     transformers.logging.set_verbosity_error()
     lr = args.lr if args.lr is not None else swept_lr(args.out, args.method)
     model, tokenizer = load_causal_lm(args.model)
@@ -229,16 +238,6 @@ def main() -> None:
     data = CORPORA[args.corpus](tokenizer, args.seq_len, max_val_windows=16)
     regime = REGIMES[args.regime]
     batch_size = args.batch_size or (8 if args.regime == "accumulate" else 4)
-    if args.grid == "lr":
-        runs = [Run(f"full backprop, lr {x:g}", lr=x) for x in args.lrs or LR_CANDIDATES[args.method]]
-    else:  # steps=-1 in a grid: the baseline's number of steps
-        runs = [replace(r, steps=args.steps) if r.steps == -1 else r for r in GRIDS[args.grid]]
-        if args.only:
-            unknown = set(args.only) - {r.name for r in runs}
-            if unknown:
-                raise SystemExit(f"--only: no run {sorted(unknown)} in grid {args.grid}: {[r.name for r in runs]}")
-            runs = [runs[0], *(r for r in runs[1:] if r.name in args.only)]
-
     started = time.perf_counter()
 
     def progress(step: int, latest: dict[str, float]) -> None:
