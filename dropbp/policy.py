@@ -257,10 +257,14 @@ class DropPolicy:
             raise self._peak_error(time, str(error)) from None
 
     def _peak_error(self, time: TimeSchedule, detail: str) -> ValueError:
+        shorter = (
+            "use a shorter ramp or warm-up, or drop_schedule='constant'"
+            if time.rises
+            else "shorten the warm-up (apply's warmup_steps, attach's warmup=) or set it to 0"
+        )
         return ValueError(
             f"the time schedule ({time.describe()}) keeps the run's mean drop rate by peaking at {time.peak:.3g}x the "
-            f"rates, which the {self._pattern!r} shape cannot take ({detail}); lower drop_rate, use a shorter ramp "
-            "or warm-up, or drop_schedule='constant'"
+            f"rates, which the {self._pattern!r} shape cannot take ({detail}); lower drop_rate, or {shorter}"
         )
 
     # -- patterns --------------------------------------------------------------------------------

@@ -108,6 +108,11 @@ class TimeSchedule:
         #: The largest factor: the rates at their peak are the rates times this.
         self.peak = max(self._factors)
 
+    @property
+    def rises(self) -> bool:
+        """Whether the shape rises over a ramp (else only a warm-up lifts the peak)."""
+        return self._settings[1] != "constant"
+
     def describe(self) -> str:
         """The settings, for messages."""
         total, shape, ramp, warmup = self._settings

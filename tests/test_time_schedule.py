@@ -126,6 +126,17 @@ def test_settings_are_checked_and_an_impossible_peak_is_refused():
     assert ctl.state_dict() == before
 
 
+
+def test_a_warm_up_too_high_to_keep_the_mean_is_refused_with_advice_that_fits():
+    """With no rising shape, only the warm-up lifts the peak: the advice names it, not the shape."""
+    with pytest.raises(ValueError) as refused:
+        dropbp.apply(tiny_model("llama", layers=4), 0.875, backend="cpu", total_steps=100, warmup_steps=20)
+    message = str(refused.value)
+    assert "drop_schedule='constant', ramp=0.5, warmup_steps=20, total_steps=100" in message
+    advice = "lower drop_rate, or shorten the warm-up (apply's warmup_steps, attach's warmup=) or set it to 0"
+    assert message.endswith(advice)
+    dropbp.apply(tiny_model("llama", layers=4), 0.875, backend="cpu", total_steps=100)  # no warm-up: no peak
+
 def test_bounded_pattern_pools_move_in_quarters():
     ctl = dropbp.apply(
         tiny_model("llama", layers=4), 0.5, backend="cpu", max_patterns=4, total_steps=200, drop_schedule="linear"
