@@ -37,7 +37,10 @@ from .policy import DEFAULT_RAMP
 from .sampler import SAMPLERS
 from .schedule import DROP_SCHEDULES
 
-__all__ = ["DropBPOptions", "TrainerOptions", "option_fields", "takes_options"]
+__all__ = ["AUTO_WARMUP", "DropBPOptions", "TrainerOptions", "option_fields", "takes_options"]
+
+#: A Trainer run's warm-up by default (``warmup="auto"``), a fraction of its training steps.
+AUTO_WARMUP = 0.2
 
 # What goes before every option's name in error messages: "" for Python callers, "dropbp_" while the
 # axolotl plugin checks its config keys (:func:`named_as`).
@@ -247,13 +250,16 @@ class TrainerOptions(DropBPOptions):
     total_steps: int | None = field(
         default=None, init=False, metadata=DropBPOptions.__dataclass_fields__["total_steps"].metadata
     )
-    warmup: float = field(
-        default=0.2,
+    warmup: float | str = field(
+        default="auto",
         metadata=_help(
-            """Fraction of the training steps over which the rates rise from 0 (``apply``'s ``warmup_steps``):
-            0.2, the best setting measured (docs/convergence.md); 0 to drop from the first step. Knowing the
-            run's length, the drop rate also gets its time schedule (``drop_schedule``): the run's mean drop
-            rate, warm-up included, is ``drop_rate``."""
+            """Fraction of the training steps over which the rates rise from 0 (``apply``'s ``warmup_steps``);
+            0 to drop from the first step. Knowing the run's length, the drop rate also gets its time schedule
+            (``drop_schedule``): the run's mean drop rate, warm-up included, is ``drop_rate``, so what the
+            warm-up leaves undropped is dropped later. ``"auto"``: 0.2 (``AUTO_WARMUP``, the best setting
+            measured, docs/convergence.md), shortened, with a warning, to the longest warm-up that keeps the
+            mean where a high drop rate cannot (with the cut shape about 0.86 and above: the top branch is
+            always kept). A number is taken as given, and refused when the rate cannot keep its mean."""
         ),
     )
     calibrate_at: float | str | None = field(
@@ -282,7 +288,9 @@ class TrainerOptions(DropBPOptions):
                     f"or {calibrate_at}=None"
                 )
             self._set("calibrate_at", point)
-        self._set("warmup", check_fraction(key("warmup"), self.warmup, what="a fraction of the training steps"))
+        if self.warmup != "auto":
+            fraction = check_fraction(key("warmup"), self.warmup, what='a fraction of the training steps (or "auto")')
+            self._set("warmup", fraction)
 
     @property
     def calibration_point(self) -> float | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import pydoc_data.topics
 
 import pytest
@@ -241,8 +242,35 @@ def test_warmup_fraction_becomes_training_forwards(tmp_path):
     trainer.train()
     assert callback.controller.warmup_steps == 4  # 0.4 x 5 steps x 2 micro-batches
     assert patterns[0] == ()  # the first forward runs full backprop
-    with pytest.raises(ValueError, match=r"warmup must be a fraction of the training steps in \[0, 1\), got 1.5"):
+    not_a_fraction = r"warmup must be a fraction of the training steps \(or .auto.\) in \[0, 1\), got 1.5"
+    with pytest.raises(ValueError, match=not_a_fraction):
         attach(_trainer(tmp_path), warmup=1.5)
+
+
+def test_auto_warmup_is_shortened_where_a_high_rate_cannot_keep_its_mean(tmp_path, caplog):
+    """At 0.875 the cut cannot pay for a 20% warm-up (the top branch is always kept): warmup="auto" takes
+    the longest that fits, says so, and the run's mean rate is still the drop rate; a warm-up asked for is
+    refused instead."""
+    trainer = _trainer(tmp_path, max_steps=25, gradient_accumulation_steps=2)
+    callback = attach(trainer, drop_rate=0.875, calibrate_at=None)
+    assert callback.options.warmup == "auto" and callback.warmup == 0.2
+    with caplog.at_level(logging.WARNING, logger="dropbp"):
+        trainer.train()
+    ctl = callback.controller
+    assert 0 < ctl.warmup_steps < 10 and ctl.total_steps == 50  # 20% of 25 steps x 2 micro-batches is 10
+    assert sum(ctl.drop_rate_at(s) for s in range(50)) / 50 == pytest.approx(0.875, abs=1e-9)
+    with pytest.raises(ValueError, match="cannot take"):
+        ctl.warmup_steps += 1  # one forward longer is refused: the longest that fits was taken
+    (warning,) = [r.getMessage() for r in caplog.records if "warm-up shortened" in r.getMessage()]
+    assert warning.startswith(f"dropbp: warm-up shortened from 10 to {ctl.warmup_steps} of the run's 50")
+    assert "Pass warmup= to choose (0: none)" in warning
+
+    asked = _trainer(tmp_path, max_steps=25, gradient_accumulation_steps=2)
+    attach(asked, drop_rate=0.875, calibrate_at=None, warmup=0.2)
+    with pytest.raises(ValueError, match=r"shorten the warm-up \(apply's warmup_steps, attach's warmup=\)"):
+        asked.train()
+    with pytest.raises(TypeError, match=r"warmup must be a fraction of the training steps \(or \"auto\"\)"):
+        attach(_trainer(tmp_path), warmup="longest")
 
 
 def test_chunked_loss_trains_as_the_plain_loss(tmp_path):

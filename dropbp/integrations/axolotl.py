@@ -4,7 +4,7 @@
       - dropbp.integrations.axolotl.DropBPPlugin
     dropbp_drop_rate: 0.5
     dropbp_pattern: cut          # or uniform (the paper's; the only one that calibrates)
-    dropbp_warmup: 0.2           # fraction of the training steps over which the rates rise from 0
+    dropbp_warmup: auto          # a fraction of the steps; auto = 0.2, shorter at high rates
     dropbp_calibrate_at: auto    # a fraction of the steps, auto, or false/null (never)
     dropbp_seed: 0               # default: the run's seed
 

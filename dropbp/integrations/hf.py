@@ -15,7 +15,8 @@ Their options are :class:`dropbp.options.TrainerOptions` (``dropbp.apply``'s, wi
 ``calibrate_at`` as fractions of the run). The callback applies DropBP to the trainer's model
 (``attach``: at once; ``DropBPCallback``: when training begins, to the ``model`` the Trainer hands
 its callbacks, possibly already inside DDP or DeepSpeed, which ``dropbp.apply`` accepts) and
-- warms the drop rates up from 0 over the first ``warmup`` of training (default 20%) and, knowing the
+- warms the drop rates up from 0 over the first ``warmup`` of training (``"auto"``: 20%, shorter where a
+  high drop rate cannot pay for that much while keeping its mean, with a warning) and, knowing the
   run's length (``max_steps`` times gradient accumulation, in training forwards), gives the drop rate
   its time schedule (``drop_schedule``, :mod:`dropbp.schedule`) with the run's mean rate equal to
   ``drop_rate``: what the warm-up leaves undropped is dropped later,
@@ -63,7 +64,7 @@ from transformers.trainer_callback import CallbackHandler
 
 from ..api import apply_options
 from ..controller import DropBPController
-from ..options import TrainerOptions, takes_options
+from ..options import AUTO_WARMUP, TrainerOptions, takes_options
 
 __all__ = ["STATE_FILE", "DropBPCallback", "attach", "build_callback"]
 
@@ -112,8 +113,9 @@ class DropBPCallback(TrainerCallback):
 
     @property
     def warmup(self) -> float:
-        """The fraction of the training steps over which the rates rise from 0."""
-        return self.options.warmup
+        """The fraction of the training steps over which the rates rise from 0 (``"auto"``: 0.2, which
+        a high drop rate may shorten when training begins; ``controller.warmup_steps`` is then the run's)."""
+        return AUTO_WARMUP if self.options.warmup == "auto" else self.options.warmup
 
     def _bind(self, trainer: Trainer) -> None:
         """Apply DropBP to ``trainer.model`` now, knowing the trainer (what :func:`attach` does)."""
@@ -158,10 +160,7 @@ class DropBPCallback(TrainerCallback):
             if plugin is not None:
                 self._check_deepspeed(plugin, args)
             self._apply(kw["model"], args)
-        forwards = state.max_steps * args.gradient_accumulation_steps  # the controller counts micro-batches
-        if self.warmup:
-            self.controller.warmup_steps = round(self.warmup * forwards)
-        self.controller.total_steps = forwards
+        self._schedule(state.max_steps * args.gradient_accumulation_steps)  # the controller counts micro-batches
         if state.global_step == 0:
             return
         folders = [os.path.join(args.output_dir, f"checkpoint-{state.global_step}")]
@@ -181,6 +180,47 @@ class DropBPCallback(TrainerCallback):
             saved = json.load(f)
         self.controller.load_state_dict(saved["controller"])
         self.calibrated = saved["calibrated"]
+
+    def _schedule(self, forwards: int) -> None:
+        """The warm-up and the time schedule over a run of ``forwards`` training forwards.
+
+        Keeping the run's mean drop rate, a warm-up is paid for by higher rates after it, which a high drop
+        rate cannot always take (no cut drops the top branch). A warm-up the user chose is then refused
+        (the controller's message says what to change); ``"auto"`` takes the longest that fits, up to 20%.
+        """
+        ctl = self.controller
+        if self.options.warmup != "auto":
+            ctl.warmup_steps = round(self.warmup * forwards)
+            ctl.total_steps = forwards
+            return
+        ctl.total_steps = None  # no time schedule while the warm-up is chosen: any warm-up is valid
+        longest = ctl.warmup_steps = round(AUTO_WARMUP * forwards)
+        try:
+            ctl.total_steps = forwards
+            return
+        except ValueError:
+            pass
+        ctl.warmup_steps = 0  # a constant rate over the whole run: no peak, always valid
+        ctl.total_steps = forwards
+        fits, too_long = 0, longest  # the peak grows with the warm-up: bisect for the longest that fits
+        while too_long - fits > 1:
+            middle = (fits + too_long) // 2
+            try:
+                ctl.warmup_steps = middle  # refused (and nothing changed) when the peak cannot be taken
+                fits = middle
+            except ValueError:
+                too_long = middle
+        ctl.warmup_steps = fits
+        log.warning(
+            "dropbp: warm-up shortened from %d to %d of the run's %d training forwards (warmup='auto'): to keep "
+            "the run's mean drop rate at %g, a longer one would need rates after it that the %r pattern shape "
+            "cannot take. Pass warmup= to choose (0: none).",
+            longest,
+            fits,
+            forwards,
+            ctl.drop_rate,
+            ctl.pattern,
+        )
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any):
         if not self._active() or self.calibrate_at is None or self.calibrated:
