@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import sys
 import time
 from dataclasses import replace
@@ -275,7 +276,7 @@ def main() -> None:
         "accumulation": regime["accumulation"],
         "lr_schedule": regime["lr_schedule"],
         "weight_decay": regime["weight_decay"][args.method],
-        "command": "python " + " ".join(sys.argv),
+        "command": "python " + shlex.join(sys.argv),
         "device": str(backend.device),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

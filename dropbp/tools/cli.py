@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shlex
 import sys
 import warnings
 from collections.abc import Iterator
@@ -319,7 +320,7 @@ def _memory(args: argparse.Namespace, backend, dtype, budget: int | None, out: P
         "backend": backend.name,
         "dtype": common["dtype"],
         "torch": torch.__version__,
-        "command": "dropbp " + " ".join(sys.argv[1:]),
+        "command": "dropbp " + shlex.join(sys.argv[1:]),
         "memory_budget": budget,
         "memory": [],
         "max_seq_len": {},
