@@ -193,20 +193,19 @@ class DropBPCallback(TrainerCallback):
             ctl.warmup_steps = round(self.warmup * forwards)
             ctl.total_steps = forwards
             return
-        ctl.total_steps = None  # no time schedule while the warm-up is chosen: any warm-up is valid
-        longest = ctl.warmup_steps = round(AUTO_WARMUP * forwards)
+        ctl.warmup_steps = 0  # a constant rate over the whole run: no peak, always valid
+        ctl.total_steps = forwards
+        longest = round(AUTO_WARMUP * forwards)
         try:
-            ctl.total_steps = forwards
+            ctl.warmup_steps = longest  # refused (and nothing changed) when the peak cannot be taken
             return
         except ValueError:
             pass
-        ctl.warmup_steps = 0  # a constant rate over the whole run: no peak, always valid
-        ctl.total_steps = forwards
         fits, too_long = 0, longest  # the peak grows with the warm-up: bisect for the longest that fits
         while too_long - fits > 1:
             middle = (fits + too_long) // 2
             try:
-                ctl.warmup_steps = middle  # refused (and nothing changed) when the peak cannot be taken
+                ctl.warmup_steps = middle
                 fits = middle
             except ValueError:
                 too_long = middle
