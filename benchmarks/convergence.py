@@ -210,6 +210,12 @@ def main() -> None:
         "--batch-size", type=int, default=None, help="sequences per optimizer step (default: 4, or 8 when accumulating)"
     )
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument(
+        "--checkpointing",
+        action="store_true",
+        help="Hugging Face activation checkpointing on every layer, non-re-entrant (the Trainer's "
+        "gradient_checkpointing=True); losses per step are those of the same run without it, step times are not",
+    )
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -241,6 +247,8 @@ def main() -> None:
     if args.method in ("lora", "qlora"):
         torch.manual_seed(args.seed)  # LoRA's A matrices start random: the same start for every run of a seed
         model = with_lora(model)
+    if args.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     data = CORPORA[args.corpus](tokenizer, args.seq_len, max_val_windows=16)
     regime = REGIMES[args.regime]
     batch_size = args.batch_size or (8 if args.regime == "accumulate" else 4)
@@ -255,6 +263,8 @@ def main() -> None:
         stem += "_" + "_".join(f"{x:g}" for x in args.lrs)
     if args.regime != "step":
         stem += f"_{args.regime}"
+    if args.checkpointing:
+        stem += "_ckpt"
     if args.seed:
         stem += f"_seed{args.seed}"
     if args.tag:
@@ -273,6 +283,7 @@ def main() -> None:
         "batch_size": batch_size,
         "seq_len": args.seq_len,
         "regime": args.regime,
+        "checkpointing": args.checkpointing,
         "accumulation": regime["accumulation"],
         "lr_schedule": regime["lr_schedule"],
         "weight_decay": regime["weight_decay"][args.method],

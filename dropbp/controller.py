@@ -10,6 +10,7 @@ next step; the :class:`~dropbp.discovery.Branch` objects it hands out are read-o
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -21,6 +22,7 @@ from . import optimizer as lr_compensation
 from . import sensitivity
 from .allocation import allocate_rates
 from .backends import Backend
+from .bound import kept_bound
 from .checks import check_bool, check_choice, check_int
 from .chunked_loss import ChunkedLoss
 from .compile import EnclosingCompileWarning
@@ -32,21 +34,23 @@ from .frameworks import FrameworkWatch, calibration_closure, calibration_method,
 from .hooks import StepHooks
 from .options import DropBPOptions
 from .policy import DropPolicy
+from .state import STATE_VERSION, check_state
 from .stats import DropTally
 
 __all__ = ["DropBPController", "controller_of"]
 
 # Modules (models and branch modules) that already carry a controller: applying twice would stack
-# hooks and make two policies fight over one model.
-_ATTACHED: weakref.WeakKeyDictionary[nn.Module, DropBPController] = weakref.WeakKeyDictionary()
+# hooks and make two policies fight over one model. Weak both ways: the model keeps its controller alive
+# through its hooks (StepHooks.owner), and a model nobody holds is freed with its controller.
+_ATTACHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[DropBPController]] = weakref.WeakKeyDictionary()
 
-_STATE_VERSION = 1
 
 
 def controller_of(module: nn.Module) -> DropBPController | None:
     """The controller attached to ``module`` (a model given to :func:`dropbp.apply`, unwrapped, or one of its
     branch modules), or None: how tools that take "the model" find its branches and patterns."""
-    return _ATTACHED.get(module)
+    ref = _ATTACHED.get(module)
+    return None if ref is None else ref()
 
 
 def _policy_setting(name: str, doc: str) -> property:
@@ -93,7 +97,7 @@ class DropBPController:
             options = DropBPOptions(policy.drop_rate)
         elif not isinstance(options, DropBPOptions):
             raise TypeError(f"options must be a dropbp.options.DropBPOptions, got {type(options).__name__}")
-        if any(m in _ATTACHED for m in (model, *(b.module for b in branches))):
+        if any(controller_of(m) is not None for m in (model, *(b.module for b in branches))):
             raise RuntimeError(
                 "DropBP is already attached to this model (or to some of its branches); "
                 "call .remove() on the existing controller first"
@@ -111,7 +115,9 @@ class DropBPController:
         # first: a model it cannot handle leaves no hooks
         chunked = options.chunked_loss
         self._chunked = None if chunked is False else ChunkedLoss(model, None if chunked is True else chunked)
-        self._hooks = StepHooks(model, self._found, policy, lambda: self._unbiased)
+        self._memory_bound = options.bounded
+        self._hooks = StepHooks(model, self._found, policy, self._is_unbiased, self._kept_bound)
+        self._hooks.owner = self
         self._fill = DroppedGrads(options.dropped_grads, self._hooks.holders)
         self._tally = DropTally(flops)
         self._hooks.listen(RunningDDPCheck())  # first: it may refuse the step before anything notes it
@@ -124,14 +130,37 @@ class DropBPController:
             model,
             *(p for b in branches for p in b.parts),
             *compile_warning.layers,
+            *self._hooks.bound.units,
             *([self._chunked.lm] if self._chunked else []),
         ]
         # copies and pickles come out clean
         self._copies = CleanCopies(touched, lambda: [*self._hooks.handles, *self._compile_handles])
         for module in (model, *self._modules):
-            _ATTACHED[module] = self
+            _ATTACHED[module] = weakref.ref(self)
         self._removed = False
         self._undo: list[Callable[[], None]] = []  # see on_remove
+
+    def _is_unbiased(self) -> bool:
+        return self._unbiased
+
+    def _kept_bound(self) -> int | None:
+        return kept_bound(self._policy.drop_rate, len(self._found)) if self._memory_bound else None
+
+    @property
+    def memory_bound(self) -> bool:
+        """Whether the activation memory is bounded at every step (:mod:`dropbp.bound`); settable."""
+        return self._memory_bound
+
+    @memory_bound.setter
+    def memory_bound(self, value: bool) -> None:
+        self.check_attached()
+        self._memory_bound = check_bool("memory_bound", value)
+
+    @property
+    def max_kept_branches(self) -> int:
+        """The most branches that store activations in one step: with the bound, what the uniform shape keeps
+        at most at ``drop_rate``; without it, every branch (a step may drop none)."""
+        return self._kept_bound() or len(self._found)
 
     def _names(self, indices: frozenset[int]) -> tuple[str, ...]:
         return tuple(self._found[i].name for i in sorted(indices))
@@ -236,7 +265,17 @@ class DropBPController:
     def drop_rate_at(self, step: int) -> float:
         """The expected FLOP-weighted drop rate at training forward ``step``: the rates under the warm-up
         and time schedule of that step. Over a run of ``total_steps`` forwards its mean is ``drop_rate``."""
-        factor = self._policy.factor(check_int("step", step, 0))
+        return self._rate_under(self._policy.factor(check_int("step", step, 0)))
+
+    def mean_drop_rate(self, start: int, stop: int) -> float:
+        """The mean of :meth:`drop_rate_at` over the training forwards ``start`` to ``stop - 1``."""
+        check_int("start", start, 0)
+        if check_int("stop", stop, start + 1) <= start:
+            raise ValueError(f"stop must be above start, got start={start}, stop={stop}")
+        factors = Counter(self._policy.factor(step) for step in range(start, stop))
+        return sum(n * self._rate_under(factor) for factor, n in factors.items()) / (stop - start)
+
+    def _rate_under(self, factor: float) -> float:
         flops = [b.flops for b in self._found]
         dropped = sum(f * min(1.0, r * factor) for f, r in zip(flops, self._policy.rates, strict=True))
         return dropped / sum(flops)
@@ -326,18 +365,12 @@ class DropBPController:
         """Everything needed to continue with the same patterns: rates, seed, step counter, bound, warm-up,
         time schedule."""
         names = [b.name for b in self._found]
-        return {"version": _STATE_VERSION, "branches": names, **self._policy.state_dict(), "step": self._hooks.step}
+        return {"version": STATE_VERSION, "branches": names, **self._policy.state_dict(), "step": self._hooks.step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; the branches must be the same as when it was saved."""
         self.check_attached()
-        if not isinstance(state, dict):
-            raise TypeError(f"state must be a dict from state_dict(), got {type(state).__name__}")
-        missing = {"version", "branches", "rates", "drop_rate", "seed", "step", "max_patterns"} - set(state)
-        if missing:
-            raise ValueError(f"state is missing keys {sorted(missing)}; pass the dict from state_dict()")
-        if state["version"] != _STATE_VERSION:
-            raise ValueError(f"state version {state['version']} is not supported (expected {_STATE_VERSION})")
+        check_state(state)
         names = [b.name for b in self._found]
         if list(state["branches"]) != names:
             raise ValueError(
@@ -345,9 +378,8 @@ class DropBPController:
                 f"saved {len(state['branches'])} starting {list(state['branches'])[:2]}, "
                 f"this model has {len(names)} starting {names[:2]}"
             )
-        step = check_int("step", state["step"], 0)
         self._policy.load_state_dict(state)
-        self._hooks.step = step
+        self._hooks.step = state["step"]
 
     # -- the device's step boundaries ------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> bool:
@@ -389,7 +421,7 @@ class DropBPController:
             self._chunked.remove()
         self._copies.remove()
         for module in (self._model, *self._modules):
-            if _ATTACHED.get(module) is self:
+            if controller_of(module) is self:
                 del _ATTACHED[module]
         self._removed = True
         while self._undo:

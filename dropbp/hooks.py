@@ -17,6 +17,8 @@ a new concern adds a listener, not a line here.
 
 from __future__ import annotations
 
+import functools
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -26,9 +28,11 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .bound import MemoryBound
 from .discovery import Branch, holder
 from .distributed import check_running_ddp_checkpointing
 from .eager import outside_graphs
+from .intercept import ForwardPatch
 from .no_grad import attach_no_grad_hooks
 from .optimizer import compensation
 from .policy import DropPolicy
@@ -58,10 +62,17 @@ class StepHooks:
             output and the residual add) run without autograd when the branch drops.
         policy: decides each step's pattern.
         unbiased: read at every forward: whether kept branches' incoming gradients are scaled.
+        keep: read at every training forward: how many kept branches may store activations (``None``: no bound;
+            :mod:`dropbp.bound`).
     """
 
     def __init__(
-        self, model: nn.Module, branches: Sequence[Branch], policy: DropPolicy, unbiased: Callable[[], bool]
+        self,
+        model: nn.Module,
+        branches: Sequence[Branch],
+        policy: DropPolicy,
+        unbiased: Callable[[], bool],
+        keep: Callable[[], int | None] = lambda: None,
     ) -> None:
         parts = [b.parts for b in branches]
         self._model = model
@@ -79,6 +90,13 @@ class StepHooks:
         self.last: frozenset[int] = frozenset()
         #: The pattern calibration forces, or None.
         self.forced: frozenset[int] | None = None
+        #: The model's forward under way: None (none), False (eval or no-grad: drops nothing) or True (training).
+        self._forward: bool | None = None
+        self._warned_outside = False
+        #: Whatever must live as long as the model's hooks (the controller: the model keeps it, no registry does).
+        self.owner: object | None = None
+        self._keep = keep
+        self.bound = MemoryBound(model, self._names, self._modules)
         self._listeners: list[StepListener] = []
         self._recompute = RecomputeCache(self._modules)
         #: Per checkpointed region of a training forward (as checkpointing keeps it), that forward's pattern.
@@ -94,6 +112,11 @@ class StepHooks:
                 self._handles += attach_no_grad_hooks(norm, dropped)
             # the gradient entering the branch is the one at the residual add: the last part's output
             self._handles.append(attach_gradient_scaling(parts[index][-1], self._scale_for(index)))
+        guarded = self._guarded_forward()
+        self._guard = ForwardPatch(model, guarded)
+        # the model's own signature: the Trainer keeps the dataset columns that forward names
+        functools.update_wrapper(guarded, self._guard.original(), updated=())
+        self._guard.install()
 
     @property
     def handles(self) -> list[RemovableHandle]:
@@ -110,23 +133,60 @@ class StepHooks:
 
     def in_force(self) -> frozenset[int]:
         """The pattern a branch called now obeys: during a backward, the one of the forward whose
-        checkpointed region is being recomputed; otherwise the current forward's, which a call inside
-        a checkpointed region records for that region."""
+        checkpointed region is being recomputed; inside a training forward of the model, that forward's,
+        which a call inside a checkpointed region records for that region; elsewhere none."""
         if in_backward():
             region = recomputed_region()
             return self.dropped if region is None else self._regions.get(region, self.dropped)
+        if not self._forward:
+            if self._forward is None:
+                self._warn_outside()
+            return frozenset()
         if self._recompute.recording:
             region = forward_region()
             if region is not None:
                 self._regions[region] = self.dropped
         return self.dropped
 
+    def _warn_outside(self) -> None:
+        """Once: a branch runs in training mode outside every forward of the model (nothing drops there)."""
+        if self._warned_outside or not torch.is_grad_enabled() or not self._model.training:
+            return
+        self._warned_outside = True
+        warnings.warn(
+            "dropbp: a branch ran outside a forward of the model dropbp was applied to (a merged model from "
+            "merge_and_unload(), or a submodule such as model.model called directly): nothing drops there. "
+            "Call ctl.remove() when the model is done with DropBP, or dropbp.apply() to the model you now train.",
+            stacklevel=2,
+        )
+
     def _dropped_test(self, index: int) -> Callable[[], bool]:
         return lambda: index in self.in_force()
 
+    def _guarded_forward(self) -> Callable[..., object]:
+        """The model's forward, with dropbp's state put back if it is interrupted (``KeyboardInterrupt``,
+        ``SystemExit``: torch runs no ``always_call`` hook after those)."""
+
+        def forward(*args: object, **kwargs: object) -> object:
+            grad = torch.is_grad_enabled()
+            try:
+                return self._guard.original()(*args, **kwargs)
+            except BaseException:
+                self._recover(grad)
+                raise
+
+        return forward
+
+    @outside_graphs
+    def _recover(self, grad: bool) -> None:
+        torch.set_grad_enabled(grad)  # a dropped branch's hook may have switched it off
+        self._forward = None
+        self.bound.end()
+        self._recompute.end_forward()
+
     def _scale_for(self, index: int) -> Callable[[nn.Module], float]:
         def scale(module: nn.Module) -> float:
-            if not self._unbiased() or self.forced is not None or not module.training or index in self.in_force():
+            if not self._unbiased() or self.forced is not None or index in self.in_force():
                 return 1.0  # calibration measures the plain gradients; dropped branches get none
             return compensation(self._policy.rates[index])
 
@@ -139,18 +199,27 @@ class StepHooks:
         if self.forced is not None:
             self.dropped = self.forced  # calibration passes: a given pattern, no step taken
             self._recompute.begin_forward()
+            self._forward = True
             return
+        self._forward = False  # until a pattern is drawn and accepted
         if not (model.training and torch.is_grad_enabled()):
             return  # eval or no-grad forwards drop nothing and leave the step's decision alone
         self.dropped = self.pattern(self.step)
         for listener in self._listeners:  # one may refuse the step (raise): before anything moves on
             listener.on_training_forward(self.dropped)
         self._recompute.begin_forward()
+        keep = self._keep()
+        if keep is not None:
+            self.bound.begin(self.dropped, keep)
         self.step += 1
         self.last = self.dropped
+        self._forward = True
 
     @outside_graphs
     def _after_model_forward(self, model: nn.Module, args: tuple, output: object) -> None:
+        if not in_backward():
+            self._forward = None
+            self.bound.end()
         self._recompute.end_forward()
         if self._recompute.reentrant:
             check_running_ddp_checkpointing()
@@ -207,6 +276,8 @@ class StepHooks:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self.bound.end()
+        self._guard.remove()
         self._recompute.clear()
         while self._listeners:
             self._listeners.pop(0).on_remove()

@@ -8,7 +8,8 @@ saving that memory and the bookkeeping. The model's modules are not replaced: tw
 module toggle grad mode, so state-dict keys, ``isinstance`` and PEFT target names are unchanged.
 The hooks also feed the branch's :class:`~dropbp.recompute.BranchCache` (activation checkpointing
 skips recomputing dropped branches), and they run outside ``torch.compile`` graphs
-(:mod:`dropbp.compile`).
+(:mod:`dropbp.compile`). torch runs ``always_call`` hooks after an ``Exception`` only: the grad mode a
+``KeyboardInterrupt`` leaves is put back by the model's guarded forward (:mod:`dropbp.hooks`).
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ def attach_no_grad_hooks(
 ) -> list[RemovableHandle]:
     """Make ``module`` run without autograd whenever ``is_dropped()`` is true at call time.
 
-    Grad mode is switched off only while the module is in training mode with grad enabled, and
-    restored after the call even if it raises (``always_call``). Re-entrant calls nest correctly.
+    Grad mode is switched off only while grad is enabled, and restored after the call even if it
+    raises an ``Exception`` (``always_call``). Re-entrant calls nest correctly.
     With a ``cache``, the output of a dropped call inside a checkpointed region is held for the
     recomputation.
     """
@@ -39,7 +40,7 @@ def attach_no_grad_hooks(
 
     @outside_graphs
     def before(mod: nn.Module, args: tuple) -> None:
-        dropped = mod.training and is_dropped()
+        dropped = is_dropped()  # the step's decision, drawn from the model's mode, not this module's
         hold = cache is not None and cache.on_call(dropped)
         switch = dropped and torch.is_grad_enabled()
         if switch:

@@ -37,7 +37,10 @@ from .policy import DEFAULT_RAMP
 from .sampler import SAMPLERS
 from .schedule import DROP_SCHEDULES
 
-__all__ = ["AUTO_WARMUP", "DropBPOptions", "TrainerOptions", "option_fields", "takes_options"]
+#: ``memory_bound="auto"`` turns the bound on from this drop rate (or with ``chunked_loss``).
+AUTO_BOUND_RATE = 0.75
+
+__all__ = ["AUTO_BOUND_RATE", "AUTO_WARMUP", "DropBPOptions", "TrainerOptions", "option_fields", "takes_options"]
 
 #: A Trainer run's warm-up by default (``warmup="auto"``), a fraction of its training steps.
 AUTO_WARMUP = 0.2
@@ -146,6 +149,16 @@ class DropBPOptions:
             restores the model's forward."""
         ),
     )
+    memory_bound: bool | str = field(
+        default="auto",
+        metadata=_help(
+            """Bound the activation memory at every step (:mod:`dropbp.bound`): a step that keeps more branches
+            than the uniform shape keeps at most at ``drop_rate`` (``N - floor(drop_rate x N)``) runs the layers
+            of its lowest kept branches checkpointed, so the peak holds in every step with exact gradients.
+            ``"auto"``: on where memory is what the settings buy (``chunked_loss``, or ``drop_rate`` of 0.75 and
+            above), off otherwise; ``ctl.memory_bound``, settable (True or False)."""
+        ),
+    )
     total_steps: int | None = field(
         default=None,
         metadata=_help(
@@ -204,6 +217,8 @@ class DropBPOptions:
             raise ValueError(
                 f"{key('chunked_loss')} must be False, True or a positive int (tokens per chunk), got {chunked!r}"
             )
+        if self.memory_bound != "auto":
+            check_bool(key("memory_bound"), self.memory_bound)
         if self.total_steps is not None:
             check_int(key("total_steps"), self.total_steps, 1)
         check_choice(key("drop_schedule"), self.drop_schedule, DROP_SCHEDULES)
@@ -225,6 +240,13 @@ class DropBPOptions:
             if not names[name].init:
                 raise TypeError(f"{caller}() does not take {name}: {names[name].metadata['trainer']}")
         return cls(**options)
+
+    @property
+    def bounded(self) -> bool:
+        """``memory_bound`` with ``"auto"`` resolved."""
+        if self.memory_bound == "auto":
+            return self.chunked_loss is not False or self.drop_rate >= AUTO_BOUND_RATE
+        return bool(self.memory_bound)
 
     def apply_options(self, **overrides: Any) -> DropBPOptions:
         """These options as :func:`dropbp.apply`'s, with ``overrides`` (what a Trainer run decides)."""

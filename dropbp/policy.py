@@ -18,6 +18,7 @@ from .checks import (
     check_choice,
     check_cut_rates,
     check_drop_rate,
+    check_fraction,
     check_int,
     check_ramp,
     check_rates,
@@ -28,6 +29,9 @@ from .schedule import BOUNDED_WARMUP_LEVELS, DROP_SCHEDULES, SCHEDULE_LEVELS, Ti
 
 #: The ramp of a rising drop schedule when none is given: the share of the run over which it rises.
 DEFAULT_RAMP = 0.5
+#: Pattern samplers kept at once (one per factor on the rates). A warm-up without a time schedule has a
+#: factor per step; the oldest sampler goes first (samplers are pure functions: rebuilt alike when needed).
+MAX_SAMPLERS = 32
 
 __all__ = ["DropPolicy"]
 
@@ -92,7 +96,9 @@ class DropPolicy:
 
     @drop_rate.setter
     def drop_rate(self, value: float) -> None:
-        p = check_drop_rate(value, self._num_branches) if self._pattern == "uniform" else value
+        p = check_fraction("drop_rate", value)  # a number (not a bool or a string) in [0, 1)
+        if self._pattern == "uniform":
+            p = check_drop_rate(p, self._num_branches)
         self._rates = self._shape_rates(p, self._time)
         self._own_rates = True
         self._samplers.clear()
@@ -284,6 +290,8 @@ class DropPolicy:
         if sampler is None:
             rates = [min(1.0, r * factor) for r in self._rates]  # a peak's rounding must not pass 1
             sampler = SAMPLERS[self._pattern](rates, self._seed, self._max_patterns)
+            if len(self._samplers) >= MAX_SAMPLERS:
+                del self._samplers[next(iter(self._samplers))]
             self._samplers[factor] = sampler
         return sampler
 

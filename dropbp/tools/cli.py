@@ -92,7 +92,8 @@ def _parser() -> argparse.ArgumentParser:
         nargs="+",
         default=["uniform"],
         help="pattern shapes to time at each rate: uniform (the paper's; steady step time) and/or cut "
-        "(dropbp.apply's default; rates a cut cannot reach on the preset are reported as refused)",
+        "(dropbp.apply's default; rates a cut cannot reach on the preset are reported as refused); a suffix "
+        ":bounded or :unbounded sets the memory bound (default: apply's, on from 0.75)",
     )
     bench.add_argument("--seq-lens", nargs="+", type=_positive, default=[128], help="tokens per sequence (default 128)")
     bench.add_argument("--batch-sizes", nargs="+", type=_positive, default=[2], help="sequences per step (default 2)")
@@ -130,6 +131,13 @@ def _parser() -> argparse.ArgumentParser:
         choices=["off", "on", "both"],
         default="off",
         help="memory runs with the plain loss, dropbp's chunked loss, or both",
+    )
+    bench.add_argument(
+        "--checkpointing",
+        choices=["off", "on", "both"],
+        default="off",
+        help="Hugging Face activation checkpointing (non-re-entrant, as the Trainer's gradient_checkpointing=True): "
+        "a dropped branch then also skips its recomputation (default off; both: every point with and without)",
     )
     bench.add_argument("--no-speed", action="store_true", help="skip the step-time grid (memory runs only)")
     bench.add_argument("--out", type=Path, default=Path("dropbp-bench"), help="folder for bench.json/.md/.png")
@@ -232,7 +240,7 @@ def _bench(args: argparse.Namespace) -> int:
     import torch
 
     from .. import __version__
-    from .bench import METHODS, PRESETS, PRETRAINED, Point, measure, write_outputs
+    from .bench import BOUND_SUFFIXES, METHODS, PRESETS, PRETRAINED, Point, measure, write_outputs
     from .device_services import services
     from .membench import parse_size
 
@@ -240,7 +248,7 @@ def _bench(args: argparse.Namespace) -> int:
     _check_choices(args.methods, METHODS, "method")
     if "qlora" in args.methods:  # before anything runs: a grid fails here, not after its other methods
         require("bitsandbytes", "dropbp bench --methods qlora")
-    _check_choices(args.patterns, ("uniform", "cut"), "pattern")
+    _check_choices(args.patterns, [f"{p}{s}" for p in ("uniform", "cut") for s in ("", *BOUND_SUFFIXES)], "pattern")
     budget = None
     if args.memory_budget is not None:
         try:
@@ -259,7 +267,12 @@ def _bench(args: argparse.Namespace) -> int:
     tqdm = require("tqdm.auto", "dropbp bench").tqdm
 
     points = [
-        Point(p, m, s, b) for p in args.presets for m in args.methods for s in args.seq_lens for b in args.batch_sizes
+        Point(p, m, s, b, c)
+        for p in args.presets
+        for m in args.methods
+        for s in args.seq_lens
+        for b in args.batch_sizes
+        for c in {"off": [False], "on": [True], "both": [False, True]}[args.checkpointing]
     ]
     bar = tqdm(total=len(points) * (args.rounds + args.warmup), desc="bench", unit="round")
 

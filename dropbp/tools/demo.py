@@ -8,10 +8,13 @@ each run's own steps. Full backprop; DropBP at 0.5 as ``attach`` ships it (cut p
 the first 20%, the run's mean rate kept at 0.5) over the same number of steps (the paper's "equal
 steps"); and the same given :data:`EQUAL_TIME_FACTOR` times the steps, with its own complete schedules,
 about the baseline's training time ("equal time"). Learning rate, data and seed are the same for every run.
+Then the step speedup of DropBP 0.5 (the cut, as shipped) with Hugging Face activation checkpointing off and
+on, labelled: with it on, a dropped branch also skips its recomputation (:mod:`dropbp.tools.bench`).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import platform
@@ -24,6 +27,7 @@ import torch
 from .. import __version__, apply
 from ..backends import Backend
 from ..imports import require
+from .bench import Point, measure_model
 from .compare import Run, apply_options, compare, summarise, timing_check
 from .pretrained import UnusableModel, load_causal_lm
 from .report import plot_curves, steps_and_time_table
@@ -56,10 +60,15 @@ class DemoSettings:
     eval_every: int = 5
     val_windows: int = 16
     lr: float = 2e-3  # the baseline's best (benchmarks/results/convergence_lr_lora_pydoc*.md)
+    speed_rounds: int = 8  # interleaved rounds of the step-time table, per checkpointing setting
+    speed_seq_len: int = 512
 
     @classmethod
     def quick(cls) -> DemoSettings:
-        return cls(steps=10, seq_len=64, batch_size=4, accumulation=4, eval_every=5, val_windows=4)
+        return cls(
+            steps=10, seq_len=64, batch_size=4, accumulation=4, eval_every=5, val_windows=4, speed_rounds=4,
+            speed_seq_len=256,
+        )
 
 
 def _lora(model: torch.nn.Module) -> torch.nn.Module:
@@ -104,8 +113,10 @@ def run_demo(
         bar.set_postfix({name.split(" +")[0]: f"{loss:.3f}" for name, loss in latest.items()})
 
     torch.manual_seed(0)  # LoRA's A matrices start random: the same start every time
+    lora = _lora(model)
+    speed = step_speedups(lora, settings, backend, show_progress)
     results = compare(
-        _lora(model),
+        lora,
         runs,
         data,
         steps=settings.steps,
@@ -132,6 +143,7 @@ def run_demo(
         "settings": settings.__dict__,
         "dropbp_steps": dropbp_steps,
         "summary": summary,
+        "step_speedups": speed,
         "timing": timing_check(results),
         "runs": [r.to_dict() for r in results],
     }
@@ -141,10 +153,59 @@ def run_demo(
     return record
 
 
+def step_speedups(model: torch.nn.Module, settings: DemoSettings, backend: Backend, show: bool) -> list[dict]:
+    """DropBP 0.5's step speedup (the cut, as shipped) on a copy of ``model``, with Hugging Face activation
+    checkpointing off and on: one sequence of ``speed_seq_len`` tokens per step, interleaved rounds."""
+    rows = []
+    for checkpointing in (False, True):
+        twin = copy.deepcopy(model).train()
+        if checkpointing:
+            twin.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        point = Point("demo", "lora", settings.speed_seq_len, 1, checkpointing)
+        if show:
+            print(f"step time, checkpointing {'on' if checkpointing else 'off'} ...", flush=True)
+        got = measure_model(twin, point, [0.5], backend, settings.speed_rounds, 1, patterns=("cut",))
+        if not got["rows"]:
+            continue  # a model too small for a cut at 0.5 (apply refused it; the runs above say why)
+        row = got["rows"][0]
+        rows.append(
+            {
+                "checkpointing": checkpointing,
+                "seq_len": settings.speed_seq_len,
+                "baseline_step_s": got["baseline"]["step_s"],
+                "dropbp_step_s": row["step_s"],
+                "speedup": row["speedup"],
+                "ideal_speedup": row["ideal_speedup"],
+                "rounds": settings.speed_rounds,
+                "timing": got["timing"],
+            }
+        )
+    return rows
+
+
+def _speed_lines(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    lines = [
+        "",
+        f"Step time, LoRA, one sequence of {rows[0]['seq_len']} tokens per step, DropBP 0.5 (the cut, as shipped), "
+        f"median of {rows[0]['rounds']} interleaved rounds:",
+        "",
+        "| activation checkpointing | full backprop (s/step) | DropBP 0.5 (s/step) | speedup | ideal |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {'on (a dropped branch also skips its recompute)' if r['checkpointing'] else 'off'} | "
+            f"{r['baseline_step_s']:.3f} | {r['dropbp_step_s']:.3f} | {r['speedup']:.2f}x | {r['ideal_speedup']:.2f}x |"
+        )
+    return lines
+
+
 def table(record: dict) -> str:
-    """The comparison at equal steps and equal time (:func:`dropbp.tools.report.steps_and_time_table`), and the
-    timing warning when the machine was too busy."""
-    lines = steps_and_time_table(record["summary"])
+    """The comparison at equal steps and equal time (:func:`dropbp.tools.report.steps_and_time_table`), the step
+    speedups with and without activation checkpointing, and the timing warning when the machine was too busy."""
+    lines = steps_and_time_table(record["summary"]) + _speed_lines(record.get("step_speedups", []))
     warning = record.get("timing", {}).get("warning")
     if warning:
         lines.append(f"\n{warning}")

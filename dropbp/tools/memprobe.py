@@ -8,6 +8,8 @@ process's high-water resident set (``VmHWM``, reset after loading through ``/pro
 on devices with an allocator it is the allocator's peak. With a budget, a CPU probe stops as soon as
 its resident set passes it (a watchdog thread), so an over-budget probe costs seconds, not a step.
 Optionally it then counts the saved activations of the same pattern (:mod:`dropbp.memory`).
+The spec may also name the pattern shape (``"pattern"``, default uniform), the memory bound
+(``"memory_bound"``, default off), the seed and Hugging Face activation checkpointing (``"checkpointing"``).
 Progress goes to stderr.
 """
 
@@ -73,12 +75,21 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     backend = backends.get(spec.get("backend"))
     dtype = getattr(torch, spec.get("dtype", "float32"))
     seq, rate, chunked = spec["seq_len"], spec["rate"], spec["chunked"]
-    model = build_model(spec["preset"], spec["method"], seq, dtype, backend.device)
+    checkpointing = spec.get("checkpointing", False)
+    model = build_model(spec["preset"], spec["method"], seq, dtype, backend.device, checkpointing)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     if rate is None:  # the baseline: no DropBP (the chunked loss alone, if asked)
         attached: Any = ChunkedLoss(model) if chunked else None
     else:
-        attached = apply(model, rate, seed=0, pattern="uniform", chunked_loss=chunked, backend=backend)
+        attached = apply(
+            model,
+            rate,
+            seed=spec.get("seed", 0),
+            pattern=spec.get("pattern", "uniform"),
+            memory_bound=spec.get("memory_bound", False),
+            chunked_loss=chunked,
+            backend=backend,
+        )
     vocab = model.get_output_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(0)).to(backend.device)
     allocator = backend.has_allocator_stats
@@ -121,6 +132,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         step_s=times,
         fits=budget is None or peak <= budget,
         dropped=list(attached.dropped_at(0)) if rate is not None else [],
+        kept_per_step=[len(attached.branches) - len(attached.dropped_at(i)) for i in range(len(times))]
+        if rate is not None
+        else [],
         branches=None if rate is None else len(attached.branches),
     )
     if spec.get("account"):

@@ -1,0 +1,120 @@
+"""A peak that holds at every step: at most ``keep`` kept branches store their activations.
+
+A step of the cut shape keeps every branch above its cut, and a shallow cut keeps them all: that
+step needs full backprop's activation memory. With the bound on, a step whose pattern keeps more
+branches than ``keep`` runs the layers of the lowest kept branches checkpointed (non-re-entrant
+``torch.utils.checkpoint``: their activations are recomputed in backward) until no more than
+``keep`` store theirs. Gradients are the pattern's exactly (checkpointing recomputes exactly, random
+ops included), and a dropped branch inside such a layer is still not recomputed
+(:mod:`dropbp.recompute`). ``keep`` is what the uniform shape keeps at most at the drop rate:
+``N - floor(drop_rate x N)``. Layers already inside a checkpointed region (Hugging Face
+``gradient_checkpointing``) are left alone: their activations are not stored anyway.
+
+The unit checkpointed is the module holding a branch (its decoder layer) when it holds several
+branches, else the branch module itself. A checkpointed layer gets no key/value cache (as Hugging
+Face's own checkpointing does in training): a cache updated in forward would be updated again when
+the layer is recomputed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .intercept import ForwardPatch
+from .recompute import _checkpoint_region
+
+__all__ = ["MemoryBound", "kept_bound"]
+
+#: Keyword arguments that carry a key/value cache into a layer (Hugging Face names), set to None when checkpointed.
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def kept_bound(drop_rate: float, num_branches: int) -> int:
+    """The most branches the uniform shape keeps in a step at ``drop_rate``: ``N - floor(drop_rate x N)``."""
+    return num_branches - math.floor(drop_rate * num_branches + 1e-9)
+
+
+def _units(model: nn.Module, names: Sequence[str], modules: Sequence[nn.Module]) -> tuple[list[nn.Module], list[int]]:
+    """The modules to checkpoint, and per branch the index of its own: the parent holding several branches
+    (a decoder layer), else the branch module."""
+    parents = [name.rpartition(".")[0] for name in names]
+    shared = {p for p in parents if p and parents.count(p) > 1}
+    units: dict[int, nn.Module] = {}
+    unit_of = []
+    for parent, module in zip(parents, modules, strict=True):
+        unit = model.get_submodule(parent) if parent in shared else module
+        unit_of.append(list(units).index(id(unit)) if id(unit) in units else len(units))
+        units.setdefault(id(unit), unit)
+    return list(units.values()), unit_of
+
+
+def _checkpointed(underneath: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
+    """A ``forward`` that runs ``underneath()`` (the forward it patches) checkpointed."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        original = underneath()
+        if not torch.is_grad_enabled() or _checkpoint_region() is not None:
+            return original(*args, **kwargs)  # no graph, or already in a checkpointed region: nothing stored
+        for key in _CACHE_KWARGS:
+            if kwargs.get(key) is not None:
+                kwargs[key] = None
+        if "use_cache" in kwargs:
+            kwargs["use_cache"] = False
+        return checkpoint(original, *args, use_reentrant=False, **kwargs)
+
+    return forward
+
+
+class MemoryBound:
+    """Chooses, per training forward, the layers that run checkpointed, and checkpoints them for that forward.
+
+    Args:
+        model: the controlled model.
+        names: the branches' names in ``model.named_modules()``, in branch order.
+        modules: the branch modules, in branch order.
+    """
+
+    def __init__(self, model: nn.Module, names: Sequence[str], modules: Sequence[nn.Module]) -> None:
+        self.units, self._unit_of = _units(model, names, modules)
+        self._patches: list[ForwardPatch] = []
+        for unit in self.units:
+            holder: list[ForwardPatch] = []
+            holder.append(ForwardPatch(unit, _checkpointed(lambda h=holder: h[0].original())))
+            self._patches += holder
+        #: The units checkpointed in the forward under way.
+        self.active: tuple[int, ...] = ()
+
+    def select(self, dropped: frozenset[int], keep: int) -> tuple[int, ...]:
+        """The units to checkpoint so that at most ``keep`` kept branches store activations: those of the
+        lowest kept branches first."""
+        kept = [i for i in range(len(self._unit_of)) if i not in dropped]
+        stored = len(kept)
+        chosen: list[int] = []
+        for i in kept:
+            if stored <= keep:
+                break
+            unit = self._unit_of[i]
+            if unit in chosen:
+                continue
+            chosen.append(unit)
+            stored -= sum(1 for j in kept if self._unit_of[j] == unit)
+        return tuple(chosen)
+
+    def begin(self, dropped: frozenset[int], keep: int) -> None:
+        """Checkpoint, for the forward starting now, the units :meth:`select` chooses."""
+        self.end()
+        self.active = self.select(dropped, keep)
+        for unit in self.active:
+            self._patches[unit].install()
+
+    def end(self) -> None:
+        """The forward is over: no unit is checkpointed (a recomputation already holds what it runs)."""
+        for unit in reversed(self.active):
+            self._patches[unit].remove()
+        self.active = ()

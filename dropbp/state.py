@@ -1,0 +1,73 @@
+"""The controller's checkpoint state (``ctl.state_dict()``): its fields, checked before anything is restored.
+
+A state read back from a file may have been edited, written by another tool or truncated. Every field
+goes through the same checks as ``apply``'s arguments, each message naming the field; a key dropbp
+does not know (a misspelt ``warmup_step``) is refused rather than ignored, so nothing is half-applied
+and nothing is silently lost.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from .checks import check_bool, check_choice, check_fraction, check_int, check_number, check_ramp, check_sequence
+from .sampler import SAMPLERS
+from .schedule import DROP_SCHEDULES
+
+__all__ = ["STATE_VERSION", "check_state"]
+
+STATE_VERSION = 1
+
+#: Keys every state has, and keys that states saved by older versions may lack.
+REQUIRED = ("version", "branches", "rates", "drop_rate", "seed", "step", "max_patterns")
+OPTIONAL = ("warmup_steps", "pattern", "total_steps", "drop_schedule", "ramp", "rates_follow_drop_rate")
+
+
+def _field(name: str) -> str:
+    return f"state[{name!r}]"
+
+
+def _optional_int(name: str, value: object, minimum: int) -> None:
+    if value is not None:
+        check_int(_field(name), value, minimum)
+
+
+def _with_hint(key: object) -> str:
+    close = difflib.get_close_matches(str(key), (*REQUIRED, *OPTIONAL), 1)
+    return f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
+
+
+def check_state(state: object) -> dict[str, Any]:
+    """``state`` if it is a complete, well-typed controller state; else a ``TypeError`` or ``ValueError``
+    naming the field. (Whether its rates and branches suit this model is checked where they are used.)"""
+    if not isinstance(state, dict):
+        raise TypeError(f"state must be a dict from state_dict(), got {type(state).__name__}")
+    missing = set(REQUIRED) - set(state)
+    if missing:
+        raise ValueError(f"state is missing keys {sorted(missing)}; pass the dict from state_dict()")
+    unknown = sorted(set(state) - set(REQUIRED) - set(OPTIONAL), key=str)
+    if unknown:
+        hints = [_with_hint(key) for key in unknown]
+        raise ValueError(
+            f"state has keys dropbp does not know: {', '.join(hints)}; pass the dict from state_dict() unchanged"
+        )
+    version = check_int(_field("version"), state["version"], 0)
+    if version != STATE_VERSION:
+        raise ValueError(f"state version {version} is not supported (expected {STATE_VERSION})")
+    branches = state["branches"]
+    if not isinstance(branches, (list, tuple)) or not all(isinstance(b, str) for b in branches):
+        raise TypeError(f"{_field('branches')} must be a list of branch names, got {branches!r:.80}")
+    for i, rate in enumerate(check_sequence(_field("rates"), state["rates"])):
+        check_number(f"state['rates'][{i}]", rate)
+    check_fraction(_field("drop_rate"), state["drop_rate"])
+    check_int(_field("seed"), state["seed"], 0)
+    check_int(_field("step"), state["step"], 0)
+    _optional_int("max_patterns", state["max_patterns"], 1)
+    check_int(_field("warmup_steps"), state.get("warmup_steps", 0), 0)
+    check_choice(_field("pattern"), state.get("pattern", "uniform"), tuple(SAMPLERS))
+    _optional_int("total_steps", state.get("total_steps"), 1)
+    check_choice(_field("drop_schedule"), state.get("drop_schedule", "constant"), DROP_SCHEDULES)
+    check_ramp(_field("ramp"), state.get("ramp", 0.5))
+    check_bool(_field("rates_follow_drop_rate"), state.get("rates_follow_drop_rate", False))
+    return state

@@ -1,0 +1,224 @@
+"""Reliability, round 3: interrupts, leaks, merged adapters, branches in eval, bounded caches, resumed runs of
+another length, tampered state. Every gradient is held against a hand-detached reference (a clean copy of the
+model, its branch outputs detached by plain hooks, no dropbp)."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import logging
+import weakref
+
+import pytest
+import torch
+from conftest import assert_same_grads, batch, detach_outputs, loss_and_grads, tiny_model, with_lora
+
+import dropbp
+from dropbp.controller import controller_of
+from dropbp.sampler import PatternSampler
+
+
+@pytest.fixture(autouse=True)
+def _grad_mode_back():
+    """A failing case must not leave grad mode off for the tests after it."""
+    yield
+    torch.set_grad_enabled(True)
+
+
+def _dropbp_hooked(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Every module carrying a forward hook of dropbp's."""
+    found = []
+    for name, m in model.named_modules():
+        hooks = [*m._forward_pre_hooks.values(), *m._forward_hooks.values()]
+        if any(fn.__module__.startswith("dropbp") for fn in hooks):
+            found.append((name, m))
+    return found
+
+
+def _exact_step(model, reference, ctl, ids) -> None:
+    """One training step of ``model`` has exactly the gradients of the reference with its pattern detached."""
+    loss, grads = loss_and_grads(model, ids)
+    handles = detach_outputs(reference, ctl.last_dropped)
+    ref_loss, ref_grads = loss_and_grads(reference, ids)
+    for h in handles:
+        h.remove()
+    torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=0)
+    assert_same_grads(grads, ref_grads)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("where", ["after its pre-hooks", "before its post-hooks"])
+def test_an_interrupt_at_any_hooked_module_leaves_grad_mode_as_it_found_it(where, checkpointing):
+    model = tiny_model("llama", layers=3)
+    reference = copy.deepcopy(model)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ctl = dropbp.apply(model, 0.5, seed=0, pattern="uniform")
+    ids = batch(0)
+    hooked = _dropbp_hooked(model)
+    assert len(hooked) >= 1 + len(ctl.branches)
+
+    def interrupt(*args):
+        raise KeyboardInterrupt
+
+    interrupted_dropped = 0
+    for name, module in hooked:
+        for _ in range(3):  # a few steps each: the module dropped in some of them
+            if where == "after its pre-hooks":
+                handle = module.register_forward_pre_hook(interrupt)
+            else:
+                handle = module.register_forward_hook(interrupt, prepend=True)
+            with pytest.raises(KeyboardInterrupt):
+                model(input_ids=ids, labels=ids)
+            handle.remove()
+            interrupted_dropped += name in ctl.last_dropped
+            assert torch.is_grad_enabled(), f"grad mode left off by an interrupt at {name} ({where})"
+            _exact_step(model, reference, ctl, ids)
+    assert interrupted_dropped > 0  # the case of the bug: an interrupt inside a dropped branch
+
+
+def test_a_model_with_a_controller_and_no_remove_is_garbage_collected():
+    model = tiny_model("llama", layers=3)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ctl = dropbp.apply(model, 0.5, seed=0)
+    for step in range(3):
+        loss_and_grads(model, batch(step))
+    pending = model(input_ids=batch(9), labels=batch(9)).loss  # a forward whose backward never comes
+    refs = [weakref.ref(model), weakref.ref(ctl), weakref.ref(ctl.branches[0].module)]
+    del model, ctl, pending
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
+
+
+def test_apply_without_keeping_the_controller_still_finds_it():
+    model = tiny_model("llama", layers=2)
+    dropbp.apply(model, 0.5, seed=0)
+    gc.collect()
+    ctl = controller_of(model)
+    assert ctl is not None and ctl.drop_rate == 0.5
+    with pytest.raises(RuntimeError, match="already attached"):
+        dropbp.apply(model, 0.5)
+
+
+def test_merge_and_unload_after_training_trains_every_branch():
+    model = with_lora(tiny_model("llama", layers=3))
+    ctl = dropbp.apply(model, 0.5, seed=0, pattern="uniform")
+    for step in range(3):
+        loss_and_grads(model, batch(step))
+    assert ctl.last_dropped
+    merged = model.merge_and_unload()
+    for p in merged.parameters():
+        p.requires_grad_(True)
+    reference = copy.deepcopy(merged)  # a copy is clean: no dropbp hooks
+    step = ctl.step
+    with pytest.warns(UserWarning, match="outside a forward of the model dropbp was applied to"):
+        _, grads = loss_and_grads(merged, batch(5))
+    _, ref_grads = loss_and_grads(reference, batch(5))
+    assert_same_grads(grads, ref_grads)
+    assert all(g is not None for g in grads.values())
+    assert ctl.step == step  # the merged model's forwards are not the controlled model's steps
+
+
+def test_the_backbone_called_directly_drops_nothing():
+    model = tiny_model("llama", layers=3)
+    reference = copy.deepcopy(model)
+    ctl = dropbp.apply(model, 0.5, seed=0, pattern="uniform")
+    ids = batch(1)
+    model(input_ids=ids, labels=ids)  # a full forward: its pattern must not follow the backbone's call
+    assert ctl.last_dropped
+    with pytest.warns(UserWarning, match="called directly"):
+        model.model(input_ids=ids).last_hidden_state.square().mean().backward()
+    reference.model(input_ids=ids).last_hidden_state.square().mean().backward()
+    got = {n: p.grad for n, p in model.model.named_parameters()}
+    want = {n: p.grad for n, p in reference.model.named_parameters()}
+    assert_same_grads(got, want)
+
+
+def test_a_branch_module_left_in_eval_drops_as_reported():
+    model = tiny_model("llama", layers=3)
+    reference = copy.deepcopy(model)
+    ctl = dropbp.apply(model, 0.5, seed=0, pattern="uniform")
+    first = ctl.branches[0]
+    first.module.eval()
+    reference.get_submodule(first.name).eval()
+    seen_dropped = 0
+    for step in range(8):
+        _exact_step(model, reference, ctl, batch(step))
+        seen_dropped += first.name in ctl.last_dropped
+    assert seen_dropped > 0
+
+
+def test_a_long_warmup_keeps_a_bounded_number_of_samplers():
+    model = tiny_model("llama", layers=3)
+    ctl = dropbp.apply(model, 0.5, seed=0, warmup_steps=10_000)
+    gc.collect()
+    before = sum(isinstance(o, PatternSampler) for o in gc.get_objects())
+    for step in range(10_000):
+        ctl.dropped_at(step)
+    gc.collect()
+    built = sum(isinstance(o, PatternSampler) for o in gc.get_objects()) - before
+    assert built <= 32
+    assert ctl.dropped_at(7_000) == ctl.dropped_at(7_000)  # rebuilt alike
+
+
+STATE_TAMPERING = [
+    ({"drop_rate": "0.5"}, TypeError, r"state\['drop_rate'\] must be a number"),
+    ({"drop_rate": None}, TypeError, r"state\['drop_rate'\]"),
+    ({"drop_rate": True}, TypeError, r"state\['drop_rate'\]"),
+    ({"branches": 5}, TypeError, r"state\['branches'\] must be a list"),
+    ({"seed": "1"}, TypeError, r"state\['seed'\]"),
+    ({"rates": 0.5}, TypeError, r"state\['rates'\]"),
+    ({"rates": ["x"] * 6}, TypeError, r"state\['rates'\]\[0\]"),
+    ({"step": -1}, ValueError, r"state\['step'\]"),
+    ({"warmup_steps": 2.5}, TypeError, r"state\['warmup_steps'\]"),
+    ({"total_steps": "100"}, TypeError, r"state\['total_steps'\]"),
+    ({"pattern": "cuts"}, ValueError, r"state\['pattern'\]"),
+    ({"ramp": 0}, ValueError, r"state\['ramp'\]"),
+    ({"warmup_step": 5}, ValueError, r"'warmup_step' \(did you mean 'warmup_steps'\?\)"),
+    ({"colour": "red"}, ValueError, r"keys dropbp does not know: 'colour'"),
+]
+
+
+@pytest.mark.parametrize(("change", "error", "message"), STATE_TAMPERING)
+def test_tampered_state_is_refused_naming_the_field_and_changes_nothing(change, error, message):
+    model = tiny_model("llama", layers=3)
+    ctl = dropbp.apply(model, 0.5, seed=0, pattern="uniform")
+    loss_and_grads(model, batch(0))
+    before = ctl.state_dict()
+    with pytest.raises(error, match=message):
+        ctl.load_state_dict({**before, **change})
+    assert ctl.state_dict() == before
+
+
+@pytest.mark.parametrize("pattern", ["cut", "uniform"])
+@pytest.mark.parametrize("value", ["0.5", False, None])
+def test_setting_drop_rate_checks_as_apply_does(pattern, value):
+    model = tiny_model("llama", layers=3)
+    ctl = dropbp.apply(model, 0.5, pattern=pattern)
+    with pytest.raises(TypeError, match="drop_rate must be a number"):
+        ctl.drop_rate = value
+    with pytest.raises(TypeError, match="drop_rate"):
+        dropbp.apply(tiny_model("llama", layers=3), value, pattern=pattern)
+    assert ctl.drop_rate == 0.5
+
+
+def test_trainer_resumed_with_another_length_says_what_happens(tmp_path, caplog):
+    from test_hf_integration import _trainer
+
+    from dropbp.integrations.hf import attach
+
+    kw = dict(save_strategy="steps", save_steps=10, output_dir=str(tmp_path / "run"))
+    first = _trainer(tmp_path, **kw)
+    first_ctl = attach(first, drop_rate=0.5).controller
+    first.train()
+    spent = first_ctl.mean_drop_rate(0, 10) * 10  # forwards 0-9 as the first run's 20-forward schedule had them
+    resumed = _trainer(tmp_path, **{**kw, "max_steps": 40})
+    callback = attach(resumed, drop_rate=0.5)
+    with caplog.at_level(logging.WARNING, logger="dropbp"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-10"))
+    ctl = callback.controller
+    assert ctl.total_steps == 40
+    said = [r.getMessage() for r in caplog.records if "another length" in r.getMessage()]
+    assert len(said) == 1 and "20 forwards before, 40 now" in said[0]
+    mean = (ctl.mean_drop_rate(10, 40) * 30 + spent) / 40
+    assert f"mean drop rate is {mean:.3f}" in said[0]
