@@ -120,6 +120,14 @@ GRIDS["default"] = [
     Run("DropBP 0.5, equal time", 0.5, **_CUT_WARMUP),
 ]
 
+# The shipped default with activation checkpointing on (--checkpointing): equal steps (its losses are those of
+# the same run without checkpointing), equal time at 0.5 and at 0.75 (steps from the step speedups measured with
+# checkpointing on, benchmarks/results/bench_checkpointing_cpu).
+GRIDS["checkpointing"] = [
+    *GRIDS["default"],
+    Run("DropBP 0.75, equal time", 0.75, steps=180, **_CUT_WARMUP),
+]
+
 # Controls of the shipped default at equal time: the paper's uniform shape with the same warm-up; the cut with
 # no warm-up (a constant rate over the whole run: no time schedule at all); the same at 0.875 (whose warm-up
 # with the mean kept would need rates no cut reaches), given 160 steps (its step speedup was 1.64x on this

@@ -19,6 +19,7 @@ the layer is recomputed.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -54,13 +55,13 @@ def _units(model: nn.Module, names: Sequence[str], modules: Sequence[nn.Module])
     return list(units.values()), unit_of
 
 
-def _checkpointed(underneath: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
-    """A ``forward`` that runs ``underneath()`` (the forward it patches) checkpointed."""
+def _checkpointed(unit: nn.Module, underneath: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
+    """A ``forward`` of ``unit`` that runs ``underneath()`` (the forward it patches) checkpointed."""
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         original = underneath()
-        if not torch.is_grad_enabled() or _checkpoint_region() is not None:
-            return original(*args, **kwargs)  # no graph, or already in a checkpointed region: nothing stored
+        if not torch.is_grad_enabled() or _checkpoint_region() is not None or _checkpoints_itself(unit):
+            return original(*args, **kwargs)  # no graph, or checkpointed anyway: nothing stored
         for key in _CACHE_KWARGS:
             if kwargs.get(key) is not None:
                 kwargs[key] = None
@@ -69,6 +70,11 @@ def _checkpointed(underneath: Callable[[], Callable[..., Any]]) -> Callable[...,
         return checkpoint(original, *args, use_reentrant=False, **kwargs)
 
     return forward
+
+
+def _checkpoints_itself(unit: nn.Module) -> bool:
+    """A Hugging Face layer with ``gradient_checkpointing`` on checkpoints its own forward."""
+    return bool(getattr(unit, "gradient_checkpointing", False)) and unit.training
 
 
 class MemoryBound:
@@ -85,7 +91,7 @@ class MemoryBound:
         self._patches: list[ForwardPatch] = []
         for unit in self.units:
             holder: list[ForwardPatch] = []
-            holder.append(ForwardPatch(unit, _checkpointed(lambda h=holder: h[0].original())))
+            holder.append(ForwardPatch(unit, _checkpointed(unit, lambda h=holder: h[0].original())))
             self._patches += holder
         #: The units checkpointed in the forward under way.
         self.active: tuple[int, ...] = ()
@@ -95,15 +101,17 @@ class MemoryBound:
         lowest kept branches first."""
         kept = [i for i in range(len(self._unit_of)) if i not in dropped]
         stored = len(kept)
+        if stored <= keep:
+            return ()
+        per_unit = Counter(self._unit_of[i] for i in kept)
         chosen: list[int] = []
-        for i in kept:
-            if stored <= keep:
-                break
+        for i in kept:  # bottom first
             unit = self._unit_of[i]
-            if unit in chosen:
-                continue
-            chosen.append(unit)
-            stored -= sum(1 for j in kept if self._unit_of[j] == unit)
+            if unit not in chosen:
+                chosen.append(unit)
+                stored -= per_unit[unit]
+                if stored <= keep:
+                    break
         return tuple(chosen)
 
     def begin(self, dropped: frozenset[int], keep: int) -> None:

@@ -132,6 +132,39 @@ class TrainingLoop(RuleBasedStateMachine):
         if mode == "reentrant":
             self.model.enable_input_require_grads()  # reentrant checkpointing needs an input with grad
 
+    @precondition(lambda self: self.ctl is not None)
+    @rule(index=st.integers(0, 3), after_pre_hooks=st.booleans())
+    def interrupted_forward(self, index: int, after_pre_hooks: bool) -> None:
+        """Ctrl-C inside a branch (dropped or not): grad mode is as it was, and the steps after are exact."""
+        module = self.ctl.branches[index].module
+
+        def interrupt(*args):
+            raise KeyboardInterrupt
+
+        handle = module.register_forward_pre_hook(interrupt) if after_pre_hooks else module.register_forward_hook(
+            interrupt, prepend=True
+        )
+        ids = self._ids()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                self.model(input_ids=ids, labels=ids)
+        finally:
+            handle.remove()
+        assert torch.is_grad_enabled()
+
+    @precondition(lambda self: self.ctl is not None and not self.pending)
+    @rule(index=st.integers(0, 3), training=st.booleans())
+    def branch_mode(self, index: int, training: bool) -> None:
+        """A branch module put in eval or train on its own: it drops as the step decides."""
+        name = self.ctl.branches[index].name
+        self.model.get_submodule(name).train(training)
+        self.plain.get_submodule(name).train(training)
+
+    @precondition(lambda self: self.ctl is not None and not self.pending)
+    @rule(on=st.booleans())
+    def memory_bound(self, on: bool) -> None:
+        self.ctl.memory_bound = on
+
     @precondition(lambda self: not self.pending)
     @rule()
     def save_and_load(self) -> None:

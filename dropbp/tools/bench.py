@@ -336,6 +336,8 @@ def _summarise(point: Point, configs: Sequence[str], times, peaks, model: nn.Mod
                 "ideal_step_s": ideal,
                 "efficiency": ideal / step,
                 "speedup": statistics.median(paired),
+                "mean_speedup": statistics.mean(total["baseline"]) / statistics.mean(total[name]),
+                "round_step_s": total[name],
                 "ideal_speedup": base_step / ideal,
                 "tokens_per_s": tokens / step,
                 "peak_memory_bytes": peaks.get(name) or None,
@@ -348,6 +350,7 @@ def _summarise(point: Point, configs: Sequence[str], times, peaks, model: nn.Mod
         "branches": branches,
         "baseline": {
             "step_s": base_step,
+            "round_step_s": total["baseline"],
             "tokens_per_s": tokens / base_step,
             "peak_memory_bytes": peaks.get("baseline") or None,
             "forward_s": f,
