@@ -1,4 +1,4 @@
-"""A peak that holds at every step: at most ``keep`` kept branches store their activations.
+"""Stored activations bounded at every step: at most ``keep`` kept branches store theirs.
 
 A step of the cut shape keeps every branch above its cut, and a shallow cut keeps them all: that
 step needs full backprop's activation memory. With the bound on, a step whose pattern keeps more

@@ -154,7 +154,8 @@ class DropBPOptions:
         metadata=_help(
             """Bound the activation memory at every step (:mod:`dropbp.bound`): a step that keeps more branches
             than the uniform shape keeps at most at ``drop_rate`` (``N - floor(drop_rate x N)``) runs the layers
-            of its lowest kept branches checkpointed, so the peak holds in every step with exact gradients.
+            of its lowest kept branches checkpointed, so the activations stored for backward are bounded in every
+            step, with exact gradients (docs/memory.md: what it does to the measured peak).
             ``"auto"``: on where memory is what the settings buy (``chunked_loss``, or ``drop_rate`` of 0.75 and
             above), off otherwise; ``ctl.memory_bound``, settable (True or False)."""
         ),
