@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections import Counter
 
 import pytest
 import torch
@@ -104,6 +105,21 @@ def assert_same_grads(got: dict, want: dict, atol: float = 1e-6) -> None:
         assert (g is None) == (w is None), f"{name}: gradient presence differs ({g is None} vs {w is None})"
         if w is not None:
             torch.testing.assert_close(g, w, atol=atol, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def count_forwards(monkeypatch, modules: dict[str, nn.Module]) -> Counter:
+    """Count the runs of each module's own ``forward`` (its class method), by module name: a branch recomputed
+    by checkpointing runs twice."""
+    counts: Counter = Counter()
+    names = {id(m): n for n, m in modules.items()}
+    for cls in {type(m) for m in modules.values()}:
+
+        def counted(self, *args, _real=cls.forward, **kwargs):
+            counts[names.get(id(self))] += 1
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "forward", counted)
+    return counts
 
 
 @pytest.fixture

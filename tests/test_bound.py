@@ -5,27 +5,12 @@ with the pattern's branch outputs detached by plain hooks; the accounting is the
 from __future__ import annotations
 
 import copy
-from collections import Counter
 
 import pytest
 import torch
-from conftest import assert_same_grads, batch, detach_outputs, loss_and_grads, tiny_model, with_lora
+from conftest import assert_same_grads, batch, count_forwards, detach_outputs, loss_and_grads, tiny_model, with_lora
 
 import dropbp
-
-
-def _count_forwards(monkeypatch, modules: dict[str, torch.nn.Module]) -> Counter:
-    """Runs of each module's own class ``forward``, by name (a recomputed branch runs twice)."""
-    counts: Counter = Counter()
-    names = {id(m): n for n, m in modules.items()}
-    for cls in {type(m) for m in modules.values()}:
-
-        def counted(self, *args, _real=cls.forward, **kwargs):
-            counts[names.get(id(self))] += 1
-            return _real(self, *args, **kwargs)
-
-        monkeypatch.setattr(cls, "forward", counted)
-    return counts
 
 
 @pytest.mark.parametrize("hf_checkpointing", [False, True])
@@ -41,7 +26,7 @@ def test_gradients_are_the_patterns_with_the_bound_in_force(pattern, method, hf_
     ctl = dropbp.apply(model, 0.75, seed=0, pattern=pattern, memory_bound=True, warmup_steps=6 * (pattern == "uniform"))
     keep = ctl.max_kept_branches
     assert keep == 2  # 8 branches at 0.75
-    counts = _count_forwards(monkeypatch, {b.name: b.module for b in ctl.branches})
+    counts = count_forwards(monkeypatch, {b.name: b.module for b in ctl.branches})
     bounded_steps = 0
     for step in range(10):
         counts.clear()

@@ -7,28 +7,13 @@ from __future__ import annotations
 import copy
 import gc
 import weakref
-from collections import Counter
 
 import pytest
 import torch
-from conftest import assert_same_grads, batch, detach_outputs, loss_and_grads, tiny_model
+from conftest import assert_same_grads, batch, count_forwards, detach_outputs, loss_and_grads, tiny_model
 from torch.utils.checkpoint import checkpoint
 
 import dropbp
-
-
-def _count_forwards(monkeypatch, modules: dict[str, torch.nn.Module]) -> Counter:
-    """Count the runs of each module's own ``forward`` (its class method), by module name."""
-    counts: Counter = Counter()
-    names = {id(m): n for n, m in modules.items()}
-    for cls in {type(m) for m in modules.values()}:
-
-        def counted(self, *args, _real=cls.forward, **kwargs):
-            counts[names.get(id(self))] += 1
-            return _real(self, *args, **kwargs)
-
-        monkeypatch.setattr(cls, "forward", counted)
-    return counts
 
 
 def _nothing_held(model: torch.nn.Module) -> bool:
@@ -63,7 +48,7 @@ def test_hugging_face_checkpointing_runs_dropped_branches_once(arch, reentrant, 
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     ctl = dropbp.apply(model, 0.5, seed=1, pattern="uniform")
     modules = dict(model.named_modules())
-    counts = _count_forwards(monkeypatch, {b.name: modules[b.name] for b in ctl.branches})
+    counts = count_forwards(monkeypatch, {b.name: modules[b.name] for b in ctl.branches})
     _check_steps(model, reference, ctl, counts, lambda m, step: loss_and_grads(m, batch(step)))
 
 
@@ -111,7 +96,7 @@ def test_torch_checkpoint_around_custom_blocks(reentrant, monkeypatch):
     names = NET_BRANCHES
     ctl = dropbp.apply(model, 0.5, branches=names, seed=4, pattern="uniform")
     modules = dict(model.named_modules())
-    counts = _count_forwards(monkeypatch, {n: modules[n] for n in names})
+    counts = count_forwards(monkeypatch, {n: modules[n] for n in names})
     x = torch.randn(4, 8, requires_grad=True)
 
     def run(m, step):
