@@ -222,3 +222,29 @@ def test_trainer_resumed_with_another_length_says_what_happens(tmp_path, caplog)
     assert len(said) == 1 and "20 forwards before, 40 now" in said[0]
     mean = (ctl.mean_drop_rate(10, 40) * 30 + spent) / 40
     assert f"mean drop rate is {mean:.3f}" in said[0]
+
+
+def test_a_tampered_trainer_checkpoint_is_refused_naming_the_file_and_the_field(tmp_path):
+    import json
+
+    from test_hf_integration import _trainer
+
+    from dropbp.integrations.hf import STATE_FILE, attach
+
+    kw = dict(save_strategy="steps", save_steps=10, output_dir=str(tmp_path / "run"))
+    first = _trainer(tmp_path, **kw)
+    attach(first, drop_rate=0.5)
+    first.train()
+    path = tmp_path / "run" / "checkpoint-10" / STATE_FILE
+    saved = json.loads(path.read_text())
+    saved["controller"]["seed"] = "0"
+    path.write_text(json.dumps(saved))
+    resumed = _trainer(tmp_path, **kw)
+    attach(resumed, drop_rate=0.5)
+    with pytest.raises(TypeError, match=r"dropbp_state.json was refused: state\['seed'\]"):
+        resumed.train(resume_from_checkpoint=str(path.parent))
+    path.write_text(json.dumps({"controller": saved["controller"]}))
+    again = _trainer(tmp_path, **kw)
+    attach(again, drop_rate=0.5)
+    with pytest.raises(ValueError, match="is not a state dropbp wrote"):
+        again.train(resume_from_checkpoint=str(path.parent))

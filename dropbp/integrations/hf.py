@@ -178,7 +178,17 @@ class DropBPCallback(TrainerCallback):
             return
         with open(path) as f:
             saved = json.load(f)
-        self.controller.load_state_dict(saved["controller"])
+        if not isinstance(saved, dict) or set(saved) != {"controller", "calibrated"} or not isinstance(
+            saved["calibrated"], bool
+        ):
+            raise ValueError(
+                f"dropbp: {path} is not a state dropbp wrote (expected the keys 'controller' and 'calibrated', a "
+                "bool); delete it to restart the drop patterns from this controller's state"
+            )
+        try:
+            self.controller.load_state_dict(saved["controller"])
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"dropbp: the state in {path} was refused: {error}") from None
         self.calibrated = saved["calibrated"]
         if self.controller.total_steps != state.max_steps * args.gradient_accumulation_steps:
             self._replan(state.max_steps * args.gradient_accumulation_steps)
