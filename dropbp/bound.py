@@ -45,14 +45,17 @@ def _units(model: nn.Module, names: Sequence[str], modules: Sequence[nn.Module])
     """The modules to checkpoint, and per branch the index of its own: the parent holding several branches
     (a decoder layer), else the branch module."""
     parents = [name.rpartition(".")[0] for name in names]
-    shared = {p for p in parents if p and parents.count(p) > 1}
-    units: dict[int, nn.Module] = {}
+    shared = {p for p, n in Counter(parents).items() if p and n > 1}
+    index: dict[int, int] = {}  # id of a unit -> its position in ``units``
+    units: list[nn.Module] = []
     unit_of = []
     for parent, module in zip(parents, modules, strict=True):
         unit = model.get_submodule(parent) if parent in shared else module
-        unit_of.append(list(units).index(id(unit)) if id(unit) in units else len(units))
-        units.setdefault(id(unit), unit)
-    return list(units.values()), unit_of
+        if id(unit) not in index:
+            index[id(unit)] = len(units)
+            units.append(unit)
+        unit_of.append(index[id(unit)])
+    return units, unit_of
 
 
 def _checkpointed(unit: nn.Module, underneath: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
