@@ -3,10 +3,11 @@
 SmolLM2-135M-Instruct, LoRA, micro-batch 1, float32 on the CPU. Each configuration trains real steps in a fresh
 process (:mod:`dropbp.tools.memprobe`); the figure is the process's peak resident memory above its level after
 loading, so the worst of its steps. The seed is the first whose cut keeps every branch in its first step (what the
-default cut does in about 6.5% of steps at 0.875 on this model): one step of the cut is then its worst step, with
-and without the bound. The uniform shape keeps the same number of branches in every step, but not the same ones
-(attention and MLP branches keep different bytes): it trains ``--uniform-steps`` steps and its worst counts.
-Full backprop's steps are all alike: one.
+default cut does in about 6.5% of steps at 0.875 on this model), so its worst step is among the ``--steps`` it
+trains, with and without the bound. The uniform shape keeps the same number of branches in every step, but not the
+same ones (attention and MLP branches keep different bytes): its worst of the same steps counts. Full backprop's
+steps are all alike: one. The probe fixes glibc's mmap threshold (:mod:`dropbp.tools.memprobe`), so the resident
+peak follows the tensors alive.
 
     python benchmarks/bounded_memory.py                   # 0.875, 2048 tokens, plain and chunked loss
     python benchmarks/bounded_memory.py --rate 0.5 --seq-len 1024
@@ -46,9 +47,9 @@ def worst_case_seed(rate: float, steps: int) -> int:
 
 CONFIGS = {
     "full backprop": {"rate": None, "steps": 1},
-    "uniform (the paper's shape)": {"pattern": "uniform"},  # steps: --uniform-steps
-    "cut, unbounded (before)": {"pattern": "cut", "memory_bound": False, "steps": 1},
-    "cut, bounded (default at this rate)": {"pattern": "cut", "memory_bound": True, "steps": 1},
+    "uniform (the paper's shape)": {"pattern": "uniform"},
+    "cut, unbounded (before)": {"pattern": "cut", "memory_bound": False},
+    "cut, bounded (default at this rate)": {"pattern": "cut", "memory_bound": True},
 }
 
 
@@ -56,7 +57,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", type=float, default=0.875)
     parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--uniform-steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8, help="steps each DropBP configuration trains (its worst counts)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     seed = worst_case_seed(args.rate, 1)
@@ -65,7 +66,7 @@ def main() -> None:
     for chunked in (False, True):
         for name, config in CONFIGS.items():
             spec = {"preset": "smollm2", "method": "lora", "seq_len": args.seq_len, "rate": args.rate}
-            spec |= {"chunked": chunked, "steps": args.uniform_steps, "seed": seed, **config}
+            spec |= {"chunked": chunked, "steps": args.steps, "seed": seed, **config}
             result = run_probe(spec, lambda text: print(text, file=sys.stderr))
             rows.append({"config": name, "chunked": chunked, **result})
     record = {
@@ -75,7 +76,7 @@ def main() -> None:
         "torch": torch.__version__,
         "rate": args.rate,
         "seq_len": args.seq_len,
-        "uniform_steps": args.uniform_steps,
+        "steps": args.steps,
         "seed": seed,
         "rows": rows,
     }
@@ -84,9 +85,10 @@ def main() -> None:
     (args.out / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
     lines = [
         f"Worst-step memory, SmolLM2-135M LoRA, {args.seq_len} tokens, micro-batch 1, drop rate {args.rate:g}, "
-        f"seed {seed} (its cut keeps every branch in its first step, the one the cut rows train; uniform: the worst "
-        f"of {args.uniform_steps} steps); peak resident memory above the level after loading, one fresh process "
-        f"each, CPU float32, torch {torch.__version__}, {record['date']}.",
+        f"seed {seed} (its cut keeps every branch in its first step); the worst of {args.steps} steps per DropBP "
+        f"configuration: peak resident memory above the level after loading (glibc's mmap threshold fixed at 64 KiB: "
+        f"the peak follows the tensors alive), one fresh process each, CPU float32, torch {torch.__version__}, "
+        f"{record['date']}.",
         f"Command: `{record['command']}`",
         "",
         "| loss | configuration | peak above level | vs uniform | branches the pattern keeps (most) |",

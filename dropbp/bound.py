@@ -4,7 +4,8 @@ A step of the cut shape keeps every branch above its cut, and a shallow cut keep
 step needs full backprop's activation memory. With the bound on, a step whose pattern keeps more
 branches than ``keep`` runs the layers of the lowest kept branches checkpointed (non-re-entrant
 ``torch.utils.checkpoint``: their activations are recomputed in backward) until no more than
-``keep`` store theirs. Gradients are the pattern's exactly (checkpointing recomputes exactly, random
+``keep`` store theirs, counting the inputs the checkpointed layers keep (:data:`INPUTS_PER_BRANCH`).
+Gradients are the pattern's exactly (checkpointing recomputes exactly, random
 ops included), and a dropped branch inside such a layer is still not recomputed
 (:mod:`dropbp.recompute`). ``keep`` is what the uniform shape keeps at most at the drop rate:
 ``N - floor(drop_rate x N)``. Layers already inside a checkpointed region (Hugging Face
@@ -30,7 +31,11 @@ from torch.utils.checkpoint import checkpoint
 from .intercept import ForwardPatch
 from .recompute import _checkpoint_region
 
-__all__ = ["MemoryBound", "kept_bound"]
+__all__ = ["INPUTS_PER_BRANCH", "MemoryBound", "kept_bound"]
+
+#: A checkpointed unit still stores its input (one hidden state); the bound counts this many of them as one
+#: branch's activations (a branch stores about 8 hidden states with LoRA, more in full fine-tuning: docs/memory.md).
+INPUTS_PER_BRANCH = 8
 
 #: Keyword arguments that carry a key/value cache into a layer (Hugging Face names), set to None when checkpointed.
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
@@ -100,8 +105,8 @@ class MemoryBound:
         self.active: tuple[int, ...] = ()
 
     def select(self, dropped: frozenset[int], keep: int) -> tuple[int, ...]:
-        """The units to checkpoint so that at most ``keep`` kept branches store activations: those of the
-        lowest kept branches first."""
+        """The units to checkpoint, those of the lowest kept branches first, until the kept branches that store
+        activations, plus one branch per :data:`INPUTS_PER_BRANCH` checkpointed units, are at most ``keep``."""
         kept = [i for i in range(len(self._unit_of)) if i not in dropped]
         stored = len(kept)
         if stored <= keep:
@@ -113,7 +118,7 @@ class MemoryBound:
             if unit not in chosen:
                 chosen.append(unit)
                 stored -= per_unit[unit]
-                if stored <= keep:
+                if stored + math.ceil(len(chosen) / INPUTS_PER_BRANCH) <= keep:
                     break
         return tuple(chosen)
 

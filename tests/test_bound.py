@@ -153,3 +153,18 @@ def test_trainer_with_gradient_checkpointing_trains_as_without(tmp_path, drop_ra
         losses[checkpointing] = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     assert len(losses[False]) == 8
     assert losses[True] == pytest.approx(losses[False], rel=1e-5, abs=0)
+
+
+def test_inputs_of_checkpointed_layers_count_against_the_bound():
+    from dropbp.bound import INPUTS_PER_BRANCH, MemoryBound
+
+    model = tiny_model("llama", layers=30)
+    ctl = dropbp.apply(model, 0.875, memory_bound=False)
+    bound = MemoryBound(model, [b.name for b in ctl.branches], [b.module for b in ctl.branches])
+    ctl.remove()
+    assert INPUTS_PER_BRANCH == 8
+    # every branch kept, bound 8: 28 layers checkpointed, so 4 branches store theirs and 28 inputs count as 4
+    assert bound.select(frozenset(), 8) == tuple(range(28))
+    # the top 7 layers kept (14 branches): 3 checkpointed leave 8 stored + 1 for inputs, too many; 4 leave 6 + 1
+    assert bound.select(frozenset(range(46)), 8) == (23, 24, 25, 26)
+    assert bound.select(frozenset(range(52)), 8) == ()  # within the bound: nothing checkpointed

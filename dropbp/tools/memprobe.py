@@ -5,8 +5,12 @@ per configuration, so no probe inherits another's heap). It builds the model and
 the memory level, trains micro-batch 1 for ``steps`` steps (forward, backward, optimizer step), and
 prints one JSON line: the peak above that level and the absolute peak. On the CPU the peak is the
 process's high-water resident set (``VmHWM``, reset after loading through ``/proc/self/clear_refs``);
-on devices with an allocator it is the allocator's peak. With a budget, a CPU probe stops as soon as
-its resident set passes it (a watchdog thread), so an over-budget probe costs seconds, not a step.
+on devices with an allocator it is the allocator's peak. On glibc the probe first fixes the heap's
+mmap threshold at 64 KiB, so every tensor of that size or more is mapped on allocation and unmapped on
+free: the resident set then follows the tensors alive, not the heap's history (with the default, dynamic
+threshold a freed block can stay resident and the peak depends on the order of earlier frees).
+With a budget, a CPU probe stops as soon as its resident set passes it (a watchdog thread), so an
+over-budget probe costs seconds, not a step.
 Optionally it then counts the saved activations of the same pattern (:mod:`dropbp.memory`).
 The spec may also name the pattern shape (``"pattern"``, default uniform), the memory bound
 (``"memory_bound"``, default off), the seed and Hugging Face activation checkpointing (``"checkpointing"``).
@@ -15,6 +19,7 @@ Progress goes to stderr.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import os
@@ -39,6 +44,20 @@ def _status(field: str) -> int:
 def rss_bytes() -> int:
     """This process's resident set now."""
     return _status("VmRSS")
+
+
+#: glibc's mallopt parameter for the mmap threshold (fixing it also turns off its dynamic adjustment).
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_BYTES = 64 * 2**10
+
+
+def _map_large_allocations() -> bool:
+    """Large allocations mapped and unmapped one by one (glibc); False where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES))
+    except (OSError, AttributeError):
+        return False
 
 
 def _reset_high_water_mark() -> None:
@@ -73,6 +92,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from .device_services import services
 
     backend = backends.get(spec.get("backend"))
+    mapped = not backend.has_allocator_stats and _map_large_allocations()
     dtype = getattr(torch, spec.get("dtype", "float32"))
     seq, rate, chunked = spec["seq_len"], spec["rate"], spec["chunked"]
     checkpointing = spec.get("checkpointing", False)
@@ -98,7 +118,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             p.sum()
     gc.collect()
     level = backend.memory_allocated() if allocator else rss_bytes()
-    result: dict[str, Any] = {**spec, "level_bytes": level}
+    result: dict[str, Any] = {**spec, "level_bytes": level, "heap_mmap_threshold": mapped}
     if allocator:
         backend.reset_peak_memory()
     else:
