@@ -57,7 +57,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", type=float, default=0.875)
     parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=8, help="steps each DropBP configuration trains (its worst counts)")
+    parser.add_argument("--steps", type=int, default=8, help="steps per DropBP configuration (its worst counts)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     seed = worst_case_seed(args.rate, 1)

@@ -33,6 +33,7 @@ from .dropped_grads import DroppedGrads
 from .frameworks import FrameworkWatch, calibration_closure, calibration_method, check_wrapper, unwrap
 from .hooks import StepHooks
 from .options import DropBPOptions
+from .plan import PatternPlan, plan_patterns
 from .policy import DropPolicy
 from .state import STATE_VERSION, check_state
 from .stats import DropTally
@@ -274,6 +275,22 @@ class DropBPController:
             raise ValueError(f"stop must be above start, got start={start}, stop={stop}")
         factors = Counter(self._policy.factor(step) for step in range(start, stop))
         return sum(n * self._rate_under(factor) for factor, n in factors.items()) / (stop - start)
+
+    def pattern_plan(self, optimizer_steps: int | None = None, micro_batches: int = 1) -> PatternPlan:
+        """The distinct patterns, step sequences and (on a lazy-graph device) training graphs of a run of
+        ``optimizer_steps`` steps of ``micro_batches`` training forwards each, from forward 0
+        (:mod:`dropbp.plan`). ``optimizer_steps`` defaults to the run's length when ``total_steps`` is set."""
+        check_int("micro_batches", micro_batches, 1)
+        if optimizer_steps is None:
+            total = self._policy.total_steps
+            if total is None:
+                raise ValueError(
+                    "pattern_plan needs optimizer_steps: this controller has no total_steps (the run's length in "
+                    "training forwards), so it cannot tell how long the run is"
+                )
+            optimizer_steps = -(-total // micro_batches)
+        check_int("optimizer_steps", optimizer_steps, 1)
+        return plan_patterns(self._hooks.pattern, optimizer_steps, micro_batches)
 
     def _rate_under(self, factor: float) -> float:
         flops = [b.flops for b in self._found]

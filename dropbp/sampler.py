@@ -12,9 +12,11 @@ and the stratified offsets ``(k + v) / K``: across the pool branch ``i`` drops i
 ``floor(K * r_i)`` or ``ceil(K * r_i)`` patterns and each pattern drops ``floor(R)`` or ``ceil(R)``
 branches. That layout alone repeats few patterns (at uniform rates, every other branch of the one
 order), so random swaps that keep every row and column count (pattern a drops i but not j, pattern
-b drops j but not i: exchange) then mix the pool. Cycling through the pool (shuffled every ``K``
-steps) keeps each branch's frequency within ``1 / K`` of its rate. Compiled-graph backends need this
-bound: each distinct pattern is a distinct graph.
+b drops j but not i: exchange) then mix the pool. Cycling through the pool in that fixed order keeps
+each branch's frequency within ``1 / K`` of its rate. Compiled-graph backends need this bound: each
+distinct pattern is a distinct graph. The fixed order matters under gradient accumulation too: a
+step's graphs depend on the sequence of its micro-batches' patterns, and a fixed cycle makes that
+sequence repeat (at most ``K / gcd(K, a)`` distinct ones for ``a`` micro-batches per step).
 
 Randomness comes from ``random.Random`` seeded with a string, which Python hashes with SHA-512, so
 every process (every rank of a distributed job) computes the same pattern without communicating.
@@ -95,11 +97,7 @@ class PatternSampler:
         if not any(self.rates):
             return frozenset()
         if self._pool is not None:
-            k = len(self._pool)
-            cycle, position = divmod(step, k)
-            slots = list(range(k))
-            self._rng("cycle", cycle).shuffle(slots)
-            return self._pool[slots[position]]
+            return self._pool[step % len(self._pool)]
         return self._draw(step)
 
     def distinct_patterns(self) -> int | None:

@@ -309,6 +309,7 @@ _FOREIGN_PRIVATES = {
     "_forward_pre_hooks": "torch.nn.Module: tests check that remove() leaves no hook behind",
     "_forward_hooks": "torch.nn.Module: tests check that remove() leaves no hook behind",
     "_dynamo": "torch._dynamo: tests reset compiled graphs between cases",
+    "_lazy": "torch._lazy: PyTorch's lazy-tensor engine, the HPU backend's lazy mode on the CPU (tools.lazy_engine)",
     "_is_compiled": "torch.xpu._is_compiled, which a test stands in for on a machine without XPU",
     "_local_scalar_dense": "torch.ops.aten: the op a host sync runs, counted by the HPU stand-in test",
     "_weight_prepack": "intel_extension_for_pytorch: where its prepacked linear layer lives (test_ipex)",

@@ -1,0 +1,155 @@
+"""The HPU backend's lazy mode on PyTorch's own lazy-tensor engine (``torch._lazy``, TorchScript backend, CPU).
+
+Graphs here are real: the engine records ops until ``mark_step``, then compiles the graph or fetches it from its
+cache (:mod:`dropbp.tools.lazy_engine`). The backend is the HPU backend with only ``mark_step`` and the device moved
+onto the engine. The engine's cache lives as long as the process, so each test trains a model with a vocabulary size
+of its own: every graph holds the embedding's shape, so no graph of another test is met. The optimizer is SGD with
+momentum (one update graph per step, as Habana's FusedAdamW; torch's AdamW reads its step counter with ``.item()``,
+which would cut the update graph apart).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+import torch._lazy
+from conftest import VOCAB, assert_same_grads, batch, detach_outputs, loss_and_grads, tiny_model, with_lora
+
+import dropbp
+from dropbp.tools.lazy_engine import LazyEngineBackend, compiled_graphs, graph_runs
+
+_vocab_sizes = itertools.count(VOCAB)
+
+
+def own_model(layers: int = 4) -> torch.nn.Module:
+    """A tiny Llama whose graphs no other test of this process compiles (a vocabulary size of its own)."""
+    return tiny_model("llama", layers=layers, vocab_size=next(_vocab_sizes))
+
+
+class Breaks:
+    """The backend's graph breaks, each with the graphs compiled at it and the graphs run before it (a value read
+    inside a step runs the pending graph early)."""
+
+    def __init__(self, backend: LazyEngineBackend) -> None:
+        self.events: list[tuple[str, int, int]] = []  # (label, compiled at the break, run early before it)
+        self.label = ""
+        graph_break = backend.graph_break
+        self._runs = graph_runs()
+
+        def counted() -> None:
+            early = graph_runs() - self._runs
+            before = compiled_graphs()
+            graph_break()
+            self.events.append((self.label, compiled_graphs() - before, early))
+            self._runs = graph_runs()
+
+        backend.graph_break = counted
+
+
+def early_runs_of_the_model(model: torch.nn.Module) -> int:
+    """Graphs the model itself runs inside one forward+backward on the engine (ops the TorchScript backend runs
+    eagerly read their inputs: rotary embeddings, masks), without dropbp."""
+    plain = copy.deepcopy(model).to("lazy")
+    torch._lazy.mark_step()
+    ids = batch(0).to("lazy")
+    before = graph_runs()
+    plain(input_ids=ids, labels=ids).loss.backward()
+    early = graph_runs() - before
+    torch._lazy.mark_step()
+    return early
+
+
+def train(model, ctl, breaks: Breaks, steps: int, micro_batches: int) -> list[int]:
+    """A hand loop with ``ctl.backward`` / ``ctl.optimizer_step``; the graphs compiled by the end of each step."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    totals = []
+    start = compiled_graphs()
+    for step in range(steps):
+        for j in range(micro_batches):
+            ids = batch(step * micro_batches + j).to("lazy")
+            loss = model(input_ids=ids, labels=ids).loss / micro_batches
+            breaks.label = "backward"
+            count = len(breaks.events)
+            assert ctl.backward(loss)
+            assert len(breaks.events) == count + 1  # one break, at the end of the backward
+        breaks.label = "optimizer step"
+        count = len(breaks.events)
+        ctl.optimizer_step(optimizer)
+        assert len(breaks.events) == count + 1
+        optimizer.zero_grad(set_to_none=True)
+        totals.append(compiled_graphs() - start)
+    return totals
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2, 8])
+@pytest.mark.parametrize("pattern", ["cut", "uniform"])
+def test_graphs_are_bounded_by_the_plan_and_stop_when_the_rates_settle(pattern, micro_batches):
+    backend = LazyEngineBackend()
+    steps = {1: 60, 2: 40, 8: 16}[micro_batches]
+    total = steps * micro_batches
+    model = own_model()
+    early = early_runs_of_the_model(model)
+    model = model.to("lazy")
+    # attach's shape of run: a warm-up over 20% of the run, the time schedule over its known length
+    ctl = dropbp.apply(
+        model, 0.5, seed=0, pattern=pattern, warmup_steps=total // 5, total_steps=total, backend=backend
+    )
+    assert ctl.max_patterns == 16
+    torch._lazy.mark_step()  # the set-up's own graph (moving the model), before the first training step
+    plan = ctl.pattern_plan(micro_batches=micro_batches)
+    assert plan.settled_at <= steps * 3 // 4  # some steps left to show that nothing more compiles
+    breaks = Breaks(backend)
+    totals = train(model, ctl, breaks, steps, micro_batches)
+
+    # breaks: one after each backward and one after each optimizer step, nothing read early but what the model
+    # itself reads without dropbp
+    assert [label for label, _, _ in breaks.events] == (["backward"] * micro_batches + ["optimizer step"]) * steps
+    assert all(e == early for label, _, e in breaks.events if label == "backward")
+    assert all(e == 0 for label, _, e in breaks.events if label == "optimizer step")
+    # compiled graphs: the forward+backward graphs at most the plan's prefixes, the update graphs its sequences,
+    # each with the first step's once more; in all, at most the plan's graphs
+    at_backward = sum(n for label, n, _ in breaks.events if label == "backward")
+    at_update = sum(n for label, n, _ in breaks.events if label == "optimizer step")
+    assert 1 < at_backward <= plan.prefixes + micro_batches
+    assert 1 < at_update <= plan.sequences + 1
+    assert at_backward + at_update <= plan.graphs
+    # and nothing new once the plan has settled (the rates stopped moving)
+    assert totals[plan.settled_at - 1 :] == [totals[-1]] * (steps - plan.settled_at + 1), totals
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+@pytest.mark.parametrize("pattern", ["cut", "uniform"])
+def test_gradients_on_the_engine_equal_the_reference(pattern, method):
+    model = own_model()
+    model = with_lora(model) if method == "lora" else model
+    reference = copy.deepcopy(model)
+    model = model.to("lazy")
+    ctl = dropbp.apply(model, 0.5, seed=1, pattern=pattern, backend=LazyEngineBackend())
+    seen = set()
+    for step in range(6):
+        ids = batch(step)
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids.to("lazy"), labels=ids.to("lazy")).loss
+        ctl.backward(loss)
+        grads = {n: None if p.grad is None else p.grad.cpu() for n, p in model.named_parameters()}
+        handles = detach_outputs(reference, ctl.last_dropped)
+        ref_loss, ref_grads = loss_and_grads(reference, ids)
+        for h in handles:
+            h.remove()
+        torch.testing.assert_close(loss.cpu(), ref_loss, atol=1e-5, rtol=0)
+        assert_same_grads(grads, ref_grads, atol=1e-5)
+        seen.add(ctl.last_dropped)
+    assert len(seen) > 1 and any(seen)  # several patterns, some dropping
+
+
+def test_the_plan_needs_the_runs_length():
+    ctl = dropbp.apply(tiny_model("llama", layers=2), 0.5)
+    with pytest.raises(ValueError, match="pattern_plan needs optimizer_steps"):
+        ctl.pattern_plan()
+    with pytest.raises(ValueError, match="micro_batches"):
+        ctl.pattern_plan(10, micro_batches=0)
+    plan = ctl.pattern_plan(10)
+    assert plan.sequences == plan.prefixes == plan.patterns and plan.graphs == 2 * plan.patterns + 2
