@@ -128,6 +128,14 @@ GRIDS["checkpointing"] = [
     Run("DropBP 0.75, equal time", 0.75, steps=180, **_CUT_WARMUP),
 ]
 
+# The shipped default as Gaudi's lazy mode runs it (issue 32): its pattern bound (16, a pool per rate level, cycled
+# in a fixed order so that accumulated steps repeat) against the unbounded default, at equal steps.
+GRIDS["lazy-bound"] = [
+    Run("full backprop"),
+    Run("DropBP 0.5, equal steps", 0.5, steps=-1, **_CUT_WARMUP),
+    Run("DropBP 0.5, pattern bound 16, equal steps", 0.5, steps=-1, max_patterns=16, **_CUT_WARMUP),
+]
+
 # Controls of the shipped default at equal time: the paper's uniform shape with the same warm-up; the cut with
 # no warm-up (a constant rate over the whole run: no time schedule at all); the same at 0.875 (whose warm-up
 # with the mean kept would need rates no cut reaches), given 160 steps (its step speedup was 1.64x on this

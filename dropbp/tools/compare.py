@@ -101,6 +101,7 @@ class Run:
     accumulation: int | None = None
     lr_schedule: str | None = None
     steps: int | None = None  # overrides the run's number of optimizer steps
+    max_patterns: int | None = None  # apply()'s pattern bound (a lazy-graph device's pool, on the CPU)
 
 
 @dataclass
@@ -172,6 +173,7 @@ def apply_options(run: Run, baseline_steps: int, own_steps: int, accumulation: i
         "total_steps": forwards if own else None,
         "drop_schedule": run.drop_schedule or "constant",
         "ramp": run.ramp,
+        "max_patterns": run.max_patterns,
     }
 
 
