@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import copy
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch._lazy
+import transformers
 from conftest import VOCAB, assert_same_grads, batch, detach_outputs, loss_and_grads, tiny_model, with_lora
 
 import dropbp
@@ -153,3 +155,90 @@ def test_the_plan_needs_the_runs_length():
         ctl.pattern_plan(10, micro_batches=0)
     plan = ctl.pattern_plan(10)
     assert plan.sequences == plan.prefixes == plan.patterns and plan.graphs == 2 * plan.patterns + 2
+
+
+class _GaudiLikeTrainer(transformers.Trainer):
+    """A stand-in of optimum-habana's ``GaudiTrainer`` in lazy mode on the engine: the model and batches on the lazy
+    device, ``mark_step`` after each micro-batch's training step and after each optimizer step, as it places them."""
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        self.accelerator.device_placement = False  # the model stays on the lazy device
+
+    def training_step(self, *args, **kwargs):
+        loss = super().training_step(*args, **kwargs)
+        self.mark_step("backward")
+        return loss
+
+    def mark_step(self, label: str) -> None:
+        self.breaks.label = label
+        self.engine.graph_break()
+
+
+class _LazyArguments(transformers.TrainingArguments):
+    @property
+    def device(self) -> torch.device:
+        transformers.TrainingArguments.device.fget(self)  # the trainer's own set-up (processes, accelerate state)
+        return torch.device("lazy")
+
+
+class _AfterOptimizerStep(transformers.TrainerCallback):
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer.mark_step("optimizer step")
+
+
+def _train_like_gaudi(tmp_path, steps: int, micro_batches: int, callbacks: list) -> tuple[Breaks, torch.nn.Module]:
+    """``steps`` optimizer steps of a fresh model through the Gaudi-like trainer; its breaks."""
+    model = own_model()
+    data = [{"input_ids": batch(i, size=1)[0], "labels": batch(i, size=1)[0]} for i in range(steps * micro_batches)]
+    args = _LazyArguments(
+        str(tmp_path), max_steps=steps, per_device_train_batch_size=1, gradient_accumulation_steps=micro_batches,
+        optim="sgd", learning_rate=1e-3, lr_scheduler_type="constant", max_grad_norm=0, logging_nan_inf_filter=False,
+        logging_steps=10_000, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
+    )  # fmt: skip
+    after_step = _AfterOptimizerStep()
+    callbacks = [*callbacks, after_step]
+    trainer = _GaudiLikeTrainer(model=model.to("lazy"), args=args, train_dataset=data, callbacks=callbacks)
+    after_step.trainer = trainer
+    trainer.engine = SimpleNamespace(graph_break=torch._lazy.mark_step)
+    trainer.breaks = Breaks(trainer.engine)
+    trainer.train()
+    return trainer.breaks, model
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2, 8])
+def test_the_trainer_on_the_engine_compiles_what_the_plan_says(micro_batches, tmp_path):
+    from dropbp.integrations.hf import DropBPCallback
+
+    steps = {1: 60, 2: 40, 8: 16}[micro_batches]
+    backend = LazyEngineBackend()
+    placed_by_dropbp = []
+    backend.graph_break = lambda: placed_by_dropbp.append(1)
+    callback = DropBPCallback(drop_rate=0.5, backend=backend)
+    plans = []
+    callback.on_train_begin = _after(callback.on_train_begin, lambda: plans.append(_plan(callback, micro_batches)))
+    breaks, _ = _train_like_gaudi(tmp_path / "dropbp", steps, micro_batches, [callback])
+    plain, _ = _train_like_gaudi(tmp_path / "plain", steps, micro_batches, [])
+    plan = plans[0]
+
+    assert callback.controller.step == steps * micro_batches and not placed_by_dropbp  # the trainer's breaks only
+    assert [label for label, _, _ in breaks.events] == (["backward"] * micro_batches + ["optimizer step"]) * steps
+    # nothing read inside a step but what the model and the trainer read without dropbp
+    assert [e for _, _, e in breaks.events] == [e for _, _, e in plain.events]
+    compiled = [n for _, n, _ in breaks.events]
+    assert 1 < sum(compiled) <= plan.graphs
+    per_step = [sum(compiled[i * (micro_batches + 1) : (i + 1) * (micro_batches + 1)]) for i in range(steps)]
+    assert plan.settled_at <= steps * 3 // 4 and not any(per_step[plan.settled_at :]), per_step
+
+
+def _after(method, then):
+    def wrapped(*args, **kwargs):
+        out = method(*args, **kwargs)
+        then()
+        return out
+
+    return wrapped
+
+
+def _plan(callback, micro_batches: int):
+    return callback.controller.pattern_plan(micro_batches=micro_batches)
