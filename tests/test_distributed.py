@@ -45,9 +45,12 @@ def _full(t: torch.Tensor | None) -> torch.Tensor | None:
 def _wrap(
     model: torch.nn.Module, mode: str, order: str, pattern: str
 ) -> tuple[torch.nn.Module, dropbp.DropBPController]:
-    """DropBP and DDP / FSDP2 in either order; returns the model to call and the controller."""
+    """DropBP and DDP / FSDP2 in either order; returns the model to call and the controller. ``"cut+bound"``: the
+    cut with the memory bound in force (at 0.5 a step keeping more than 3 of the 6 branches runs its lowest kept
+    layers checkpointed)."""
+    options = {"pattern": "cut", "memory_bound": True} if pattern == "cut+bound" else {"pattern": pattern}
     if order == "apply-first":
-        ctl = dropbp.apply(model, 0.5, seed=0, pattern=pattern)
+        ctl = dropbp.apply(model, 0.5, seed=0, **options)
     if mode == "ddp":
         wrapped = DistributedDataParallel(model, find_unused_parameters=True)
     else:
@@ -57,7 +60,7 @@ def _wrap(
             fully_shard(layer)
         wrapped = fully_shard(model)
     if order == "wrap-first":
-        ctl = dropbp.apply(wrapped, 0.5, seed=0, pattern=pattern)
+        ctl = dropbp.apply(wrapped, 0.5, seed=0, **options)
     return wrapped, ctl
 
 
@@ -135,15 +138,20 @@ def _single_process_grads(reference: torch.nn.Module, record: dict, step: int) -
     return {n: None if p.grad is None else p.grad.clone() for n, p in reference.named_parameters()}
 
 
-@pytest.mark.parametrize(("mode", "pattern"), [("ddp", "uniform"), ("ddp", "cut"), ("fsdp2", "uniform")])
+@pytest.mark.parametrize(
+    ("mode", "pattern"),
+    [("ddp", "uniform"), ("ddp", "cut"), ("fsdp2", "uniform"), ("ddp", "cut+bound"), ("fsdp2", "cut+bound")],
+)
 def test_two_ranks_train_as_one(mode, pattern):
     with tempfile.TemporaryDirectory() as tmp:
         _run_ranks(_rank_main, os.path.join(tmp, "init"), tmp, mode, pattern)
         ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
     reference = tiny_model("llama", layers=3)
     ctl_branches = dropbp.apply(tiny_model("llama", layers=3), 0.0).branches
-    if pattern == "cut":  # the run saw several depths, some steps dropping nothing
+    if pattern != "uniform":  # the run saw several depths, some steps dropping nothing
         assert len({len(s["dropped"]) for s in ranks[0]["apply-first"]}) > 2
+    if pattern == "cut+bound":  # some steps kept more than the bound: some layers ran checkpointed
+        assert any(len(s["dropped"]) < 3 for s in ranks[0]["apply-first"])
     for order in ("apply-first", "wrap-first"):
         records = [r[order] for r in ranks]
         assert [s["dropped"] for s in records[0]] == [s["dropped"] for s in ranks[0]["apply-first"]]
