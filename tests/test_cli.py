@@ -63,6 +63,25 @@ def test_demo_quick_writes_results(tiny_model_dir, tmp_path, capsys):
     assert [r["checkpointing"] for r in speed] == [False, True]
     assert all(r["speedup"] > 0 and r["rounds"] == 4 and r["seq_len"] == 256 for r in speed)
     assert "| on (a dropped branch also skips its recompute) |" in out and "| off |" in out
+    assert record["memory"] == []  # the memory table's probes build SmolLM2 itself: only the default model gets it
+
+
+def test_the_demos_memory_table_holds_the_worst_step(monkeypatch):
+    from dropbp.tools import demo
+    from dropbp.tools.demo import MEMORY_CONFIGS, _memory_lines, _seed_keeping_everything
+
+    model = tiny_model("llama", layers=16)
+    seed = _seed_keeping_everything(model, 0.875)
+    ctl = dropbp.apply(model, 0.875, seed=seed)
+    assert ctl.dropped_at(0) == () and ctl.memory_bound  # the worst step, with the bound the default turns on
+    ctl.remove()
+    peaks = [800, 400, 200, 100]
+    rows = [{"config": c[0], "seq_len": 512, "peak_bytes": m << 20} for c, m in zip(MEMORY_CONFIGS, peaks, strict=True)]
+    lines = "\n".join(_memory_lines(rows))
+    assert "one sequence of 512 tokens" in lines
+    assert "| full backprop | 800 MiB | 1.00x less |" in lines and "| 100 MiB | 8.00x less |" in lines
+    monkeypatch.setattr(demo, "steps_and_time_table", lambda summary: [])
+    assert demo.table({"summary": [], "memory": rows}) == lines
 
 
 def _rates(folder, **schedule) -> list[float]:

@@ -9,7 +9,10 @@ the first 20%, the run's mean rate kept at 0.5) over the same number of steps (t
 steps"); and the same given :data:`EQUAL_TIME_FACTOR` times the steps, with its own complete schedules,
 about the baseline's training time ("equal time"). Learning rate, data and seed are the same for every run.
 Then the step speedup of DropBP 0.5 (the cut, as shipped) with Hugging Face activation checkpointing off and
-on, labelled: with it on, a dropped branch also skips its recomputation (:mod:`dropbp.tools.bench`).
+on, labelled: with it on, a dropped branch also skips its recomputation (:mod:`dropbp.tools.bench`); and the
+peak memory of one training step in a fresh process each (:mod:`dropbp.tools.memprobe`): full backprop without
+and with checkpointing, and DropBP at 0.875 as shipped (the cut with its memory bound) in its worst step, one
+that keeps every branch, with the plain and the chunked loss.
 """
 
 from __future__ import annotations
@@ -62,12 +65,13 @@ class DemoSettings:
     lr: float = 2e-3  # the baseline's best (benchmarks/results/convergence_lr_lora_pydoc*.md)
     speed_rounds: int = 8  # interleaved rounds of the step-time table, per checkpointing setting
     speed_seq_len: int = 512
+    memory_seq_len: int = 1024  # tokens of the memory table's one-sequence steps
 
     @classmethod
     def quick(cls) -> DemoSettings:
         return cls(
             steps=10, seq_len=64, batch_size=4, accumulation=4, eval_every=5, val_windows=4, speed_rounds=4,
-            speed_seq_len=256,
+            speed_seq_len=256, memory_seq_len=512,
         )
 
 
@@ -115,6 +119,7 @@ def run_demo(
     torch.manual_seed(0)  # LoRA's A matrices start random: the same start every time
     lora = _lora(model)
     speed = step_speedups(lora, settings, backend, show_progress)
+    memory = memory_rows(lora, settings, show_progress) if model_name is None and backend.name == "cpu" else []
     results = compare(
         lora,
         runs,
@@ -144,6 +149,7 @@ def run_demo(
         "dropbp_steps": dropbp_steps,
         "summary": summary,
         "step_speedups": speed,
+        "memory": memory,
         "timing": timing_check(results),
         "runs": [r.to_dict() for r in results],
     }
@@ -183,6 +189,58 @@ def step_speedups(model: torch.nn.Module, settings: DemoSettings, backend: Backe
     return rows
 
 
+#: The memory table's configurations: (label, drop rate or None for full backprop, chunked loss, checkpointing).
+MEMORY_CONFIGS = (
+    ("full backprop", None, False, False),
+    ("full backprop, checkpointing on", None, False, True),
+    ("DropBP 0.875 (shipped: cut + memory bound), worst step", 0.875, False, False),
+    ("DropBP 0.875, worst step, chunked loss", 0.875, True, False),
+)
+
+
+def _seed_keeping_everything(model: torch.nn.Module, rate: float) -> int:
+    """The first seed whose cut keeps every branch in its first step: the worst step the bound must hold."""
+    for seed in range(10_000):
+        ctl = apply(model, rate, seed=seed, memory_bound=False)
+        everything = not ctl.dropped_at(0)
+        ctl.remove()
+        if everything:
+            return seed
+    raise RuntimeError(f"no seed below 10000 keeps every branch in its first step at {rate}")
+
+
+def memory_rows(model: torch.nn.Module, settings: DemoSettings, show: bool) -> list[dict]:
+    """Peak memory of one LoRA training step of SmolLM2-135M per :data:`MEMORY_CONFIGS`, each in a fresh process."""
+    from .membench import run_probe
+
+    seed = _seed_keeping_everything(model, 0.875)
+    rows = []
+    for label, rate, chunked, checkpointing in MEMORY_CONFIGS:
+        spec = {"preset": "smollm2", "method": "lora", "seq_len": settings.memory_seq_len, "rate": rate}
+        spec |= {"chunked": chunked, "checkpointing": checkpointing, "steps": 1, "seed": seed, "pattern": "cut"}
+        spec["memory_bound"] = rate is not None
+        got = run_probe(spec, print if show else lambda _: None)
+        rows.append({"config": label, "seq_len": settings.memory_seq_len, "peak_bytes": got["peak_above_level_bytes"]})
+    return rows
+
+
+def _memory_lines(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    base = rows[0]["peak_bytes"]
+    lines = [
+        "",
+        f"Memory, LoRA, one sequence of {rows[0]['seq_len']} tokens: peak resident memory of one training step above "
+        "the loaded model, a fresh process each:",
+        "",
+        "| configuration | peak | vs full backprop |",
+        "|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['config']} | {r['peak_bytes'] / 2**20:.0f} MiB | {base / r['peak_bytes']:.2f}x less |")
+    return lines
+
+
 def _speed_lines(rows: list[dict]) -> list[str]:
     if not rows:
         return []
@@ -204,8 +262,10 @@ def _speed_lines(rows: list[dict]) -> list[str]:
 
 def table(record: dict) -> str:
     """The comparison at equal steps and equal time (:func:`dropbp.tools.report.steps_and_time_table`), the step
-    speedups with and without activation checkpointing, and the timing warning when the machine was too busy."""
+    speedups with and without activation checkpointing, the memory table, and the timing warning when the machine
+    was too busy."""
     lines = steps_and_time_table(record["summary"]) + _speed_lines(record.get("step_speedups", []))
+    lines += _memory_lines(record.get("memory", []))
     warning = record.get("timing", {}).get("warning")
     if warning:
         lines.append(f"\n{warning}")
