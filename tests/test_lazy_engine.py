@@ -66,7 +66,7 @@ def early_runs_of_the_model(model: torch.nn.Module) -> int:
 
 def train(model, ctl, breaks: Breaks, steps: int, micro_batches: int) -> list[int]:
     """A hand loop with ``ctl.backward`` / ``ctl.optimizer_step``; the graphs compiled by the end of each step."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3, momentum=0.9)
     totals = []
     start = compiled_graphs()
     for step in range(steps):
@@ -86,13 +86,16 @@ def train(model, ctl, breaks: Breaks, steps: int, micro_batches: int) -> list[in
     return totals
 
 
-@pytest.mark.parametrize("micro_batches", [1, 2, 8])
-@pytest.mark.parametrize("pattern", ["cut", "uniform"])
-def test_graphs_are_bounded_by_the_plan_and_stop_when_the_rates_settle(pattern, micro_batches):
+_FULL = [(p, a, "full") for p in ("cut", "uniform") for a in (1, 2, 8)]
+
+
+@pytest.mark.parametrize(("pattern", "micro_batches", "method"), [*_FULL, ("cut", 2, "lora"), ("uniform", 2, "lora")])
+def test_graphs_are_bounded_by_the_plan_and_stop_when_the_rates_settle(pattern, micro_batches, method):
     backend = LazyEngineBackend()
     steps = {1: 60, 2: 40, 8: 16}[micro_batches]
     total = steps * micro_batches
     model = own_model()
+    model = with_lora(model) if method == "lora" else model
     early = early_runs_of_the_model(model)
     model = model.to("lazy")
     # attach's shape of run: a warm-up over 20% of the run, the time schedule over its known length
