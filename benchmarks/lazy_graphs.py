@@ -30,10 +30,10 @@ import torch
 import transformers
 
 import dropbp
+from dropbp.integrations.hf import fit_auto_warmup
 from dropbp.tools.lazy_engine import LazyEngineBackend, compiled_graphs, start
 
 RESULTS = Path(__file__).resolve().parent / "results"
-WARMUP = 0.2  # attach's warm-up="auto": at most this share of the run
 
 
 def smollm2_layout(vocab: int) -> torch.nn.Module:
@@ -51,20 +51,6 @@ def smollm2_layout(vocab: int) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").train()
 
 
-def schedule_as_attach(ctl: dropbp.DropBPController, forwards: int) -> None:
-    """The time schedule over ``forwards`` and the longest warm-up up to 20% the rates can pay for."""
-    ctl.total_steps = forwards
-    fits, too_long = 0, round(WARMUP * forwards) + 1
-    while too_long - fits > 1:
-        middle = (fits + too_long) // 2
-        try:
-            ctl.warmup_steps = middle
-            fits = middle
-        except ValueError:
-            too_long = middle
-    ctl.warmup_steps = fits
-
-
 def measure(pattern: str, rate: float, micro_batches: int, steps: int, vocab: int) -> dict:
     backend = LazyEngineBackend()
     model = smollm2_layout(vocab).to("lazy")
@@ -72,7 +58,7 @@ def measure(pattern: str, rate: float, micro_batches: int, steps: int, vocab: in
     # torch.<device> module: Gaudi has torch.hpu, the engine has no torch.lazy. Off here; it recomputes the layers
     # its pattern selects, so it changes a pattern's graph, not how many patterns there are.
     ctl = dropbp.apply(model, rate, seed=0, pattern=pattern, memory_bound=False, backend=backend)
-    schedule_as_attach(ctl, steps * micro_batches)
+    fit_auto_warmup(ctl, steps * micro_batches)  # attach's warmup="auto"
     torch._lazy.mark_step()  # the set-up's own graph
     plan = ctl.pattern_plan(micro_batches=micro_batches)
     at_breaks = [0]

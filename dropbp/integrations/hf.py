@@ -66,7 +66,7 @@ from ..api import apply_options
 from ..controller import DropBPController
 from ..options import AUTO_WARMUP, TrainerOptions, takes_options
 
-__all__ = ["STATE_FILE", "DropBPCallback", "attach", "build_callback"]
+__all__ = ["STATE_FILE", "DropBPCallback", "attach", "build_callback", "fit_auto_warmup"]
 
 log = logging.getLogger("dropbp")
 
@@ -226,23 +226,10 @@ class DropBPCallback(TrainerCallback):
             ctl.warmup_steps = round(self.warmup * forwards)
             ctl.total_steps = forwards
             return
-        ctl.warmup_steps = 0  # a constant rate over the whole run: no peak, always valid
-        ctl.total_steps = forwards
         longest = round(AUTO_WARMUP * forwards)
-        try:
-            ctl.warmup_steps = longest  # refused (and nothing changed) when the peak cannot be taken
+        fits = fit_auto_warmup(ctl, forwards)
+        if fits == longest:
             return
-        except ValueError:
-            pass
-        fits, too_long = 0, longest  # the peak grows with the warm-up: bisect for the longest that fits
-        while too_long - fits > 1:
-            middle = (fits + too_long) // 2
-            try:
-                ctl.warmup_steps = middle
-                fits = middle
-            except ValueError:
-                too_long = middle
-        ctl.warmup_steps = fits
         log.warning(
             "dropbp: warm-up shortened from %d to %d of the run's %d training forwards (warmup='auto'): to keep "
             "the run's mean drop rate at %g, a longer one would need rates after it that the %r pattern shape "
@@ -322,6 +309,30 @@ class DropBPCallback(TrainerCallback):
 
 
 @takes_options(TrainerOptions)
+def fit_auto_warmup(ctl: DropBPController, forwards: int) -> int:
+    """Set ``ctl``'s schedule as ``warmup="auto"`` does for a run of ``forwards`` training forwards: the time
+    schedule over them and the longest warm-up, up to 20% of them, whose peak the pattern shape can take (the
+    peak grows with the warm-up). Returns that warm-up."""
+    ctl.warmup_steps = 0  # a constant rate over the whole run: no peak, always valid
+    ctl.total_steps = forwards
+    longest = round(AUTO_WARMUP * forwards)
+    try:
+        ctl.warmup_steps = longest  # refused (and nothing changed) when the peak cannot be taken
+        return longest
+    except ValueError:
+        pass
+    fits, too_long = 0, longest
+    while too_long - fits > 1:
+        middle = (fits + too_long) // 2
+        try:
+            ctl.warmup_steps = middle
+            fits = middle
+        except ValueError:
+            too_long = middle
+    ctl.warmup_steps = fits
+    return fits
+
+
 def attach(trainer: Trainer, drop_rate: float = 0.5, **options: Any) -> DropBPCallback:
     """Attach DropBP to ``trainer.model`` and register its callback; call before ``trainer.train()``.
 
