@@ -36,12 +36,12 @@ from dropbp.tools.lazy_engine import LazyEngineBackend, compiled_graphs, start
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def smollm2_layout(vocab: int) -> torch.nn.Module:
+def smollm2_layout(vocab: int, width: int = 32) -> torch.nn.Module:
     """SmolLM2-135M's depth (30 layers, 60 branches) at a tiny width; ``vocab`` keeps each run's graphs its own."""
     config = transformers.LlamaConfig(
         vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=width,
+        intermediate_size=2 * width,
         num_hidden_layers=30,
         num_attention_heads=4,
         num_key_value_heads=2,
