@@ -308,7 +308,6 @@ class DropBPCallback(TrainerCallback):
             log.info("dropbp: step %d: %s", state.global_step, logs)
 
 
-@takes_options(TrainerOptions)
 def fit_auto_warmup(ctl: DropBPController, forwards: int) -> int:
     """Set ``ctl``'s schedule as ``warmup="auto"`` does for a run of ``forwards`` training forwards: the time
     schedule over them and the longest warm-up, up to 20% of them, whose peak the pattern shape can take (the
@@ -333,6 +332,7 @@ def fit_auto_warmup(ctl: DropBPController, forwards: int) -> int:
     return fits
 
 
+@takes_options(TrainerOptions)
 def attach(trainer: Trainer, drop_rate: float = 0.5, **options: Any) -> DropBPCallback:
     """Attach DropBP to ``trainer.model`` and register its callback; call before ``trainer.train()``.
 
