@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from dropbp import apply
+from dropbp.tools import membench
 from dropbp.tools.bench import build_model
 from dropbp.tools.membench import run_probe
 
@@ -35,14 +35,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def worst_case_seed(rate: float, steps: int) -> int:
     """The first seed whose cut keeps every branch in one of the first ``steps`` training forwards."""
-    model = build_model("smollm2", "lora", 64, torch.float32, torch.device("cpu"))
-    for seed in range(10_000):
-        ctl = apply(model, rate, seed=seed, memory_bound=False)
-        found = any(not ctl.dropped_at(step) for step in range(steps))
-        ctl.remove()
-        if found:
-            return seed
-    raise SystemExit(f"no seed below 10000 keeps every branch within {steps} steps at {rate}")
+    return membench.worst_case_seed(build_model("smollm2", "lora", 64, torch.float32, torch.device("cpu")), rate, steps)
 
 
 CONFIGS = {

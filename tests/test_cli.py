@@ -68,10 +68,11 @@ def test_demo_quick_writes_results(tiny_model_dir, tmp_path, capsys):
 
 def test_the_demos_memory_table_holds_the_worst_step(monkeypatch):
     from dropbp.tools import demo
-    from dropbp.tools.demo import MEMORY_CONFIGS, _memory_lines, _seed_keeping_everything
+    from dropbp.tools.demo import MEMORY_CONFIGS, _memory_lines
+    from dropbp.tools.membench import worst_case_seed
 
     model = tiny_model("llama", layers=16)
-    seed = _seed_keeping_everything(model, 0.875)
+    seed = worst_case_seed(model, 0.875)
     ctl = dropbp.apply(model, 0.875, seed=seed)
     assert ctl.dropped_at(0) == () and ctl.memory_bound  # the worst step, with the bound the default turns on
     ctl.remove()

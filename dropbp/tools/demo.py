@@ -198,22 +198,11 @@ MEMORY_CONFIGS = (
 )
 
 
-def _seed_keeping_everything(model: torch.nn.Module, rate: float) -> int:
-    """The first seed whose cut keeps every branch in its first step: the worst step the bound must hold."""
-    for seed in range(10_000):
-        ctl = apply(model, rate, seed=seed, memory_bound=False)
-        everything = not ctl.dropped_at(0)
-        ctl.remove()
-        if everything:
-            return seed
-    raise RuntimeError(f"no seed below 10000 keeps every branch in its first step at {rate}")
-
-
 def memory_rows(model: torch.nn.Module, settings: DemoSettings, show: bool) -> list[dict]:
     """Peak memory of one LoRA training step of SmolLM2-135M per :data:`MEMORY_CONFIGS`, each in a fresh process."""
-    from .membench import run_probe
+    from .membench import run_probe, worst_case_seed
 
-    seed = _seed_keeping_everything(model, 0.875)
+    seed = worst_case_seed(model, 0.875)
     rows = []
     for label, rate, chunked, checkpointing in MEMORY_CONFIGS:
         spec = {"preset": "smollm2", "method": "lora", "seq_len": settings.memory_seq_len, "rate": rate}

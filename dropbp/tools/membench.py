@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["grid_length", "longest_sequence", "memory_table", "parse_size", "run_probe"]
+__all__ = ["grid_length", "longest_sequence", "memory_table", "parse_size", "run_probe", "worst_case_seed"]
 
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
@@ -43,6 +43,20 @@ def parse_size(text: str) -> int:
 def grid_length(k: int) -> int:
     """The k-th length of the search grid: 256 x 2^(k/4), rounded to a multiple of 64."""
     return max(64, round(256 * 2 ** (k / 4) / 64) * 64)
+
+
+def worst_case_seed(model: Any, rate: float, steps: int = 1) -> int:
+    """The first seed whose cut (the default shape) keeps every branch in one of its first ``steps`` training
+    forwards: the step a memory bound must hold in."""
+    from .. import apply
+
+    for seed in range(10_000):
+        ctl = apply(model, rate, seed=seed, memory_bound=False)
+        found = any(not ctl.dropped_at(step) for step in range(steps))
+        ctl.remove()
+        if found:
+            return seed
+    raise ValueError(f"no seed below 10000 keeps every branch within {steps} steps at drop rate {rate}")
 
 
 def run_probe(spec: dict[str, Any], say: Callable[[str], None] = print) -> dict[str, Any]:
