@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..internals import built_with
 from .base import Backend
 
 _INSTALL = (
@@ -28,7 +29,7 @@ class XPUBackend(Backend):
         xpu = getattr(torch, "xpu", None)
         if xpu is None:
             return f"this PyTorch ({torch.__version__}) has no torch.xpu; {_INSTALL}"
-        if not xpu._is_compiled():
+        if not built_with("xpu"):
             return f"this PyTorch ({torch.__version__}) was built without XPU support; {_INSTALL}"
         if not xpu.is_available():
             return (

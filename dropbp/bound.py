@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .intercept import ForwardPatch
-from .recompute import _checkpoint_region
+from .internals import checkpoint_hook
 
 __all__ = ["INPUTS_PER_BRANCH", "MemoryBound", "kept_bound"]
 
@@ -68,7 +68,7 @@ def _checkpointed(unit: nn.Module, underneath: Callable[[], Callable[..., Any]])
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         original = underneath()
-        if not torch.is_grad_enabled() or _checkpoint_region() is not None or _checkpoints_itself(unit):
+        if not torch.is_grad_enabled() or checkpoint_hook() is not None or _checkpoints_itself(unit):
             return original(*args, **kwargs)  # no graph, or checkpointed anyway: nothing stored
         for key in _CACHE_KWARGS:
             if kwargs.get(key) is not None:

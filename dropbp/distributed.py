@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from torch.nn.parallel import DistributedDataParallel
 
+from .internals import running_ddp
+
 __all__ = ["RunningDDPCheck", "check_ddp", "check_running_ddp", "check_running_ddp_checkpointing"]
 
 
@@ -46,13 +48,9 @@ def check_ddp(ddp: DistributedDataParallel) -> None:
     )
 
 
-def _running_ddp() -> DistributedDataParallel | None:
-    return getattr(DistributedDataParallel, "_active_ddp_module", None)
-
-
 def check_running_ddp() -> None:
     """:func:`check_ddp` on the DDP wrapper whose forward is running now, if there is one."""
-    ddp = _running_ddp()
+    ddp = running_ddp()
     if ddp is not None:
         check_ddp(ddp)
 
@@ -77,7 +75,7 @@ def check_running_ddp_checkpointing() -> None:
     ("Expected to mark a variable ready only once"); its workaround, ``static_graph``, cannot follow
     patterns that change every step.
     """
-    if _running_ddp() is not None:
+    if running_ddp() is not None:
         raise ValueError(
             "DropBP under DistributedDataParallel needs non-re-entrant activation checkpointing: re-entrant "
             "checkpointing cannot be combined with find_unused_parameters=True. Use "

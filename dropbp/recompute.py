@@ -50,17 +50,22 @@ saved-tensor hooks refer to. A held output is handed back only to the recomputat
 
 from __future__ import annotations
 
-import inspect
-import sys
 from collections.abc import Callable, Sequence
 from itertools import chain
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointFunction
 
 from .intercept import ForwardPatch
+from .internals import (
+    at_backward_end,
+    backward_task,
+    captured,
+    checkpoint_hook,
+    reentrant_checkpoint_node,
+    running_node,
+)
 
 __all__ = ["BranchCache", "RecomputeCache", "forward_region", "in_backward", "recomputed_region"]
 
@@ -69,52 +74,26 @@ RngState = list[torch.Tensor]
 
 def in_backward() -> bool:
     """Whether the autograd engine runs a backward in this thread (where checkpointing recomputes)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-def _checkpoint_region() -> object | None:
-    """The non-re-entrant ``torch.utils.checkpoint`` call running now (its pack hook), if any."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint":
-        return hooks[0]
-    return None
-
-
-def _captured(hook: Callable[..., Any], name: str) -> Any:
-    """The variable ``name`` that one of ``torch.utils.checkpoint``'s hook closures captured."""
-    fn = inspect.unwrap(hook)  # the recomputation's hook is wrapped by torch._dynamo.disable
-    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
-    if code is not None and name in code.co_freevars:
-        return cells[code.co_freevars.index(name)].cell_contents
-    raise RuntimeError(
-        f"dropbp cannot find the checkpointed region in torch {torch.__version__}'s torch.utils.checkpoint "
-        f"(its hook captures no {name!r}), so it cannot tell which forward a recomputation replays; "
-        "please report this with your torch version, and train without activation checkpointing meanwhile"
-    )
+    return backward_task() != -1
 
 
 def forward_region() -> object | None:
     """The checkpointed region a forward runs in now, as checkpointing keeps it for the backward:
     the non-re-entrant call's frame, or the re-entrant call's autograd node; None outside every region."""
-    hook = _checkpoint_region()
+    hook = checkpoint_hook()
     if hook is not None:
-        return _captured(hook, "frame")
+        return captured(hook, "frame")
     if torch.is_grad_enabled():
         return None  # a re-entrant region runs its forward under no_grad
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is CheckpointFunction.forward.__code__:
-            return frame.f_locals["ctx"]  # the node whose backward will recompute the region
-        frame = frame.f_back
-    return None
+    return reentrant_checkpoint_node()
 
 
 def recomputed_region() -> object | None:
     """During a backward, the region being recomputed, as :func:`forward_region` gave it in the forward."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint":
-        return _captured(hooks[0], "target_frame_ref")()  # non-re-entrant: saved-tensor hooks name the frame
-    return torch._C._current_autograd_node()  # re-entrant: the region's node runs the recomputation
+    hook = checkpoint_hook()
+    if hook is not None:
+        return captured(hook, "target_frame_ref")()  # non-re-entrant: saved-tensor hooks name the frame
+    return running_node()  # re-entrant: the region's node runs the recomputation
 
 
 def _device_of(module: nn.Module) -> torch.device:
@@ -183,7 +162,7 @@ class BranchCache:
         if self._calls > 1:
             self.release()
             return False
-        if torch.is_grad_enabled() and _checkpoint_region() is None:
+        if torch.is_grad_enabled() and checkpoint_hook() is None:
             return False  # not in a checkpointed region: nothing recomputes this branch
         owner.reentrant |= not torch.is_grad_enabled()
         self._device = _device_of(self._module)
@@ -196,7 +175,7 @@ class BranchCache:
         self._output, self._held = output, True
         self._region = forward_region()
         self._patch.install()
-        region = _checkpoint_region()
+        region = checkpoint_hook()
         if region is not None:
             self._owner.pending.append((self, region))
 
@@ -238,7 +217,7 @@ class RecomputeCache:
         a branch outside that region means it ended without one, so the output will not be asked for."""
         if not self.pending:
             return
-        region = _checkpoint_region()
+        region = checkpoint_hook()
         for branch, where in self.pending:
             if where is not region:
                 branch.release()
@@ -256,7 +235,7 @@ class RecomputeCache:
 
     def release_after_backward(self) -> None:
         """Release everything once the running backward ends (outputs its recomputation never asked for)."""
-        task = torch._C._current_graph_task_id()
+        task = backward_task()
         if task != self._release_task:
             self._release_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self.clear)
+            at_backward_end(self.clear)

@@ -292,36 +292,66 @@ def test_only_the_deepspeed_module_asks_whether_deepspeed_was_imported():
     assert found == {"integrations/deepspeed.py"}
 
 
-#: Private names of other libraries that code or tests must read, and why.
+#: Private names of other libraries that tests read, and why (the package reads them only in dropbp.internals).
 _FOREIGN_PRIVATES = {
-    "_C": "torch's C bindings: the autograd state that recomputation reads (dropbp.recompute)",
-    "_autograd": "torch._C._autograd: the saved-tensor hooks in force (dropbp.recompute)",
-    "_top_saved_tensors_default_hooks": "torch: the saved-tensor hooks in force (dropbp.recompute)",
-    "_current_autograd_node": "torch: the node a backward runs now (dropbp.recompute)",
-    "_current_graph_task_id": "torch: which backward runs now (dropbp.recompute)",
-    "_execution_engine": "torch: a callback at the end of the running backward (dropbp.recompute, a stand-in test)",
-    "_getframe": "sys: the checkpoint frame that recomputation runs in (dropbp.recompute)",
-    "_exit": "os: the memory probe's child process ends without interpreter teardown",
-    "_prepare_inputs": "transformers.Trainer: the batch as the trainer feeds it (dropbp.integrations.hf)",
-    "_hp_mapping": "DeepSpeed ZeRO 1-2's mark on the parameters it holds (dropbp.integrations.deepspeed)",
-    "_z3_optimizer": "DeepSpeed ZeRO-3's mark on the parameters it holds (dropbp.integrations.deepspeed)",
-    "_zero_optimizer": "DeepSpeed ZeRO 1-2's optimizer on its parameters (dropbp.integrations.deepspeed)",
+    "_C": "torch's C bindings: the autograd state that recomputation reads",
+    "_autograd": "torch._C._autograd: the saved-tensor hooks in force",
+    "_top_saved_tensors_default_hooks": "torch: the saved-tensor hooks in force",
+    "_current_autograd_node": "torch: the node a backward runs now",
+    "_current_graph_task_id": "torch: which backward runs now",
+    "_execution_engine": "torch: a callback at the end of the running backward (a stand-in test)",
+    "_getframe": "sys: the frame that called a callback, the checkpoint frame that recomputation runs in",
+    "_prepare_inputs": "transformers.Trainer: the batch as the trainer feeds it",
+    "_attn_implementation": "transformers: the attention a model was loaded with",
+    "_active_ddp_module": "torch DDP: the wrapper whose forward runs now",
+    "_is_compiled": "torch.xpu._is_compiled, which a test stands in for on a machine without XPU",
+    "_hp_mapping": "DeepSpeed ZeRO 1-2's mark on the parameters it holds",
+    "_z3_optimizer": "DeepSpeed ZeRO-3's mark on the parameters it holds",
+    "_zero_optimizer": "DeepSpeed ZeRO 1-2's optimizer on its parameters",
     "_forward_pre_hooks": "torch.nn.Module: tests check that remove() leaves no hook behind",
     "_forward_hooks": "torch.nn.Module: tests check that remove() leaves no hook behind",
+    "_backward_hooks": "torch: hooks on a module or on a tensor's backward",
+    "_backward_pre_hooks": "torch.nn.Module: tests check that remove() leaves no hook behind",
     "_dynamo": "torch._dynamo: tests reset compiled graphs between cases",
-    "_lazy": "torch._lazy: PyTorch's lazy-tensor engine, the HPU backend's lazy mode on the CPU (tools.lazy_engine)",
-    "_is_compiled": "torch.xpu._is_compiled, which a test stands in for on a machine without XPU",
+    "_lazy": "torch._lazy: PyTorch's lazy-tensor engine, the HPU backend's lazy mode on the CPU",
     "_local_scalar_dense": "torch.ops.aten: the op a host sync runs, counted by the HPU stand-in test",
     "_weight_prepack": "intel_extension_for_pytorch: where its prepacked linear layer lives (test_ipex)",
     "_IPEXLinear": "intel_extension_for_pytorch: its prepacked linear layer (test_ipex)",
+    "_convert_weight_packed_for_cpu": "bitsandbytes: whether its CPU 4-bit path packs weights (test_qlora)",
 }
+#: Private names of the standard library the package may read anywhere: documented there, stable.
+_STDLIB_PRIVATES = {"_exit": "os: the memory probe's child process ends without interpreter teardown"}
+#: The one module of the package that reads other libraries' private names and inspects frames.
+_INTERNALS = PACKAGE / "internals.py"
 #: Never read from outside, whatever a file defines: the controller's parts and the attached-model registry.
 _CONTROLLER_PRIVATES = {"_hooks", "_policy", "_model", "_ATTACHED", "_on_remove", "_undo", "_fill", "_tally"}
 
 
-def _private_reads(path: Path) -> list[str]:
-    """``x._name`` in ``path`` where ``x`` is not ``self``/``cls``, ``_name`` no dunder, not a method or instance
-    attribute of a class of this file (``other._state`` inside the class that defines it), nor listed above."""
+def _named_reads(tree: ast.AST) -> list[tuple[int, str, str | None, str]]:
+    """``(line, name, base, text)`` for ``x._name`` and for ``getattr`` / ``hasattr`` / ``setattr`` with a
+    constant string name (``base``: the name ``x`` when it is a plain name)."""
+    reads = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            base = node.value.id if isinstance(node.value, ast.Name) else None
+            reads.append((node.lineno, node.attr, base, ast.unparse(node)))
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+        ):
+            base = node.args[0].id if isinstance(node.args[0], ast.Name) else None
+            reads.append((node.lineno, node.args[1].value, base, ast.unparse(node)))
+    return reads
+
+
+def _private_reads(path: Path, allowed: set[str]) -> list[str]:
+    """``x._name`` (or ``getattr(x, "_name")``) in ``path`` where ``x`` is not ``self``/``cls``, ``_name`` no
+    dunder, not a method or instance attribute of a class of this file (``other._state`` inside the class that
+    defines it), nor in ``allowed``."""
     tree = ast.parse(path.read_text())
     own = {
         n.attr
@@ -330,23 +360,61 @@ def _private_reads(path: Path) -> list[str]:
     }
     own |= {d.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for d in c.body if hasattr(d, "name")}
     found = []
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+    for line, name, base, text in _named_reads(tree):
+        if not name.startswith("_") or name.startswith("__"):
             continue
-        base = node.value.id if isinstance(node.value, ast.Name) else None
-        if base in ("self", "cls") or node.attr in _FOREIGN_PRIVATES:
+        if base in ("self", "cls") or name in allowed:
             continue
-        if node.attr in own and node.attr not in _CONTROLLER_PRIVATES and base not in ("ctl", "controller"):
+        if name in own and name not in _CONTROLLER_PRIVATES and base not in ("ctl", "controller"):
             continue
-        found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+        found.append(f"{path.name}:{line}: {text}")
     return found
+
+
+def _package_files() -> list[Path]:
+    return sorted([*PACKAGE.rglob("*.py"), *(PACKAGE.parent / "backends").glob("*.py")])
 
 
 def test_no_private_attribute_is_read_across_modules():
     """Tests and modules use the controller's public accessors (``ctl.model``, ``ctl.forcing``, ``ctl.forced``,
-    ``ctl.on_remove``, ``controller_of``), not its parts."""
-    files = [*PACKAGE.rglob("*.py"), *Path(__file__).parent.glob("*.py"), *(PACKAGE.parent / "backends").glob("*.py")]
-    assert not [hit for path in sorted(files) for hit in _private_reads(path)]
+    ``ctl.on_remove``, ``controller_of``), not its parts; the package reads other libraries' private names only
+    in :mod:`dropbp.internals`, ``getattr`` strings included."""
+    tests = sorted(Path(__file__).parent.glob("*.py"))
+    hits = [hit for path in tests for hit in _private_reads(path, set(_FOREIGN_PRIVATES))]
+    for path in _package_files():
+        allowed = set(_STDLIB_PRIVATES) | (set(_FOREIGN_PRIVATES) if path == _INTERNALS else set())
+        hits += _private_reads(path, allowed)
+    assert not hits
+
+
+def test_the_private_read_check_sees_getattr_strings(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("import torch\nx = getattr(torch.nn.Module, '_active_ddp_module', None)\ny = torch._C\n")
+    assert _private_reads(probe, set()) == [
+        "probe.py:2: getattr(torch.nn.Module, '_active_ddp_module', None)",
+        "probe.py:3: torch._C",
+    ]
+
+
+_FRAME_FUNCTIONS = {("sys", "_getframe"), ("inspect", "currentframe"), ("inspect", "stack"), ("inspect", "trace")}
+_FRAME_FUNCTIONS |= {("inspect", "getouterframes"), ("inspect", "getinnerframes"), ("traceback", "extract_stack")}
+_FRAME_ATTRIBUTES = {"f_back", "f_locals", "f_globals", "tb_frame", "gi_frame", "cr_frame"}
+
+
+def test_frames_are_inspected_only_in_the_internals_module():
+    """``sys._getframe``, ``inspect.currentframe`` / ``stack`` and frame attributes appear in
+    :mod:`dropbp.internals` alone."""
+    found = []
+    for path in _package_files():
+        if path == _INTERNALS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute):
+                continue
+            base = node.value.id if isinstance(node.value, ast.Name) else None
+            if (base, node.attr) in _FRAME_FUNCTIONS or node.attr in _FRAME_ATTRIBUTES:
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found
 
 
 def test_the_controller_answers_what_other_modules_asked_its_parts():

@@ -63,6 +63,12 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .. import frameworks
+from ..internals import (
+    backward_hooks,
+    deepspeed_fp32_mapping,
+    deepspeed_zero3_optimizer,
+    deepspeed_zero_optimizer,
+)
 
 __all__ = [
     "DEEPSPEED",
@@ -83,9 +89,9 @@ def zero_stage(params: Iterable[nn.Parameter]) -> int | None:
     Read from the attributes DeepSpeed's ZeRO optimizers set on the parameters they hold, so nothing
     is imported. (``deepspeed.zero.Init`` partitions parameters before any optimizer exists: None then.)"""
     for p in params:
-        if hasattr(p, "_z3_optimizer"):
+        if deepspeed_zero3_optimizer(p) is not None:
             return 3
-        if hasattr(p, "_hp_mapping"):
+        if deepspeed_fp32_mapping(p) is not None:
             return 1
     return None
 
@@ -186,7 +192,7 @@ def calibration_closure(closure: Callable[[], torch.Tensor]) -> Callable[[], tor
 
     def checked() -> torch.Tensor:
         loss = closure()
-        hooks = getattr(loss, "_backward_hooks", None) or {}
+        hooks = backward_hooks(loss)
         if any(getattr(h, "__module__", "").startswith("deepspeed") for h in hooks.values()):
             raise ValueError(
                 "the calibration closure called the DeepSpeed engine, whose backward hooks would reduce "
@@ -203,14 +209,14 @@ def _master_fragment(p: nn.Parameter) -> torch.Tensor | None:
 
     (Not ``deepspeed.utils.safe_get_local_fp32_param``: it moves the slice to the accelerator, a copy
     where the optimizer is offloaded to the CPU.)"""
-    z3 = getattr(p, "_z3_optimizer", None)
+    z3 = deepspeed_zero3_optimizer(p)
     if z3 is not None:
         position = z3.grad_position.get(z3.get_param_id(p))
         if position is None:
             return None  # not one of the optimizer's parameters
         group, offset, numel = position
         return z3.fp32_partitioned_groups_flat[group].narrow(0, offset, numel)
-    mapping = getattr(p, "_hp_mapping", None)
+    mapping = deepspeed_fp32_mapping(p)
     return None if mapping is None else mapping.hp_fragment
 
 
@@ -239,7 +245,7 @@ def _check_internals(z3: object | None, params: Sequence[nn.Parameter]) -> None:
         )
         missing = [a for a in needed if not hasattr(z3, a)]
     else:
-        mapping = next((p._hp_mapping for p in params if getattr(p, "_hp_mapping", None) is not None), None)
+        mapping = next((m for m in map(deepspeed_fp32_mapping, params) if m is not None), None)
         missing = [] if mapping is None or hasattr(mapping, "hp_fragment") else ["_hp_mapping.hp_fragment"]
     if missing:
         ds = sys.modules.get("deepspeed")
@@ -271,7 +277,7 @@ class ZeroGuard:
     def __init__(
         self, stage: int, params: Sequence[nn.Parameter], modules: Sequence[nn.Module], dropped_grads: str
     ) -> None:
-        self._z3 = next((p._z3_optimizer for p in params if hasattr(p, "_z3_optimizer")), None)
+        self._z3 = next((z for z in map(deepspeed_zero3_optimizer, params) if z is not None), None)
         _check_internals(self._z3, params)
         if self._z3 is None:
             check_setup(stage, dropped_grads)
@@ -280,7 +286,7 @@ class ZeroGuard:
             check_setup(
                 3, dropped_grads, offload_optimizer=z3.offload_optimizer, accumulation=z3.gradient_accumulation_steps
             )
-        zero = self._z3 or next((p._zero_optimizer for p in params if hasattr(p, "_zero_optimizer")), None)
+        zero = self._z3 or next((z for z in map(deepspeed_zero_optimizer, params) if z is not None), None)
         #: The torch optimizer ZeRO steps on its flat partitions (None: not found; every optimizer is watched).
         self._inner = getattr(zero, "optimizer", None)
         self._params = list(params)

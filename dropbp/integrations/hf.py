@@ -55,7 +55,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -64,6 +63,7 @@ from transformers.trainer_callback import CallbackHandler
 
 from ..api import apply_options
 from ..controller import DropBPController
+from ..internals import calling_object, prepared_inputs
 from ..options import AUTO_WARMUP, TrainerOptions, takes_options
 
 __all__ = ["STATE_FILE", "DropBPCallback", "attach", "build_callback", "fit_auto_warmup"]
@@ -150,7 +150,7 @@ class DropBPCallback(TrainerCallback):
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any):
         if self._handler is None:
-            self._handler = _calling_handler(sys._getframe(1))
+            self._handler = _calling_handler()
         if self._removed:
             return
         if self.controller is None:
@@ -248,7 +248,7 @@ class DropBPCallback(TrainerCallback):
             return
         batch = _first_batch(kw["train_dataloader"])
         if self.trainer is not None:
-            trainer, inputs = self.trainer, self.trainer._prepare_inputs(batch)
+            trainer, inputs = self.trainer, prepared_inputs(self.trainer, batch)
             self.controller.calibrate(lambda: trainer.compute_loss(trainer.model, inputs))
         else:
             model = kw["model"]
@@ -363,15 +363,15 @@ def _built(trainer: Trainer, options: TrainerOptions) -> DropBPCallback:
     return callback
 
 
-def _calling_handler(frame: Any) -> CallbackHandler | None:
-    """The ``CallbackHandler`` whose ``call_event`` called a callback's event (the frame given).
+def _calling_handler() -> CallbackHandler | None:
+    """The ``CallbackHandler`` whose ``call_event`` called the callback event that calls this.
 
     The Trainer hands its callbacks neither itself nor its handler; the handler is what logs reach every
     callback through (``Trainer.log`` calls its ``on_log``) and what a callback leaves. ``None`` where the
     caller is something else (a framework calling events its own way): logs then go to ``log_history``
     and the ``dropbp`` logger only.
     """
-    caller = frame.f_locals.get("self")
+    caller = calling_object(depth=2)
     return caller if isinstance(caller, CallbackHandler) else None
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from .. import apply
 from ..backends import Backend
+from ..internals import module_hooks
 from .check_report import FAIL, PASS, Outcome
 
 __all__ = ["TOLERANCE", "Probe", "correctness_checks", "saved_bytes"]
@@ -186,10 +187,8 @@ def check_eval(probe: Probe) -> Outcome:
 
 def _hooks(model: nn.Module) -> dict[str, tuple]:
     """Every module's hooks, class and instance overrides: what ``remove()`` must restore."""
-    kinds = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks")
     return {
-        n: (type(m), *(tuple(getattr(m, k, {})) for k in kinds), tuple(sorted(set(vars(m)) - {"training"})))
-        for n, m in model.named_modules()
+        n: (type(m), *module_hooks(m), tuple(sorted(set(vars(m)) - {"training"}))) for n, m in model.named_modules()
     }
 
 

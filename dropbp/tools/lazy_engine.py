@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import torch
 
 from ..backends.hpu import LAZY_MAX_PATTERNS, HPUBackend
+from ..internals import torch_lazy
 
 __all__ = ["LazyEngineBackend", "compiled_graphs", "graph_runs", "start"]
 
@@ -30,16 +31,12 @@ def start() -> None:
     """Start the engine with its TorchScript backend (once per process)."""
     global _started
     if not _started:
-        import torch._lazy.ts_backend
-
-        torch._lazy.ts_backend.init()
+        torch_lazy().ts_backend.init()
         _started = True
 
 
 def _counter(name: str) -> int:
-    import torch._lazy.metrics
-
-    return int(torch._lazy.metrics.counter_value(name) or 0)
+    return int(torch_lazy().metrics.counter_value(name) or 0)
 
 
 def compiled_graphs() -> int:
@@ -60,10 +57,8 @@ class LazyEngineBackend(HPUBackend):
         return None
 
     def __init__(self) -> None:
-        import torch._lazy
-
         start()
-        self._htcore = SimpleNamespace(mark_step=torch._lazy.mark_step)
+        self._htcore = SimpleNamespace(mark_step=torch_lazy().mark_step)
         self.lazy = True
         self.default_max_patterns = LAZY_MAX_PATTERNS
 

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..imports import is_available, require
+from ..internals import attention_implementation
 
 __all__ = [
     "LORA_TARGETS",
@@ -72,7 +73,7 @@ def quantize_4bit(model: nn.Module, compute_dtype: torch.dtype, device: torch.de
                 quantization_config=config,
                 dtype=compute_dtype,
                 device_map={"": str(device)},  # quantised where it will train
-                attn_implementation=getattr(model.config, "_attn_implementation", None),
+                attn_implementation=attention_implementation(model.config),
             )
     finally:
         if bars:
