@@ -93,6 +93,8 @@ class StepHooks:
         #: The model's forward under way: None (none), False (eval or no-grad: drops nothing) or True (training).
         self._forward: bool | None = None
         self._warned_outside = False
+        self._trainable_key: tuple[tuple[int, bool], ...] | None = None  # what _trainable was worked out for
+        self._trainable: list[bool] | None = None
         #: Whatever must live as long as the model's hooks (the controller: the model keeps it, no registry does).
         self.owner: object | None = None
         self._keep = keep
@@ -106,12 +108,15 @@ class StepHooks:
             model.register_forward_hook(self._after_model_forward, always_call=True),
         ]
         for index, (module, *tail) in enumerate(parts):
-            dropped = self._dropped_test(index)
-            self._handles += attach_no_grad_hooks(module, dropped, self._recompute.branches[index])
+            dropped, cache = self._dropped_test(index), self._recompute.branches[index]
+            # the gradient entering the branch is the one at the residual add: the last part's output
+            if not tail:  # one decision per call serves the no-grad switch and the scaling
+                self._handles += attach_no_grad_hooks(module, dropped, cache, scale=self._kept_scale(index))
+                continue
+            self._handles += attach_no_grad_hooks(module, dropped, cache)
             for norm in tail:  # checkpointing recomputes a norm cheaply: no held output needed
                 self._handles += attach_no_grad_hooks(norm, dropped)
-            # the gradient entering the branch is the one at the residual add: the last part's output
-            self._handles.append(attach_gradient_scaling(parts[index][-1], self._scale_for(index)))
+            self._handles.append(attach_gradient_scaling(tail[-1], self._scale_for(index)))
         guarded = self._guarded_forward()
         self._guard = ForwardPatch(model, guarded)
         # the model's own signature: the Trainer keeps the dataset columns that forward names
@@ -184,13 +189,20 @@ class StepHooks:
         self.bound.end()
         self._recompute.end_forward()
 
-    def _scale_for(self, index: int) -> Callable[[nn.Module], float]:
+    def _kept_scale(self, index: int) -> Callable[[nn.Module], float]:
+        """The factor on the incoming gradient of branch ``index`` in a call where it is kept."""
+
         def scale(module: nn.Module) -> float:
-            if not self._unbiased() or self.forced is not None or index in self.in_force():
-                return 1.0  # calibration measures the plain gradients; dropped branches get none
+            if not self._unbiased() or self.forced is not None:
+                return 1.0  # calibration measures the plain gradients
             return compensation(self._policy.rates[index])
 
         return scale
+
+    def _scale_for(self, index: int) -> Callable[[nn.Module], float]:
+        """:meth:`_kept_scale`, asking whether the branch is kept (for a tail's hook, after the branch ran)."""
+        kept_scale = self._kept_scale(index)
+        return lambda module: 1.0 if index in self.in_force() else kept_scale(module)  # dropped: no gradient
 
     @outside_graphs
     def _on_model_forward(self, model: nn.Module, args: tuple) -> None:
@@ -252,12 +264,18 @@ class StepHooks:
     def _trainable_branches(self) -> list[bool] | None:
         """Per branch, whether it holds a trainable parameter; ``None`` if something outside does.
 
-        Parameters are read at use: FSDP2 ``fully_shard`` after ``apply`` replaces them.
+        Worked out again whenever the model's parameters or their ``requires_grad`` change (FSDP2
+        ``fully_shard`` after ``apply`` replaces them; a user may freeze or unfreeze between steps).
         """
-        inside = {id(p) for m in self.holders for p in m.parameters()}
-        if any(p.requires_grad and id(p) not in inside for p in self._model.parameters()):
-            return None  # e.g. embeddings or a head still receive a gradient
-        return [any(p.requires_grad for p in m.parameters()) for m in self.holders]
+        key = tuple((id(p), p.requires_grad) for p in self._model.parameters())
+        if key != self._trainable_key:
+            inside = {id(p) for m in self.holders for p in m.parameters()}
+            if any(p.requires_grad and id(p) not in inside for p in self._model.parameters()):
+                self._trainable = None  # e.g. embeddings or a head still receive a gradient
+            else:
+                self._trainable = [any(p.requires_grad for p in m.parameters()) for m in self.holders]
+            self._trainable_key = key
+        return None if self._trainable is None else list(self._trainable)
 
     @contextmanager
     def force(self, pattern: frozenset[int]) -> Iterator[None]:

@@ -22,21 +22,26 @@ from torch.utils.hooks import RemovableHandle
 
 from .eager import outside_graphs
 from .recompute import BranchCache
+from .scaling import scaled_output
 
 __all__ = ["attach_no_grad_hooks"]
 
 
 def attach_no_grad_hooks(
-    module: nn.Module, is_dropped: Callable[[], bool], cache: BranchCache | None = None
+    module: nn.Module,
+    is_dropped: Callable[[], bool],
+    cache: BranchCache | None = None,
+    scale: Callable[[nn.Module], float] | None = None,
 ) -> list[RemovableHandle]:
     """Make ``module`` run without autograd whenever ``is_dropped()`` is true at call time.
 
     Grad mode is switched off only while grad is enabled, and restored after the call even if it
     raises an ``Exception`` (``always_call``). Re-entrant calls nest correctly.
     With a ``cache``, the output of a dropped call inside a checkpointed region is held for the
-    recomputation.
+    recomputation. With ``scale``, a kept call's output has its incoming gradient scaled
+    (:func:`dropbp.scaling.scaled_output`), decided by the same ``is_dropped()`` as the switch.
     """
-    calls: list[tuple[bool, bool]] = []  # per call under way: (grad switched off here, output to hold)
+    calls: list[tuple[bool, bool, bool]] = []  # per call under way: (dropped, grad switched off here, to hold)
 
     @outside_graphs
     def before(mod: nn.Module, args: tuple) -> None:
@@ -45,15 +50,20 @@ def attach_no_grad_hooks(
         switch = dropped and torch.is_grad_enabled()
         if switch:
             torch.set_grad_enabled(False)
-        calls.append((switch, hold))
+        calls.append((dropped, switch, hold))
 
     @outside_graphs
-    def after(mod: nn.Module, args: tuple, output: object) -> None:
-        switch, hold = calls.pop()
+    def after(mod: nn.Module, args: tuple, output: object) -> object:
+        dropped, switch, hold = calls.pop()
         if switch:
             torch.set_grad_enabled(True)
-        if hold and output is not None:  # None: the call raised (always_call)
+        if output is None:  # the call raised (always_call)
+            return None
+        if hold:
             cache.hold(output)
+        if scale is None or dropped:  # a dropped branch's output gets no gradient
+            return None
+        return scaled_output(mod, output, scale)
 
     return [
         module.register_forward_pre_hook(before),

@@ -65,10 +65,12 @@ class PatternSampler:
         self.rates = tuple(float(r) for r in rates)
         self.seed = seed
         self.max_patterns = max_patterns
+        #: The random stream's name up to the per-draw key, written once (seeding reads it at every step).
+        self._stream = ":".join(str(k) for k in (*self._STREAM, self.seed, self.rates))
         self._pool = self._build_pool() if max_patterns is not None else None
 
     def _rng(self, *key: object) -> random.Random:
-        return random.Random(":".join(str(k) for k in (*self._STREAM, self.seed, self.rates, *key)))
+        return random.Random(":".join((self._stream, *map(str, key))))
 
     def _build_pool(self) -> tuple[frozenset[int], ...]:
         k = self.max_patterns

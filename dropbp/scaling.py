@@ -20,7 +20,7 @@ from torch.utils.hooks import RemovableHandle
 from .eager import outside_graphs
 from .intercept import map_output
 
-__all__ = ["attach_gradient_scaling"]
+__all__ = ["attach_gradient_scaling", "scaled_output"]
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -45,17 +45,23 @@ def _needs_grad(item: object) -> bool:
     return torch.is_tensor(item) and item.requires_grad
 
 
+def scaled_output(module: nn.Module, output: object, scale: Callable[[nn.Module], float]) -> object:
+    """``output`` of ``module`` with the gradient arriving at it multiplied by ``scale(module)``, or None where
+    nothing is scaled (autograd off, or a factor of 1.0): a forward hook's return value."""
+    if not torch.is_grad_enabled():
+        return None
+    factor = scale(module)
+    if factor == 1.0:
+        return None
+    return map_output(output, lambda x: _ScaleGrad.apply(x, factor) if _needs_grad(x) else x)
+
+
 def attach_gradient_scaling(module: nn.Module, scale: Callable[[nn.Module], float]) -> RemovableHandle:
     """After ``module`` runs with autograd, multiply the gradient arriving at its output from the rest
     of the model by ``scale(module)`` (evaluated at forward time; 1.0 means leave it alone)."""
 
     @outside_graphs  # reads the step's pattern: compiled branches must not guard on it
     def after(mod: nn.Module, args: tuple, output: object) -> object:
-        if not torch.is_grad_enabled():
-            return None
-        factor = scale(mod)
-        if factor == 1.0:
-            return None
-        return map_output(output, lambda x: _ScaleGrad.apply(x, factor) if _needs_grad(x) else x)
+        return scaled_output(mod, output, scale)
 
     return module.register_forward_hook(after)
