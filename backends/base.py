@@ -7,6 +7,7 @@ how to wait for queued work, memory figures, autocast, the collective library, a
 boundaries a lazily compiled device needs (graph breaks) together with a bound on distinct drop
 patterns where every pattern is its own compiled graph. What only the measurement tools ask (timers,
 environment reports, the dtype benchmarks train in, graph counts) is in ``dropbp/tools/device_services.py``.
+Adding a device (its steps, built in or as a plugin): docs/backends.md, "Adding a device".
 """
 
 from __future__ import annotations

@@ -250,6 +250,23 @@ def test_entry_point_backends_register_by_name(plugin_dist, monkeypatch):
     assert ctl.backend.name == "npu" and ctl.max_patterns == 8  # the plugin's default bound
 
 
+def test_a_device_registers_its_tools_side_beside_its_backend():
+    from dropbp.tools import device_services
+
+    class NPUBackend(backends.cpu.CPUBackend):
+        name = "npu"
+
+    class NPUServices(device_services.DeviceServices):
+        def graph_compilations(self):
+            return 7
+
+    assert type(services(NPUBackend())).__name__ == "_CPUServices"  # its base's until it registers its own
+    device_services.register(NPUBackend, NPUServices)
+    assert type(services(NPUBackend())) is NPUServices and services(NPUBackend()).graph_compilations() == 7
+    with pytest.raises(TypeError, match="takes a DeviceServices subclass for NPUBackend"):
+        device_services.register(NPUBackend, object)
+
+
 def test_plugins_never_replace_built_ins_nor_join_auto_detection(plugin_dist):
     assert type(backends.get("cpu")) is backends.cpu.CPUBackend
     assert type(backends.get()) is backends.cpu.CPUBackend

@@ -25,7 +25,7 @@ from ..backends.hpu import HPUBackend
 from ..backends.xpu import XPUBackend
 from .timing import EventTimer, HostTimer
 
-__all__ = ["DeviceServices", "services"]
+__all__ = ["DeviceServices", "register", "services"]
 
 
 class DeviceServices:
@@ -159,12 +159,24 @@ class _HPUServices(DeviceServices):
         return int(dict(metrics.metric_global("graph_compilation").stats())["TotalNumber"])
 
 
-_BY_BACKEND: dict[type[Backend], type[DeviceServices]] = {
-    CPUBackend: _CPUServices,
-    CUDABackend: _CUDAServices,
-    HPUBackend: _HPUServices,
-    XPUBackend: _XPUServices,
-}
+_BY_BACKEND: dict[type[Backend], type[DeviceServices]] = {}
+
+
+def register(backend: type[Backend], answers: type[DeviceServices]) -> None:
+    """Give the tools ``answers`` (a :class:`DeviceServices` subclass) for ``backend`` and its subclasses: the
+    tools side of a device, registered beside its backend (a plugin calls this from its own module)."""
+    if not (isinstance(answers, type) and issubclass(answers, DeviceServices)):
+        raise TypeError(f"register() takes a DeviceServices subclass for {backend.__name__}, got {answers!r}")
+    _BY_BACKEND[backend] = answers
+
+
+for _backend, _answers in (
+    (CPUBackend, _CPUServices),
+    (CUDABackend, _CUDAServices),
+    (HPUBackend, _HPUServices),
+    (XPUBackend, _XPUServices),
+):
+    register(_backend, _answers)
 
 
 def services(backend: Backend) -> DeviceServices:
