@@ -1,28 +1,10 @@
 """Intel Gaudi (HPU) through the Gaudi PyTorch bridge ``habana_frameworks``: lazy or eager mode.
 
-**Lazy mode** (``PT_HPU_LAZY_MODE=1``; the default before Gaudi software 1.21): ops accumulate into a
-graph until ``htcore.mark_step()``, which compiles that graph (or fetches it from the cache) and runs
-it. Hence:
-
-- a graph break after ``loss.backward()`` and after ``optimizer.step()`` (and wherever the controller
-  asks for one, :meth:`HPUBackend.graph_break`), as Habana's training recipes place them;
-- every distinct drop pattern is a distinct forward+backward graph, and a distinct update graph too
-  (parameters of dropped branches get no gradient), so unbounded random patterns would recompile
-  without end. ``default_max_patterns = 16``: the graph cache stops growing after warm-up at no more
-  than 16 forward+backward graphs and 16 update graphs. 16 because the common targets 0.5, 0.75 and
-  0.875 are multiples of 1/16, so uniform rates at those targets are met exactly by the pattern pool.
-- a dropped branch runs under ``torch.no_grad()`` (the core): its forward ops still enter the lazy
-  graph, but no backward ops and no saved activations do; its temporaries are freed when the graph
-  runs at the next break. Nothing more is needed.
-
-**Eager mode** (``PT_HPU_LAZY_MODE=0``; the default from 1.21, used with ``torch.compile``): ops run
-one by one from a per-op kernel cache, so a new drop pattern compiles nothing: no ``mark_step`` and no
-pattern bound by default. Whoever ``torch.compile``-s the whole model compiles per pattern and
-should pass ``max_patterns`` to ``dropbp.apply``.
-
-The mode comes from ``habana_frameworks.torch.utils.internal.is_lazy()`` where the stack has it,
-else from ``PT_HPU_LAZY_MODE`` (unset means lazy, as on the stacks before 1.21). Collectives use
-``hccl`` (import ``habana_frameworks.torch.distributed.hccl`` before ``init_process_group``).
+Lazy mode (``PT_HPU_LAZY_MODE=1``, the default before Gaudi software 1.21): a graph break
+(``htcore.mark_step()``) after backward and after the optimizer step, and ``default_max_patterns = 16``
+(every distinct pattern is its own compiled graph). Eager mode (the default from 1.21): neither. The mode comes
+from ``habana_frameworks.torch.utils.internal.is_lazy()`` where the stack has it, else ``PT_HPU_LAZY_MODE``
+(unset: lazy). Collectives use ``hccl``. Why and what to expect (graph counts, a runbook): docs/backends.md.
 """
 
 from __future__ import annotations

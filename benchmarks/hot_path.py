@@ -18,6 +18,7 @@ import argparse
 import copy
 import json
 import shlex
+import subprocess
 import sys
 import time
 from datetime import date
@@ -45,6 +46,7 @@ def main() -> None:
     parser.add_argument("--forwards", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--stem", default="hot_path_cpu", help="file names of the record: <stem>.json and .md")
     args = parser.parse_args()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # dropbp's time is Python time: one thread, and no OpenMP spinning in between
@@ -83,6 +85,7 @@ def main() -> None:
         "benchmark": "hot_path",
         "date": date.today().isoformat(),
         "command": "python " + shlex.join(sys.argv),
+        "commit": _commit(),
         "torch": torch.__version__,
         "branches": branches,
         "smollm2_lora_forward_128_s": real,
@@ -90,12 +93,12 @@ def main() -> None:
         "rows": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "hot_path_cpu.json").write_text(json.dumps(record, indent=2) + "\n")
+    (args.out / f"{args.stem}.json").write_text(json.dumps(record, indent=2) + "\n")
     lines = [
         f"dropbp's own time per training forward, CPU (one thread), torch {torch.__version__}, {record['date']}: "
         f"SmolLM2-135M's layout ({branches} branches) at width 16 and 8 tokens, best of {args.repeats} interleaved "
         f"means over {args.forwards} forwards. Yardstick: a real SmolLM2-135M LoRA training forward at 128 tokens here "
-        f"took {real * 1e3:.1f} ms ({threads} threads).",
+        f"took {real * 1e3:.1f} ms ({threads} threads). dropbp at commit {record['commit']}.",
         f"Command: `{record['command']}`",
         "",
         "| configuration | measured | time/forward | added by dropbp | per branch call | share of a SmolLM2 LoRA "
@@ -108,8 +111,17 @@ def main() -> None:
             f"| {r['config']} | {'forward+backward' if r['backward'] else 'forward'} | {r['seconds'] * 1e3:.2f} ms | "
             f"{r['added_us']:.0f} us | {r['added_us_per_branch_call']:.1f} us | {share} |"
         )
-    (args.out / "hot_path_cpu.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{args.stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _commit() -> str:
+    """The commit of the dropbp measured (the checkout this script runs from), with ``+`` if it has changes."""
+    root = Path(__file__).resolve().parent.parent
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+    status = ["git", "status", "--porcelain", "dropbp", "backends"]
+    dirty = subprocess.run(status, cwd=root, capture_output=True, text=True)
+    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
 
 
 def _smollm2_lora_forward() -> float:

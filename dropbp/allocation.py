@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from .checks import check_fraction, check_number, check_sequence
 
-__all__ = ["allocate_rates", "cut_cap", "cut_rates"]
+__all__ = ["allocate_rates", "cut_cap", "cut_rates", "cut_reaches"]
 
 
 def _f32(x: float) -> float:
@@ -99,11 +99,21 @@ def cut_cap(drop_rate: float) -> float:
     """The cut shape's default cap on every rate, ``(1 + drop_rate) / 2``.
 
     Uncapped, the bottom branches drop in nearly every step and barely train; halfway between the
-    target rate and 1 they still train in a quarter of the steps at 0.5. Measured on SmolLM2-135M
-    (``benchmarks/results/gpu_h100``), the capped cut reached a lower loss than the uncapped one in
-    each of the four settings at 0.5 (LoRA and full fine-tuning, two corpora).
+    target rate and 1 they still train in a quarter of the steps at 0.5 (capped against uncapped:
+    docs/patterns.md).
     """
     return (1.0 + drop_rate) / 2.0
+
+
+def _cut_reachable(flops: Sequence[float], max_rate: float) -> float:
+    """The highest mean rate cuts capped at ``max_rate`` approach: every branch but the top one (always kept)
+    at the cap."""
+    return max_rate * (sum(flops) - flops[-1]) / sum(flops)
+
+
+def cut_reaches(flops: Sequence[float], drop_rate: float) -> bool:
+    """Whether :func:`cut_rates` can give ``drop_rate`` (in [0, 1)) under its default cap, without raising."""
+    return drop_rate == 0.0 or drop_rate < _cut_reachable(flops, cut_cap(drop_rate))
 
 
 def cut_rates(flops: Sequence[float], drop_rate: float, *, max_rate: float | None = None) -> list[float]:
@@ -139,7 +149,7 @@ def cut_rates(flops: Sequence[float], drop_rate: float, *, max_rate: float | Non
     def mean(a: float) -> float:
         return sum(r * f for r, f in zip(profile(a), fl, strict=True)) / total
 
-    reachable = max_rate * (total - fl[-1]) / total
+    reachable = _cut_reachable(fl, max_rate)
     if drop_rate == 0.0:
         return [0.0] * len(fl)
     if drop_rate >= reachable:

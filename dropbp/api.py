@@ -8,6 +8,7 @@ against the model's branches) and hands them to :class:`~dropbp.controller.DropB
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from torch import nn
@@ -56,18 +57,10 @@ def apply_options(model: nn.Module, options: DropBPOptions) -> DropBPController:
     branches = None if options.branches is None else list(options.branches)
     found = find_branches(inner, branches, options.seq_len)
     bound = backend.default_max_patterns if options.max_patterns is None else options.max_patterns
-    policy = DropPolicy(
-        [b.flops for b in found],
-        options.drop_rate,
-        options.seed,
-        bound,
-        options.warmup_steps,
-        options.pattern,
-        options.total_steps,
-        options.drop_schedule,
-        options.ramp,
-    )
-    return DropBPController(model, found, policy, backend, options)
+    # the options in force from here: backend, pattern bound and memory bound resolved
+    options = dataclasses.replace(options, backend=backend, max_patterns=bound, memory_bound=options.bounded)
+    policy = DropPolicy([b.flops for b in found], options)
+    return DropBPController(model, found, policy, backend)
 
 
 def _check_trainable(model: nn.Module) -> None:

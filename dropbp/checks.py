@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from .keep import SUM_TOLERANCE, max_total_rate
 
 __all__ = [
+    "RATE_CHECKS",
     "check_bool",
     "check_choice",
     "check_cut_rates",
@@ -202,3 +203,7 @@ def check_ramp(name: str, value: object) -> float:
     if ramp == 0.0:
         raise ValueError(f"{name} must be a fraction of the run in (0, 1], got 0")
     return ramp
+
+
+#: Per pattern shape, the check of its per-branch rates.
+RATE_CHECKS = {"uniform": check_rates, "cut": check_cut_rates}

@@ -9,6 +9,7 @@ next step; the :class:`~dropbp.discovery.Branch` objects it hands out are read-o
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -54,15 +55,15 @@ def controller_of(module: nn.Module) -> DropBPController | None:
     return None if ref is None else ref()
 
 
-def _policy_setting(name: str, doc: str) -> property:
-    """A controller setting kept by its :class:`DropPolicy`: validated there, effective from the next step."""
+def _setting(name: str, doc: str) -> property:
+    """A controller setting: a field of the options in force (:attr:`DropBPController.options`); setting it replaces
+    the options (validated there) and re-derives what depends on them, from the next step."""
 
     def get(self: DropBPController) -> Any:
-        return getattr(self._policy, name)
+        return getattr(self._policy.options, name)
 
     def set(self: DropBPController, value: Any) -> None:
-        self.check_attached()
-        setattr(self._policy, name, value)
+        self.replace_options(**{name: value})
 
     return property(get, set, doc=f"{doc} Settable: validated, and effective from the next step.")
 
@@ -70,18 +71,11 @@ def _policy_setting(name: str, doc: str) -> property:
 class DropBPController:
     """Drop policy attached to one model; made by :func:`dropbp.apply`, which documents the arguments.
 
-    ``options`` are the already valid :class:`~dropbp.options.DropBPOptions` it takes ``unbiased``,
-    ``dropped_grads`` and ``chunked_loss`` from (``None``: their defaults); the policy was built from the others.
+    Its settings are the policy's options (:attr:`options`, one :class:`~dropbp.options.DropBPOptions`, valid
+    when made): the policy's own, and ``unbiased``, ``dropped_grads``, ``chunked_loss``, ``memory_bound``.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        branches: Sequence[Branch],
-        policy: DropPolicy,
-        backend: Backend,
-        options: DropBPOptions | None = None,
-    ) -> None:
+    def __init__(self, model: nn.Module, branches: Sequence[Branch], policy: DropPolicy, backend: Backend) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         wrapper = model
@@ -94,17 +88,13 @@ class DropBPController:
             raise TypeError(f"policy must be a DropPolicy for {len(branches)} branches")
         if not isinstance(backend, Backend):
             raise TypeError(f"backend must be a Backend, got {type(backend).__name__}")
-        if options is None:
-            options = DropBPOptions(policy.drop_rate)
-        elif not isinstance(options, DropBPOptions):
-            raise TypeError(f"options must be a dropbp.options.DropBPOptions, got {type(options).__name__}")
         if any(controller_of(m) is not None for m in (model, *(b.module for b in branches))):
             raise RuntimeError(
                 "DropBP is already attached to this model (or to some of its branches); "
                 "call .remove() on the existing controller first"
             )
         self._policy = policy
-        self._unbiased = options.unbiased  # the options are valid (checked when made): no check again here
+        options = policy.options
         if ddp is None and wrapper is not model:  # a framework's wrapper (a DeepSpeedEngine)
             check_wrapper(wrapper, options.dropped_grads)
         #: The device backend whose step boundaries :meth:`backward` and :meth:`optimizer_step` place.
@@ -112,15 +102,14 @@ class DropBPController:
         self._model = model
         self._found = list(branches)
         self._modules = [b.module for b in branches]
-        flops = [b.flops for b in branches]
+        self._flops = [b.flops for b in branches]
         # first: a model it cannot handle leaves no hooks
         chunked = options.chunked_loss
         self._chunked = None if chunked is False else ChunkedLoss(model, None if chunked is True else chunked)
-        self._memory_bound = options.bounded
         self._hooks = StepHooks(model, self._found, policy, self._is_unbiased, self._kept_bound)
         self._hooks.owner = self
         self._fill = DroppedGrads(options.dropped_grads, self._hooks.holders)
-        self._tally = DropTally(flops)
+        self._tally = DropTally(self._flops)
         self._hooks.listen(RunningDDPCheck())  # first: it may refuse the step before anything notes it
         self._hooks.listen(self._fill)
         self._hooks.listen(FrameworkWatch(model, self._hooks.holders, options.dropped_grads))
@@ -139,23 +128,42 @@ class DropBPController:
         for module in (model, *self._modules):
             _ATTACHED[module] = weakref.ref(self)
         self._removed = False
-        self._undo: list[Callable[[], None]] = []  # see on_remove
+        self._undo: list[Callable[[], None]] = []  # see at_remove
 
     def _is_unbiased(self) -> bool:
-        return self._unbiased
+        return self._policy.options.unbiased
 
     def _kept_bound(self) -> int | None:
-        return kept_bound(self._policy.drop_rate, len(self._found)) if self._memory_bound else None
+        options = self._policy.options
+        return kept_bound(options.drop_rate, len(self._found)) if options.bounded else None
 
     @property
-    def memory_bound(self) -> bool:
-        """Whether the activation memory is bounded at every step (:mod:`dropbp.bound`); settable."""
-        return self._memory_bound
+    def options(self) -> DropBPOptions:
+        """The options in force (``apply``'s, with the backend, ``max_patterns`` and ``memory_bound`` resolved)."""
+        return self._policy.options
 
-    @memory_bound.setter
-    def memory_bound(self, value: bool) -> None:
+    def replace_options(self, **change: Any) -> None:
+        """Change settings (fields of :attr:`options`) together, from the next step: the options are replaced
+        (``dataclasses.replace``: validated once, there) and what depends on them is derived again; all or
+        nothing. ``backend``, ``branches``, ``seq_len``, ``dropped_grads`` and ``chunked_loss`` are fixed at
+        ``apply``."""
         self.check_attached()
-        self._memory_bound = check_bool("memory_bound", value)
+        fixed = sorted(set(change) & {"backend", "branches", "seq_len", "dropped_grads", "chunked_loss"})
+        if fixed:
+            raise ValueError(f"{', '.join(fixed)} cannot change after apply: remove() and apply again")
+        self._policy.use(dataclasses.replace(self._policy.options, **change))
+
+    def longest_warmup(self, total_steps: int, up_to: int) -> int:
+        """The longest warm-up, at most ``up_to`` training forwards, whose time schedule over a run of
+        ``total_steps`` forwards the rates can take while keeping the run's mean (a longer warm-up asks a higher
+        peak later); 0 where none can (a rising ``drop_schedule`` may ask too high a peak by itself: setting it
+        says so). A pure function of the settings: nothing changes."""
+        check_int("total_steps", total_steps, 1)
+        return self._policy.longest_warmup(total_steps, check_int("up_to", up_to, 0))
+
+    memory_bound = _setting(
+        "memory_bound", "Whether the activation memory is bounded at every step (:mod:`dropbp.bound`)."
+    )
 
     @property
     def max_kept_branches(self) -> int:
@@ -183,35 +191,30 @@ class DropBPController:
         self.check_attached()
         self._policy.set_rates(rates)
 
-    drop_rate = _policy_setting(
+    drop_rate = _setting(
         "drop_rate",
         "The target (FLOP-weighted mean) drop rate. Setting it resets the rates to the pattern shape's for it, "
         "as ``apply`` does (calibrate again for allocated rates); ``calibrate`` allocates towards it.",
     )
-    seed = _policy_setting("seed", "The seed of every pattern.")
-    max_patterns = _policy_setting("max_patterns", "Bound on distinct patterns (``None``: unbounded).")
-    warmup_steps = _policy_setting("warmup_steps", "Training forwards over which the rates rise linearly from 0.")
-    total_steps = _policy_setting(
+    seed = _setting("seed", "The seed of every pattern.")
+    max_patterns = _setting("max_patterns", "Bound on distinct patterns (``None``: unbounded).")
+    warmup_steps = _setting("warmup_steps", "Training forwards over which the rates rise linearly from 0.")
+    total_steps = _setting(
         "total_steps",
         "The run's length in training forwards (``None``: unknown); known, the rates follow ``drop_schedule`` "
         "with the run's mean drop rate equal to ``drop_rate``.",
     )
-    drop_schedule = _policy_setting(
+    drop_schedule = _setting(
         "drop_schedule", 'How the rates move over a run of known length: "constant", "linear", "cosine" or "step".'
     )
-    ramp = _policy_setting("ramp", "The share of the run over which a rising drop schedule rises, in (0, 1].")
-    pattern = _policy_setting(
+    ramp = _setting("ramp", "The share of the run over which a rising drop schedule rises, in (0, 1].")
+    pattern = _setting(
         "pattern", 'The shape of the patterns, "uniform" or "cut"; setting it resets the rates to its own.'
     )
 
-    @property
-    def unbiased(self) -> bool:
-        """Scale the gradient entering each kept branch by ``1 / (1 - rate)`` (see :mod:`dropbp.scaling`)."""
-        return self._unbiased
-
-    @unbiased.setter
-    def unbiased(self, value: bool) -> None:
-        self._unbiased = check_bool("unbiased", value)
+    unbiased = _setting(
+        "unbiased", "Scale the gradient entering each kept branch by ``1 / (1 - rate)`` (see :mod:`dropbp.scaling`)."
+    )
 
     @property
     def chunked_loss(self) -> int | None:
@@ -293,9 +296,9 @@ class DropBPController:
         return plan_patterns(self._hooks.pattern, optimizer_steps, micro_batches)
 
     def _rate_under(self, factor: float) -> float:
-        flops = [b.flops for b in self._found]
-        dropped = sum(f * min(1.0, r * factor) for f, r in zip(flops, self._policy.rates, strict=True))
-        return dropped / sum(flops)
+        rates = self._policy.rates
+        dropped = sum(f * min(1.0, r * factor) for f, r in zip(self._flops, rates, strict=True))
+        return dropped / sum(self._flops)
 
     def drop_stats(self, reset: bool = True) -> dict[str, float]:
         """What was dropped over the training forwards since the last reset: their number, the mean
@@ -357,11 +360,10 @@ class DropBPController:
             method=method,
             boundary=boundary,
         )
-        flops = [b.flops for b in self._found]
         # Under a time schedule the rates are allocated for its peak, where they must stay within the rule,
         # and scaled back by the policy: the run's mean is then still the drop rate.
         target = min(self.drop_rate * self._policy.peak, max_rate)
-        rates = allocate_rates(sens, flops, target, min_rate=min_rate, max_rate=max_rate)
+        rates = allocate_rates(sens, self._flops, target, min_rate=min_rate, max_rate=max_rate)
         self._policy.set_allocated_rates(rates, min_rate)
         return sens
 
@@ -444,7 +446,7 @@ class DropBPController:
         while self._undo:
             self._undo.pop()()
 
-    def on_remove(self, undo: Callable[[], None]) -> None:
+    def at_remove(self, undo: Callable[[], None]) -> None:
         """Run ``undo`` when :meth:`remove` runs (the last given first): for integrations that hooked this
         controller into something else (a Trainer's callback), so that removing the controller removes them too."""
         self._undo.append(undo)

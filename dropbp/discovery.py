@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
-__all__ = ["Branch", "POST_NORMS", "SUPPORTED_ARCHITECTURES", "find_branches", "branch_flops"]
+__all__ = ["BERT_BRANCHES", "Branch", "POST_NORMS", "SUPPORTED_ARCHITECTURES", "find_branches", "branch_flops"]
 
 log = logging.getLogger("dropbp")
 
@@ -54,6 +54,8 @@ POST_NORMS: dict[str, tuple[str, str]] = {
 LITGPT_BLOCK = ("attn", "mlp")
 LITGPT_POST_NORMS = ("post_attention_norm", "post_mlp_norm")
 
+#: The branches of a post-norm encoder such as BERT, named in advice (its ``attention`` adds the residual itself).
+BERT_BRANCHES = "'bert.encoder.layer.N.attention.self' and 'bert.encoder.layer.N.intermediate' for every N"
 _ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
 _MLP_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe")
 _ATTENTION_HINTS = ("attn", "attention")
@@ -296,8 +298,7 @@ def _check_not_whole_layers(names: list[str], modules: dict[str, nn.Module]) -> 
         example = (
             f"{[f'{path}.{n}' for n, _, _ in inside]}"
             if inside
-            else "for a post-norm encoder like BERT, 'bert.encoder.layer.N.attention.self' and "
-            "'bert.encoder.layer.N.intermediate' for every N"
+            else f"for a post-norm encoder like BERT, {BERT_BRANCHES}"
         )
         raise ValueError(
             f"branches names {name!r}, which {'is' if path == name else 'holds'} a whole residual layer "
@@ -333,7 +334,6 @@ def _detect(model: nn.Module) -> list[Found]:
             f"{list(_ATTENTION_NAMES)} and an MLP child named one of {list(_MLP_NAMES)}. "
             "Pass the residual branches yourself: dropbp.apply(model, p, branches=[...]) with the names (from "
             "model.named_modules()) of the modules whose output is added to the residual stream, the f in "
-            "x = x + f(x), not modules that add the residual themselves; for a BERT-style encoder: "
-            "'bert.encoder.layer.N.attention.self' and 'bert.encoder.layer.N.intermediate' for every N"
+            f"x = x + f(x), not modules that add the residual themselves; for a BERT-style encoder: {BERT_BRANCHES}"
         )
     return found

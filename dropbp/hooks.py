@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .bound import MemoryBound
-from .discovery import Branch, holder
+from .discovery import BERT_BRANCHES, Branch, holder
 from .distributed import check_running_ddp_checkpointing
 from .eager import outside_graphs
 from .intercept import ForwardPatch
@@ -258,7 +258,7 @@ class StepHooks:
             "A branch must be the f in x = x + f(x), a module whose output is then added to the residual "
             "stream, not a module that adds the residual itself (a whole layer, or BERT's "
             "encoder.layer.N.attention). For post-norm encoders name the modules inside the residual add, e.g. "
-            "branches=[f'bert.encoder.layer.{i}.attention.self', f'bert.encoder.layer.{i}.intermediate' ...]"
+            f"{BERT_BRANCHES}"
         )
 
     def _trainable_branches(self) -> list[bool] | None:

@@ -14,9 +14,10 @@ keys from the same fields (:mod:`dropbp.integrations.axolotl`).
 there; what the option *does* is then wired where it acts (the policy, the controller).
 
 Validation happens once, when an options object is made: an object that exists is valid (it is
-frozen), so the parts built from it (policy, controller, hooks) do not check its values again.
-Settings that can also be changed later (``ctl.seed = ...``) are checked by the same functions of
-:mod:`dropbp.checks` in their setters, so a value is refused with the same message either way.
+frozen), so the parts built from it (policy, controller, hooks) do not check its values again; they
+check only what needs the model (a uniform drop rate against the number of branches, a schedule's peak).
+A setting changed later (``ctl.seed = ...``, ``ctl.replace_options(...)``) replaces the controller's
+options with ``dataclasses.replace``, so a value is refused with the same message either way.
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ from typing import Any, ClassVar, TypeVar, get_type_hints
 
 from .backends import Backend
 from .checks import check_bool, check_choice, check_fraction, check_int, check_ramp
+from .discovery import BERT_BRANCHES
 from .dropped_grads import DEFAULT_DROPPED_GRADS, DROPPED_GRADS
-from .policy import DEFAULT_RAMP
 from .sampler import SAMPLERS
-from .schedule import DROP_SCHEDULES
+from .schedule import DEFAULT_RAMP, DROP_SCHEDULES
 
 #: ``memory_bound="auto"`` turns the bound on from this drop rate (or with ``chunked_loss``).
 AUTO_BOUND_RATE = 0.75
@@ -75,8 +76,9 @@ class DropBPOptions:
             """Module names (as in ``model.named_modules()``) of the branches, in forward order, for a model
             that is not a recognised architecture: each module's output must be what is then added to the
             residual stream, not a module that adds the residual itself (a whole layer; BERT's
-            ``encoder.layer.N.attention``, which ends in ``LayerNorm(x + ...)``). For BERT:
-            ``[f"bert.encoder.layer.{i}.{m}" for i in range(n) for m in ("attention.self", "intermediate")]``.
+            ``encoder.layer.N.attention``, which ends in ``LayerNorm(x + ...)``). For BERT: """
+            + BERT_BRANCHES
+            + """.
             A whole layer, or a module holding one or another named branch, is refused; a choice that cuts
             every trainable parameter off the output is stopped at that forward with this advice."""
         ),
@@ -131,9 +133,9 @@ class DropBPOptions:
             branch below it, so a kept branch's gradient misses no path through a dropped branch above it;
             the rates fall with depth (:func:`dropbp.allocation.cut_rates`, capped at ``(1 + drop_rate) / 2``
             so the bottom still trains), their FLOP-weighted mean is ``drop_rate``, and the top branch is
-            always kept. It reached a given loss sooner than the paper's patterns in every setting measured
-            (``docs/patterns.md``). The number dropped varies from step to step, down to none, so it does
-            not lower the peak memory. ``"uniform"``: the paper's, every branch dropped at its own rate
+            always kept (how it compares with the paper's patterns: ``docs/patterns.md``). The number
+            dropped varies from step to step, down to none (``memory_bound`` bounds what a step stores).
+            ``"uniform"``: the paper's, every branch dropped at its own rate
             wherever it sits, the same number in every step (steady memory: use it to train longer
             sequences), and the only shape ``calibrate`` can allocate for. ``ctl.pattern``, settable."""
         ),
@@ -249,7 +251,7 @@ class DropBPOptions:
             return self.chunked_loss is not False or self.drop_rate >= AUTO_BOUND_RATE
         return bool(self.memory_bound)
 
-    def apply_options(self, **overrides: Any) -> DropBPOptions:
+    def for_apply(self, **overrides: Any) -> DropBPOptions:
         """These options as :func:`dropbp.apply`'s, with ``overrides`` (what a Trainer run decides)."""
         own = {f.name: getattr(self, f.name) for f in option_fields(DropBPOptions)}
         return DropBPOptions(**{**own, **overrides})

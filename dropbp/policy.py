@@ -1,39 +1,42 @@
-"""The drop policy: per-branch rates, seed, pattern bound, warm-up and time schedule, turned into each step's pattern.
+"""The drop policy: per-branch rates and the settings of :class:`~dropbp.options.DropBPOptions` that decide them,
+turned into each step's pattern.
 
-Everything that decides which branches drop lives here, behind setters that validate and take
-effect from the next pattern drawn: the samplers are derived from the settings and rebuilt when one
-changes, so no setting can leave a sampler built from stale ones. The pattern of a step is a pure
-function of the settings and the step (:mod:`dropbp.sampler`), identical on every rank. The rule
-that no pattern drops every branch is :mod:`dropbp.keep`'s, applied here: to allocated rates
-(:meth:`DropPolicy.set_allocated_rates`) and to every drawn pattern (:meth:`DropPolicy.draw`).
+The policy reads its settings from one options object; :meth:`DropPolicy.use` replaces it (made with
+``dataclasses.replace``, so validated once, by the options) and re-derives the time schedule, the rates and the
+samplers from it, all or nothing. The pattern of a step is a pure function of the settings and the step
+(:mod:`dropbp.sampler`), identical on every rank. The rule that no pattern drops every branch is
+:mod:`dropbp.keep`'s, applied to allocated rates (:meth:`DropPolicy.set_allocated_rates`) and to every drawn
+pattern (:meth:`DropPolicy.draw`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .allocation import cut_rates
-from .checks import (
-    check_choice,
-    check_cut_rates,
-    check_drop_rate,
-    check_fraction,
-    check_int,
-    check_ramp,
-    check_rates,
-)
-from .keep import fit_rates, keep_a_trainable_branch
+from .allocation import cut_rates, cut_reaches
+from .checks import RATE_CHECKS, check_drop_rate, check_int
+from .keep import SUM_TOLERANCE, fit_rates, keep_a_trainable_branch, max_total_rate
+from .options import DropBPOptions
 from .sampler import SAMPLERS, PatternSampler
-from .schedule import BOUNDED_WARMUP_LEVELS, DROP_SCHEDULES, SCHEDULE_LEVELS, TimeSchedule, warmup_factor
+from .schedule import BOUNDED_WARMUP_LEVELS, DEFAULT_RAMP, SCHEDULE_LEVELS, TimeSchedule, warmup_factor
 
-#: The ramp of a rising drop schedule when none is given: the share of the run over which it rises.
-DEFAULT_RAMP = 0.5
 #: Pattern samplers kept at once (one per factor on the rates). A warm-up without a time schedule has a
 #: factor per step; the oldest sampler goes first (samplers are pure functions: rebuilt alike when needed).
 MAX_SAMPLERS = 32
+#: How far a peak's rounding may lift a rate past 1 before it counts as past 1.
+_ROUNDING = 1e-9
 
 __all__ = ["DropPolicy"]
+
+
+def _time_schedule(options: DropBPOptions) -> TimeSchedule | None:
+    """The time schedule ``options`` describe (``None`` without a run length)."""
+    if options.total_steps is None:
+        return None
+    levels = SCHEDULE_LEVELS if options.max_patterns is None else BOUNDED_WARMUP_LEVELS
+    return TimeSchedule(options.total_steps, options.drop_schedule, options.ramp, options.warmup_steps, levels)
 
 
 class DropPolicy:
@@ -41,97 +44,124 @@ class DropPolicy:
 
     Args:
         flops: each branch's cost, in branch order; their number is the number of branches.
-        drop_rate: the target drop rate, which sets the initial rates (and calibration's target).
-        seed: fixes the patterns.
-        max_patterns: bound on distinct patterns (``None``: unbounded).
-        warmup_steps: training forwards over which every rate rises linearly from 0.
-        pattern: the shape of the patterns: ``"cut"`` (each step drops every branch below a random
-            depth; :func:`dropbp.allocation.cut_rates` gives the rates) or ``"uniform"`` (the paper:
-            every branch drops at ``drop_rate``, independently of depth).
-        total_steps: the run's length in training forwards; ``None``: unknown (the rates stay as set,
-            after the warm-up). Known, the rates follow a :class:`~dropbp.schedule.TimeSchedule` whose
-            mean over the run is 1, so the run drops ``drop_rate`` on average, warm-up included.
-        drop_schedule: how the rates move over a run of known length (:data:`dropbp.schedule.DROP_SCHEDULES`).
-        ramp: the share of the run over which a rising schedule rises, in (0, 1].
+        options: the settings (``drop_rate``, ``seed``, ``max_patterns`` (here ``None`` is unbounded),
+            ``warmup_steps``, ``pattern``, ``total_steps``, ``drop_schedule``, ``ramp``); its other fields
+            are not the policy's. With ``total_steps`` the rates follow a :class:`~dropbp.schedule.TimeSchedule`
+            whose mean over the run is 1, so the run drops ``drop_rate`` on average, warm-up included.
     """
 
-    def __init__(
-        self,
-        flops: Sequence[float],
-        drop_rate: float,
-        seed: int,
-        max_patterns: int | None,
-        warmup_steps: int,
-        pattern: str = "cut",
-        total_steps: int | None = None,
-        drop_schedule: str = "constant",
-        ramp: float = DEFAULT_RAMP,
-    ) -> None:
+    def __init__(self, flops: Sequence[float], options: DropBPOptions) -> None:
+        if not isinstance(options, DropBPOptions):
+            raise TypeError(f"options must be a dropbp.options.DropBPOptions, got {type(options).__name__}")
         self._flops = list(flops)
         self._num_branches = check_int("number of branches", len(self._flops), 1)
         self._samplers: dict[float, PatternSampler] = {}  # by the step's factor; derived, rebuilt on change
-        self._time: TimeSchedule | None = None  # derived from the schedule's settings, rebuilt on change
-        self._pattern = check_choice("pattern", pattern, tuple(SAMPLERS))
-        self._max_patterns: int | None = None
-        self._warmup_steps = 0
-        self._total_steps: int | None = None
-        self._drop_schedule = check_choice("drop_schedule", drop_schedule, DROP_SCHEDULES)
-        self._ramp = check_ramp("ramp", ramp)
-        self.drop_rate = drop_rate
-        self.seed = seed
-        self.max_patterns = max_patterns
-        self.warmup_steps = warmup_steps
-        self.total_steps = total_steps
+        self._own_rates = True  # the rates are the shape's own for drop_rate (not given by set_rates)
+        self._rates: list[float] = []
+        self._time: TimeSchedule | None = None
+        self._options = options
+        self.use(options)
 
     @property
     def num_branches(self) -> int:
         """How many branches the policy decides for."""
         return self._num_branches
 
-    # -- settings: each validates, and patterns follow from the next step on ---------------------
     @property
-    def drop_rate(self) -> float:
-        """The target drop rate; setting it sets every branch's rate to it (as ``apply`` does)."""
-        return self._drop_rate
+    def options(self) -> DropBPOptions:
+        """The settings in force."""
+        return self._options
 
-    @drop_rate.setter
-    def drop_rate(self, value: float) -> None:
-        p = check_fraction("drop_rate", value)  # a number (not a bool or a string) in [0, 1)
-        if self._pattern == "uniform":
-            p = check_drop_rate(p, self._num_branches)
-        self._rates = self._shape_rates(p, self._time)
-        self._own_rates = True
+    def use(self, options: DropBPOptions) -> None:
+        """Decide from ``options`` from the next pattern on; all or nothing (a ValueError changes nothing).
+
+        A new ``drop_rate`` or ``pattern`` resets the rates to the shape's own for the drop rate (as ``apply``
+        does); rates given by :meth:`set_rates` are otherwise kept, and checked at the new schedule's peak."""
+        old = self._options
+        own = self._own_rates or options.drop_rate != old.drop_rate or options.pattern != old.pattern
+        if options.pattern == "uniform":
+            check_drop_rate(options.drop_rate, self._num_branches)
+        time = _time_schedule(options)
+        if own:
+            rates = self._shape_rates(options, time)
+        else:
+            rates = self._rates
+            self._check_peak(rates, options.pattern, time)
+        self._options, self._time, self._rates, self._own_rates = options, time, rates, own
         self._samplers.clear()
-        self._drop_rate = float(p)
 
-    def _shape_rates(self, p: float, time: TimeSchedule | None) -> list[float]:
-        """The pattern shape's own rates for drop rate ``p`` under ``time``: those of ``p`` times its peak,
-        divided by the peak, so that they are the shape's at the peak and average ``p`` over the run."""
-        peak = 1.0 if time is None else time.peak
+    def _shape_rates(self, options: DropBPOptions, time: TimeSchedule | None) -> list[float]:
+        """The pattern shape's own rates for the drop rate under ``time``: those of ``drop_rate`` times its peak,
+        divided by the peak, so that they are the shape's at the peak and average ``drop_rate`` over the run."""
+        p, peak = options.drop_rate, 1.0 if time is None else time.peak
         try:
-            if self._pattern == "uniform":
+            if options.pattern == "uniform":
                 return [check_drop_rate(p * peak, self._num_branches) / peak] * self._num_branches
             return [r / peak for r in cut_rates(self._flops, p * peak)]
         except ValueError as error:
             if peak == 1.0:
                 raise
-            raise self._peak_error(time, f"drop rate {p:g} x {peak:.3g} = {p * peak:.3g}: {error}") from None
+            detail = f"drop rate {p:g} x {peak:.3g} = {p * peak:.3g}: {error}"
+            raise _peak_error(time, options.pattern, detail) from None
+
+    def _check_peak(self, rates: Sequence[float], pattern: str, time: TimeSchedule | None) -> None:
+        """Refuse a time schedule whose peak would lift some given rate past what the pattern shape allows.
+
+        Keeping the run's mean at the drop rate while dropping less early means dropping more late:
+        the rates at the peak are the rates times ``time.peak``.
+        """
+        if time is None or time.peak <= 1.0:
+            return
+        peak = [min(1.0, r * time.peak) if r * time.peak <= 1.0 + _ROUNDING else r * time.peak for r in rates]
+        try:
+            RATE_CHECKS[pattern](peak, self._num_branches)
+        except ValueError as error:
+            raise _peak_error(time, pattern, str(error)) from None
+
+    def _peak_fits(self, options: DropBPOptions) -> bool:
+        """Whether the rates can take the peak of the time schedule of ``options``: :meth:`use`'s checks as a
+        predicate (``tests/test_time_schedule.py`` holds the two equal)."""
+        time = _time_schedule(options)
+        peak = 1.0 if time is None else time.peak
+        if self._own_rates:
+            q = options.drop_rate * peak
+            if options.pattern == "uniform":
+                return q < 1.0 and q * self._num_branches <= max_total_rate(self._num_branches) + SUM_TOLERANCE
+            return q < 1.0 and cut_reaches(self._flops, q)
+        if peak <= 1.0:
+            return True
+        top = [r * peak for r in self._rates]
+        if options.pattern == "uniform":
+            clipped = [min(1.0, r) if r <= 1.0 + _ROUNDING else r for r in top]
+            return max(clipped) < 1.0 and sum(clipped) <= max_total_rate(self._num_branches) + SUM_TOLERANCE
+        return max(top) <= 1.0 + _ROUNDING
+
+    def longest_warmup(self, total_steps: int, up_to: int) -> int:
+        """The longest warm-up, at most ``up_to`` forwards, whose time schedule over a run of ``total_steps``
+        forwards these rates can take (a longer warm-up lifts the peak), else 0. Changes nothing."""
+        options = self._options
+
+        def fits(warmup: int) -> bool:
+            return self._peak_fits(_replace(options, warmup_steps=warmup, total_steps=total_steps))
+
+        if fits(up_to):
+            return up_to
+        longest, too_long = 0, up_to
+        while too_long - longest > 1:
+            middle = (longest + too_long) // 2
+            longest, too_long = (middle, too_long) if fits(middle) else (longest, middle)
+        return longest
+
+    # -- what the settings decide ----------------------------------------------------------------
+    @property
+    def drop_rate(self) -> float:
+        """The target drop rate."""
+        return self._options.drop_rate
 
     @property
-    def pattern(self) -> str:
-        """``"cut"`` or ``"uniform"``; setting it resets the rates to that shape's for :attr:`drop_rate`."""
-        return self._pattern
-
-    @pattern.setter
-    def pattern(self, value: str) -> None:
-        shape = check_choice("pattern", value, tuple(SAMPLERS))
-        previous = self._pattern
-        self._pattern = shape
-        try:
-            self.drop_rate = self._drop_rate
-        except ValueError:
-            self._pattern = previous
-            raise
+    def total_steps(self) -> int | None:
+        """The run's length in training forwards (``None``: unknown, no time schedule)."""
+        return self._options.total_steps
 
     @property
     def rates(self) -> list[float]:
@@ -141,9 +171,9 @@ class DropPolicy:
     def set_rates(self, rates: Sequence[float]) -> None:
         """Set one rate per branch: for the uniform shape each in [0, 1), summing to at most N - 1; for
         the cut shape each in [0, 1], not rising with depth, the last 0 (:mod:`dropbp.checks`)."""
-        check = check_rates if self._pattern == "uniform" else check_cut_rates
-        checked = check(rates, self._num_branches)
-        self._check_peak(checked, self._time)
+        pattern = self._options.pattern
+        checked = RATE_CHECKS[pattern](rates, self._num_branches)
+        self._check_peak(checked, pattern, self._time)
         self._rates = checked
         self._own_rates = False  # given rates are kept as they are when the time schedule changes
         self._samplers.clear()
@@ -156,62 +186,6 @@ class DropPolicy:
         self.set_rates([r / peak for r in fit_rates(rates, self._flops, min_rate)])
 
     @property
-    def seed(self) -> int:
-        """The seed of every pattern."""
-        return self._seed
-
-    @seed.setter
-    def seed(self, value: int) -> None:
-        self._seed = check_int("seed", value, 0)
-        self._samplers.clear()
-
-    @property
-    def max_patterns(self) -> int | None:
-        """Bound on distinct patterns (compiled-graph devices); ``None``: unbounded."""
-        return self._max_patterns
-
-    @max_patterns.setter
-    def max_patterns(self, value: int | None) -> None:
-        bound = None if value is None else check_int("max_patterns", value, 1)
-        self._retime(max_patterns=bound)
-
-    @property
-    def warmup_steps(self) -> int:
-        """Training forwards over which the rates rise linearly from 0 (:func:`dropbp.schedule.warmup_factor`)."""
-        return self._warmup_steps
-
-    @warmup_steps.setter
-    def warmup_steps(self, value: int) -> None:
-        self._retime(warmup_steps=check_int("warmup_steps", value, 0))
-
-    @property
-    def total_steps(self) -> int | None:
-        """The run's length in training forwards (``None``: unknown, no time schedule)."""
-        return self._total_steps
-
-    @total_steps.setter
-    def total_steps(self, value: int | None) -> None:
-        self._retime(total_steps=None if value is None else check_int("total_steps", value, 1))
-
-    @property
-    def drop_schedule(self) -> str:
-        """How the rates move over a run of known length (:data:`dropbp.schedule.DROP_SCHEDULES`)."""
-        return self._drop_schedule
-
-    @drop_schedule.setter
-    def drop_schedule(self, value: str) -> None:
-        self._retime(drop_schedule=check_choice("drop_schedule", value, DROP_SCHEDULES))
-
-    @property
-    def ramp(self) -> float:
-        """The share of the run over which a rising drop schedule rises."""
-        return self._ramp
-
-    @ramp.setter
-    def ramp(self, value: float) -> None:
-        self._retime(ramp=check_ramp("ramp", value))
-
-    @property
     def peak(self) -> float:
         """The largest factor the time schedule puts on the rates (1 without one)."""
         return 1.0 if self._time is None else self._time.peak
@@ -220,58 +194,8 @@ class DropPolicy:
         """The factor on every rate at training forward ``step``: the time schedule's, else the warm-up's."""
         if self._time is not None:
             return self._time.factor(step)
-        levels = None if self._max_patterns is None else BOUNDED_WARMUP_LEVELS
-        return warmup_factor(step, self._warmup_steps, levels)
-
-    def _retime(self, **change: Any) -> None:
-        """Apply a change to the schedule's settings if the rates stay valid at its peak; else change nothing."""
-        settings = {
-            "max_patterns": self._max_patterns,
-            "warmup_steps": self._warmup_steps,
-            "total_steps": self._total_steps,
-            "drop_schedule": self._drop_schedule,
-            "ramp": self._ramp,
-            **change,
-        }
-        time = None
-        if settings["total_steps"] is not None:
-            levels = SCHEDULE_LEVELS if settings["max_patterns"] is None else BOUNDED_WARMUP_LEVELS
-            time = TimeSchedule(
-                settings["total_steps"], settings["drop_schedule"], settings["ramp"], settings["warmup_steps"], levels
-            )
-        rates = self._shape_rates(self._drop_rate, time) if self._own_rates else self._rates
-        self._check_peak(rates, time)
-        for name, value in settings.items():
-            setattr(self, f"_{name}", value)
-        self._time = time
-        self._rates = rates
-        self._samplers.clear()
-
-    def _check_peak(self, rates: Sequence[float], time: TimeSchedule | None) -> None:
-        """Refuse a time schedule whose peak would lift some rate past what the pattern shape allows.
-
-        Keeping the run's mean at the drop rate while dropping less early means dropping more late:
-        the rates at the peak are the rates times ``time.peak``.
-        """
-        if time is None or time.peak <= 1.0:
-            return
-        peak = [min(1.0, r * time.peak) if r * time.peak <= 1.0 + 1e-9 else r * time.peak for r in rates]
-        check = check_rates if self._pattern == "uniform" else check_cut_rates
-        try:
-            check(peak, self._num_branches)
-        except ValueError as error:
-            raise self._peak_error(time, str(error)) from None
-
-    def _peak_error(self, time: TimeSchedule, detail: str) -> ValueError:
-        shorter = (
-            "use a shorter ramp or warm-up, or drop_schedule='constant'"
-            if time.rises
-            else "shorten the warm-up (apply's warmup_steps, attach's warmup=) or set it to 0"
-        )
-        return ValueError(
-            f"the time schedule ({time.describe()}) keeps the run's mean drop rate by peaking at {time.peak:.3g}x the "
-            f"rates, which the {self._pattern!r} shape cannot take ({detail}); lower drop_rate, or {shorter}"
-        )
+        levels = None if self._options.max_patterns is None else BOUNDED_WARMUP_LEVELS
+        return warmup_factor(step, self._options.warmup_steps, levels)
 
     # -- patterns --------------------------------------------------------------------------------
     def draw(self, step: int, trainable: Callable[[], list[bool] | None] = lambda: None) -> frozenset[int]:
@@ -289,7 +213,8 @@ class DropPolicy:
         sampler = self._samplers.get(factor)
         if sampler is None:
             rates = [min(1.0, r * factor) for r in self._rates]  # a peak's rounding must not pass 1
-            sampler = SAMPLERS[self._pattern](rates, self._seed, self._max_patterns)
+            options = self._options
+            sampler = SAMPLERS[options.pattern](rates, options.seed, options.max_patterns)
             if len(self._samplers) >= MAX_SAMPLERS:
                 del self._samplers[next(iter(self._samplers))]
             self._samplers[factor] = sampler
@@ -298,28 +223,52 @@ class DropPolicy:
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The settings, as plain values."""
+        options = self._options
         return {
             "rates": self.rates,
-            "drop_rate": self._drop_rate,
-            "seed": self._seed,
-            "max_patterns": self._max_patterns,
-            "warmup_steps": self._warmup_steps,
-            "pattern": self._pattern,
-            "total_steps": self._total_steps,
-            "drop_schedule": self._drop_schedule,
-            "ramp": self._ramp,
+            "drop_rate": options.drop_rate,
+            "seed": options.seed,
+            "max_patterns": options.max_patterns,
+            "warmup_steps": options.warmup_steps,
+            "pattern": options.pattern,
+            "total_steps": options.total_steps,
+            "drop_schedule": options.drop_schedule,
+            "ramp": options.ramp,
             "rates_follow_drop_rate": self._own_rates,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; all or nothing (a bad value changes no setting)."""
-        shape = state.get("pattern", "uniform")  # absent in states saved before the cut shape existed
-        trial = DropPolicy(self._flops, state["drop_rate"], state["seed"], state["max_patterns"], 0, shape)
-        trial.warmup_steps = state.get("warmup_steps", 0)  # absent in states saved before warm-up existed
-        # absent in states saved before time schedules existed: none
-        trial.drop_schedule = state.get("drop_schedule", "constant")
-        trial.ramp = state.get("ramp", DEFAULT_RAMP)
+        options = _replace(
+            self._options,
+            drop_rate=state["drop_rate"],
+            seed=state["seed"],
+            max_patterns=state["max_patterns"],
+            pattern=state.get("pattern", "uniform"),  # absent in states saved before the cut shape existed
+            warmup_steps=state.get("warmup_steps", 0),  # absent in states saved before warm-up existed
+            drop_schedule=state.get("drop_schedule", "constant"),  # absent before time schedules existed: none
+            ramp=state.get("ramp", DEFAULT_RAMP),
+            total_steps=state.get("total_steps"),
+        )
+        trial = DropPolicy(self._flops, _replace(options, total_steps=None))
         trial.set_rates(state["rates"])
-        trial.total_steps = state.get("total_steps")
+        trial.use(options)
         trial._own_rates = bool(state.get("rates_follow_drop_rate", False))  # the saved rates are kept as saved
         self.__dict__.update(trial.__dict__)
+
+
+def _replace(options: DropBPOptions, **change: Any) -> DropBPOptions:
+    """``options`` with ``change``, as the options' own class validates them."""
+    return dataclasses.replace(options, **change)
+
+
+def _peak_error(time: TimeSchedule, pattern: str, detail: str) -> ValueError:
+    shorter = (
+        "use a shorter ramp or warm-up, or drop_schedule='constant'"
+        if time.rises
+        else "shorten the warm-up (apply's warmup_steps, attach's warmup=) or set it to 0"
+    )
+    return ValueError(
+        f"the time schedule ({time.describe()}) keeps the run's mean drop rate by peaking at {time.peak:.3g}x the "
+        f"rates, which the {pattern!r} shape cannot take ({detail}); lower drop_rate, or {shorter}"
+    )

@@ -1,51 +1,11 @@
 """Activation checkpointing that does not recompute dropped branches.
 
-Checkpointing (``torch.utils.checkpoint``, re-entrant or not, which is also what Hugging Face
-``gradient_checkpointing_enable()`` uses) runs a region's forward a second time during backward to
-rebuild the activations it did not keep. A dropped branch has no backward: all the recomputation
-needs from it is its output, which the rest of the region reads. So when a dropped branch runs inside
-a checkpointed region during a training forward, its output is held, and when checkpointing calls
-the branch again during backward, the branch hands back that very tensor instead of running. Its
-forward runs once per step, and the recomputed region is bit-for-bit the original.
-
-How each moment is recognised:
-- *first forward inside a checkpointed region*: the controller's training forward is under way
-  (:meth:`RecomputeCache.begin_forward`) and either grad mode is off although that forward started
-  with it on (re-entrant checkpointing runs the region under ``no_grad``) or the saved-tensor hooks
-  on top are ``torch.utils.checkpoint``'s (non-re-entrant checkpointing; the hook identifies the region);
-- *recomputation*: the autograd engine is running a backward in this thread and the branch holds an
-  output from the current step.
-
-``nn.Module.__call__`` looks up ``forward`` before it runs the pre-hooks, so a hook cannot skip a
-call. While an output is held, the branch module has an instance attribute ``forward`` that returns
-it during backward and calls the real forward otherwise; the attribute goes when the output does.
-
-What is held, and for how long. Re-entrant checkpointing recomputes every branch of a region, so each
-dropped output is held until taken. Non-re-entrant checkpointing recomputes a region only if the
-backward needs one of its saved tensors, and only up to the last one (its early stop): a region
-whose branches all dropped is never recomputed, nor is a dropped branch with nothing saved after it
-(the MLP that ends a layer). So an output held there is kept only once a *kept* branch starts in the
-same region (for a decoder layer: a dropped attention followed by a kept MLP) and is released as soon
-as the region ends without one. Held outputs are released when taken, at the end of the backward
-that recomputes, at the next training forward, and by ``remove()``. The cost is one branch output
-(batch x sequence x hidden) per held branch, from its forward until its region is recomputed. Nothing
-depends on an output being held: without it the branch is recomputed, with the same pattern.
-
-Random ops (dropout, LoRA dropout) inside a dropped branch draw from the generators, and checkpointing
-replays the region from the generator states it saved, so a skipped call must leave the generators
-as the real call would have. The states before and after the first call are kept when they differ;
-the held output is handed back only if the generators are where they were before that call (then
-they are set to where they were after it), else the branch runs (``preserve_rng_state=False``).
-
-A branch called twice within one forward holds nothing (which output a recomputation would want is
-unknown).
-
-Several training forwards may come before one backward (DPO, contrastive and multi-task losses), each
-with its own pattern. A recomputation must obey the pattern of the forward it recomputes, not the
-latest one, so each region is known by the object checkpointing itself keeps for it until backward
-(:func:`forward_region`, :func:`recomputed_region`): the re-entrant call's autograd node, which runs
-the recomputation in its backward, or the non-re-entrant call's frame, which the recomputation's
-saved-tensor hooks refer to. A held output is handed back only to the recomputation of its own region.
+When a dropped branch runs inside a checkpointed region during a training forward, its output is held, and when
+checkpointing calls the branch again during backward (the recomputation), the branch hands back that tensor
+instead of running, provided the random generators stand where they stood before its first call. Each region is
+known by the object checkpointing keeps for it (:func:`forward_region`, :func:`recomputed_region`), so a
+recomputation obeys the pattern of the forward it replays. Nothing depends on an output being held: without one
+the branch is recomputed, with the same pattern. What is held, for how long, and why: docs/checkpointing.md.
 """
 
 from __future__ import annotations

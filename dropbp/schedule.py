@@ -35,6 +35,8 @@ SCHEDULE_LEVELS = 20
 #: first ``ramp`` of the run: ``"constant"`` (no rise: only the warm-up, if any), ``"linear"``,
 #: ``"cosine"`` (a half cosine, slow at both ends) or ``"step"`` (0, then the peak at once).
 DROP_SCHEDULES = ("constant", "linear", "cosine", "step")
+#: The ramp of a rising drop schedule when none is given: the share of the run over which it rises.
+DEFAULT_RAMP = 0.5
 
 
 def warmup_factor(step: int, warmup_steps: int, levels: int | None = None) -> float:

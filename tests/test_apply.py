@@ -13,6 +13,7 @@ from conftest import TINY_CONFIGS, batch, loss_and_grads, tiny_model, with_lora
 
 import dropbp
 from dropbp.allocation import cut_rates
+from dropbp.options import DropBPOptions
 from dropbp.policy import DropPolicy
 
 EXPECTED_BRANCHES = {
@@ -161,8 +162,8 @@ def test_calibration_is_for_the_uniform_shape_only():
 def test_a_cut_the_model_is_too_small_for_says_what_to_do():
     # two equal branches: a cut keeps the top one, so at most half the FLOPs (0.375 under the cap) drop
     with pytest.raises(ValueError, match=r"cannot be reached by cuts.*at most 0.3750.*pattern='uniform'"):
-        DropPolicy([1.0, 1.0], 0.5, 0, None, 0)
-    assert DropPolicy([1.0, 1.0], 0.5, 0, None, 0, "uniform").rates == [0.5, 0.5]
+        DropPolicy([1.0, 1.0], DropBPOptions(0.5))
+    assert DropPolicy([1.0, 1.0], DropBPOptions(0.5, pattern="uniform")).rates == [0.5, 0.5]
 
 
 def test_two_controllers_with_one_seed_agree_every_step():
@@ -312,7 +313,7 @@ def test_never_drops_every_trainable_branch():
     ctl = dropbp.apply(model, 0.5, seed=1, pattern="uniform")
     attention = {b.name for b in ctl.branches if b.kind == "attn"}
     # the same settings' patterns without the guard (no trainable-branch test given)
-    raw = DropPolicy([b.flops for b in ctl.branches], ctl.drop_rate, ctl.seed, ctl.max_patterns, 0, ctl.pattern)
+    raw = DropPolicy([b.flops for b in ctl.branches], ctl.options)
     raw_all_attention = 0
     for step in range(200):
         if attention <= {ctl.branches[i].name for i in raw.draw(step)}:

@@ -12,6 +12,7 @@ from conftest import tiny_model
 
 import dropbp
 from dropbp.controller import DropBPController
+from dropbp.options import DropBPOptions
 from dropbp.policy import DropPolicy
 
 PACKAGE = Path(dropbp.__file__).parent
@@ -90,13 +91,14 @@ def test_a_controller_built_directly_validates_its_parts():
     model = tiny_model("llama", layers=2)
     good = dropbp.apply(tiny_model("llama", layers=2), 0.5, pattern="uniform")
     with pytest.raises(ValueError, match="drop_rate must be in"):
-        DropPolicy([1.0] * 4, 1.5, 0, None, 0, "uniform")
+        DropPolicy([1.0] * 4, DropBPOptions(1.5, pattern="uniform"))
+    uniform = DropBPOptions(0.5, pattern="uniform")
     with pytest.raises(TypeError, match="policy must be a DropPolicy for 4 branches"):
-        DropBPController(model, good.branches, DropPolicy([1.0] * 3, 0.5, 0, None, 0, "uniform"), good.backend)
+        DropBPController(model, good.branches, DropPolicy([1.0] * 3, uniform), good.backend)
     with pytest.raises(TypeError, match="backend must be a Backend"):
-        DropBPController(model, good.branches, DropPolicy([1.0] * 4, 0.5, 0, None, 0, "uniform"), "cpu")
+        DropBPController(model, good.branches, DropPolicy([1.0] * 4, uniform), "cpu")
     with pytest.raises(TypeError, match="branches must be a non-empty list of dropbp.Branch"):
-        DropBPController(model, [], DropPolicy([1.0] * 1, 0.0, 0, None, 0), good.backend)
+        DropBPController(model, [], DropPolicy([1.0] * 1, DropBPOptions(0.0)), good.backend)
 
 
 def _imports(path: Path) -> set[str]:
@@ -324,7 +326,7 @@ _STDLIB_PRIVATES = {"_exit": "os: the memory probe's child process ends without 
 #: The one module of the package that reads other libraries' private names and inspects frames.
 _INTERNALS = PACKAGE / "internals.py"
 #: Never read from outside, whatever a file defines: the controller's parts and the attached-model registry.
-_CONTROLLER_PRIVATES = {"_hooks", "_policy", "_model", "_ATTACHED", "_on_remove", "_undo", "_fill", "_tally"}
+_CONTROLLER_PRIVATES = {"_hooks", "_policy", "_model", "_ATTACHED", "_undo", "_fill", "_tally"}
 
 
 def _named_reads(tree: ast.AST) -> list[tuple[int, str, str | None, str]]:
@@ -377,7 +379,7 @@ def _package_files() -> list[Path]:
 
 def test_no_private_attribute_is_read_across_modules():
     """Tests and modules use the controller's public accessors (``ctl.model``, ``ctl.forcing``, ``ctl.forced``,
-    ``ctl.on_remove``, ``controller_of``), not its parts; the package reads other libraries' private names only
+    ``ctl.at_remove``, ``controller_of``), not its parts; the package reads other libraries' private names only
     in :mod:`dropbp.internals`, ``getattr`` strings included."""
     tests = sorted(Path(__file__).parent.glob("*.py"))
     hits = [hit for path in tests for hit in _private_reads(path, set(_FOREIGN_PRIVATES))]
@@ -385,6 +387,19 @@ def test_no_private_attribute_is_read_across_modules():
         allowed = set(_STDLIB_PRIVATES) | (set(_FOREIGN_PRIVATES) if path == _INTERNALS else set())
         hits += _private_reads(path, allowed)
     assert not hits
+
+
+def test_no_module_imports_a_private_name_of_another():
+    """``from .x import _name`` would tie a module to another's internals; ``import x as _x`` is a local name."""
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {alias.name}"
+        for path in _package_files()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module != "__future__"
+        for alias in node.names
+        if alias.name.startswith("_") and not alias.name.startswith("__")
+    ]
+    assert not found
 
 
 def test_the_private_read_check_sees_getattr_strings(tmp_path):
@@ -434,8 +449,8 @@ def test_the_controller_answers_what_other_modules_asked_its_parts():
     with pytest.raises(ValueError, match=r"pattern must hold branch indices in \[0, 4\), got \[4\]"), ctl.forcing({4}):
         pass
     undone = []
-    ctl.on_remove(lambda: undone.append("first"))
-    ctl.on_remove(lambda: undone.append("second"))
+    ctl.at_remove(lambda: undone.append("first"))
+    ctl.at_remove(lambda: undone.append("second"))
     ctl.remove()
     assert undone == ["second", "first"] and controller_of(model) is None
     with pytest.raises(RuntimeError, match="was removed"), ctl.forcing(()):

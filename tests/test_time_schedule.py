@@ -213,3 +213,47 @@ def test_engine_gives_each_run_its_own_schedules_and_a_pattern_per_micro_batch(m
     own_ctl, old_ctl = controllers
     assert (own_ctl.step, own_ctl.total_steps) == (9 * 4, 9 * 4)  # a pattern per micro-batch, over its own run
     assert (old_ctl.step, old_ctl.total_steps) == (6, None)
+
+
+def _longest_by_trial(ctl, total: int, up_to: int) -> int:
+    """The reference: try every warm-up from ``up_to`` down on the controller itself, the first one it takes
+    (0 when it takes none: the schedule's own rise then asks too high a peak)."""
+    state = ctl.state_dict()
+    try:
+        for warmup in range(up_to, -1, -1):
+            try:
+                ctl.replace_options(warmup_steps=warmup, total_steps=total)
+                return warmup
+            except ValueError:
+                continue
+        return 0
+    finally:
+        ctl.load_state_dict(state)
+
+
+@pytest.mark.parametrize("pattern", ["cut", "uniform"])
+@pytest.mark.parametrize("schedule", ["constant", "linear"])
+@pytest.mark.parametrize("rate", [0.5, 0.75, 0.8, 0.85, 0.875])
+def test_the_longest_warmup_is_the_longest_the_settings_take(pattern, schedule, rate):
+    """``ctl.longest_warmup`` (a pure function) equals a search that tries each warm-up on the controller, with
+    the shape's own rates and with given ones, and it changes nothing."""
+    ctl = dropbp.apply(tiny_model("llama", layers=4), rate, pattern=pattern, drop_schedule=schedule)
+    for given in (False, True):
+        if given:
+            ctl.set_rates([r * 0.9 for r in ctl.rates])
+        before = ctl.state_dict()
+        for total, up_to in ((50, 10), (200, 40), (1000, 200)):
+            assert ctl.longest_warmup(total, up_to) == _longest_by_trial(ctl, total, up_to)
+        assert ctl.state_dict() == before
+
+
+def test_settings_change_together_all_or_nothing():
+    ctl = dropbp.apply(tiny_model("llama", layers=4), 0.5)
+    before = ctl.state_dict()
+    with pytest.raises(ValueError, match="keeps the run's mean drop rate by peaking"):
+        ctl.replace_options(drop_rate=0.875, warmup_steps=100, total_steps=200)
+    assert ctl.state_dict() == before
+    with pytest.raises(ValueError, match="seq_len cannot change after apply"):
+        ctl.replace_options(seq_len=64)
+    ctl.replace_options(seed=3, warmup_steps=20, total_steps=200)
+    assert (ctl.seed, ctl.warmup_steps, ctl.total_steps, ctl.options.seed) == (3, 20, 200, 3)

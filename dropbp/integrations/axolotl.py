@@ -3,32 +3,11 @@
     plugins:
       - dropbp.integrations.axolotl.DropBPPlugin
     dropbp_drop_rate: 0.5
-    dropbp_pattern: cut          # or uniform (the paper's; the only one that calibrates)
-    dropbp_warmup: auto          # a fraction of the steps; auto = 0.2, shorter at high rates
-    dropbp_calibrate_at: auto    # a fraction of the steps, auto, or false/null (never)
-    dropbp_seed: 0               # default: the run's seed
 
-Every key is ``dropbp_`` and an option of :class:`dropbp.options.TrainerOptions` (those of
-:func:`dropbp.integrations.hf.attach`), with its default and help: :data:`DropBPArgs` is generated
-from them, so a new option is a new key with no edit here.
-
-axolotl imports this module by that dotted name, makes an instance of the class, merges
-:class:`DropBPArgs` into its config model (so a bad value stops ``axolotl train`` while the config
-is checked, before any model is loaded) and calls the plugin's hooks. The plugin does what
-:func:`dropbp.integrations.hf.attach` does, at the hook that hands it the trainer:
-``add_callbacks_post_trainer`` applies DropBP to ``trainer.model`` (the model with its LoRA
-adapters, after axolotl's freezing) and returns the callback, which axolotl adds to the trainer;
-``register`` sets ``ddp_find_unused_parameters: true`` when the config leaves it unset.
-
-It does not use ``post_model_load``/``post_lora_load``: axolotl calls those for every model it loads
-(the reference model of a DPO run too, and the model of ``axolotl inference``/``merge-lora``), and
-``unfrozen_parameters`` freezes weights only after them, which changes what DropBP may leave
-without a gradient.
-
-Tested against axolotl 0.19.0 itself (``bash ci/axolotl.sh``: its plugin manager, its config
-merging, and ``axolotl train`` on a tiny model), in an environment of its own: axolotl pins older
-transformers and peft than dropbp's hf extra, so CI's environment has no axolotl and this module
-imports without it (the plugin then subclasses ``object``; tests/test_axolotl.py drives it by hand).
+Every key is ``dropbp_`` and an option of :class:`dropbp.options.TrainerOptions`; :data:`DropBPArgs` is generated
+from them. ``add_callbacks_post_trainer`` does what :func:`dropbp.integrations.hf.attach` does and returns the
+callback; ``register`` sets ``ddp_find_unused_parameters: true`` when unset. Without axolotl installed the plugin
+subclasses ``object``. Why these hooks, and how it is tested against axolotl 0.19: docs/axolotl.md.
 """
 
 from __future__ import annotations
@@ -42,7 +21,7 @@ from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, creat
 from transformers import Trainer, TrainerCallback
 
 from ..options import TrainerOptions, named_as, option_fields
-from .hf import _built
+from .hf import callback_for
 
 try:
     from axolotl.integrations.base import BasePlugin
@@ -170,4 +149,4 @@ class DropBPPlugin(BasePlugin):
 
         The seed defaults to ``trainer.args.seed``, which axolotl sets from the config's ``seed``.
         """
-        return [_built(trainer, DropBPArgs.from_config(cfg).options())]
+        return [callback_for(trainer, DropBPArgs.from_config(cfg).options())]

@@ -1,54 +1,12 @@
 """DropBP under DeepSpeed ZeRO stages 1, 2 and 3: a dropped branch's parameters are treated as on one process.
 
-What ZeRO does with a parameter that got no gradient in a step (DeepSpeed 0.19, from its source):
-
-- **Stages 1 and 2** (with ``ignore_unused_parameters``, the default) give it a zero gradient in
-  the flat gradient partition. The optimizer then still decays it and moves it along its momentum:
-  what :mod:`dropbp.dropped_grads` calls ``"zero"``, not ``"skip"``.
-- **Stage 3** keeps each rank's gradient partitions in one flat buffer that it never clears: the
-  first micro-step of a gradient-accumulation window copies the new partitions in, later ones add.
-  A parameter that got no gradient keeps the previous window's value, so a stale gradient is
-  applied (and counted in the clipping norm); one dropped in the first micro-step and kept in a
-  later one gets the stale gradient plus the new one.
-
-:class:`ZeroGuard` fixes both. It listens to the step hooks from the first training forward that
-finds a ZeRO optimizer's marks on the parameters (``_z3_optimizer``: stage 3; ``_hp_mapping``: 1 and 2), so
-``dropbp.apply`` works before or after ``deepspeed.initialize`` and under the Hugging Face Trainer.
-
-- Stage 3: at the first training forward of each accumulation window (the optimizer's
-  ``micro_step_id`` is 0) the flat gradient buffer is zeroed, so a window's gradient is the sum of
-  its micro-steps' and a parameter used in none of them has a zero gradient, as in stages 1 and 2.
-- ``dropped_grads="skip"``: every parameter that got no gradient in the window (a dropped branch's,
-  and a norm that feeds only dropped branches) is left exactly as one process leaves it: untouched.
-  A post-accumulate-grad hook on each trainable parameter records which ones got a gradient. Around
-  the inner (torch) optimizer's step, which ZeRO runs on flat fp32 partitions, this rank's slices of
-  the fp32 master weights and of every optimizer state of the flat partition's shape (Adam's
-  ``exp_avg``, ``exp_avg_sq``; SGD's ``momentum_buffer``) are saved for the others and put back right
-  after the step, before ZeRO copies the master weights into the model's parameters: no stale
-  gradient, no weight decay, no momentum. A state the step created (the first step) is zero on those
-  slices, as if never used. The hooks are torch's global optimizer step hooks, so they also run for
-  DeepSpeed's own torch optimizers (``DeepSpeedCPUAdam``, ``FusedAdam``).
-- ``dropped_grads="zero"``: the same, except that the dropped branches' own parameters step with
-  their zero gradient, as on one process.
-- ``dropped_grads="reuse"`` is refused: the stored gradient would have to enter ZeRO's gradient
-  partitions before it computes the clipping norm, where no hook runs.
-
-Calibration (``ctl.calibrate``) works under every stage when its closure calls the model the engine
-wraps (``engine.module``; the Hugging Face Trainer's ``attach`` does): ZeRO-3 gathers the parameters
-for that forward and its backward passes as in training, and ``torch.autograd.grad`` leaves ZeRO's
-gradient hooks alone. A closure that calls the engine itself is refused (:func:`calibration_closure`).
-
-One difference from one process remains, and it is DeepSpeed's: the optimizer keeps its step count
-per flat partition, not per parameter, so Adam's bias correction for a parameter stepped in k of t
-steps uses t instead of k. (SGD, with or without momentum and weight decay, keeps no step count.)
-
-Under fp16 dynamic loss scaling with ZeRO 1 or 2, a step skipped for an overflow runs no optimizer
-step, so the window after it is counted together with it: a parameter that got a gradient only in
-the skipped window steps with a zero gradient in the next one. (ZeRO-3 starts each window afresh.)
-
-This module owns everything DeepSpeed: the core reaches it only through :mod:`dropbp.frameworks`, where
-``import dropbp`` registers :data:`DEEPSPEED` (engine unwrapping and checks, the guard, the calibration closure).
-Nothing here imports ``deepspeed``: each answer first looks whether it was imported; ``import dropbp`` never does.
+:class:`ZeroGuard` starts at the first training forward that finds a ZeRO optimizer holding the parameters
+(``apply`` before or after ``deepspeed.initialize``, or under the Trainer). Stage 3: each accumulation window's
+flat gradient buffer is zeroed at its first forward. ``dropped_grads="skip"``: around the inner optimizer's step,
+this rank's slices of the fp32 master weights and optimizer states of every parameter that got no gradient in
+the window are saved and put back; ``"zero"`` lets the dropped branches' own parameters step; ``"reuse"`` is
+refused. What ZeRO does without it, and the cost: docs/deepspeed.md. This module owns everything DeepSpeed (the
+core reaches it through :mod:`dropbp.frameworks`) and never imports ``deepspeed``.
 """
 
 from __future__ import annotations

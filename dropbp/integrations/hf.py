@@ -1,53 +1,11 @@
-"""DropBP for a Hugging Face ``transformers.Trainer``, and every trainer built on it (TRL, LLaMA-Factory, Unsloth).
+"""DropBP for a Hugging Face ``transformers.Trainer`` and the trainers built on it (TRL, LLaMA-Factory, Unsloth).
 
-The Hugging Face way, a callback given to the trainer when it is made (built from the options alone):
-
-    from dropbp.integrations.hf import DropBPCallback
-    trainer = SFTTrainer(model=model, args=args, train_dataset=data, callbacks=[DropBPCallback(drop_rate=0.5)])
-    trainer.train()
-
-or, for a trainer already made, the one-liner (the same callback, applied at once):
-
-    from dropbp.integrations.hf import attach
-    attach(trainer, drop_rate=0.5)      # before trainer.train()
-
-Their options are :class:`dropbp.options.TrainerOptions` (``dropbp.apply``'s, with ``warmup`` and
-``calibrate_at`` as fractions of the run). The callback applies DropBP to the trainer's model
-(``attach``: at once; ``DropBPCallback``: when training begins, to the ``model`` the Trainer hands
-its callbacks, possibly already inside DDP or DeepSpeed, which ``dropbp.apply`` accepts) and
-- warms the drop rates up from 0 over the first ``warmup`` of training (``"auto"``: 20%, shorter where a
-  high drop rate cannot pay for that much while keeping its mean, with a warning) and, knowing the
-  run's length (``max_steps`` times gradient accumulation, in training forwards), gives the drop rate
-  its time schedule (``drop_schedule``, :mod:`dropbp.schedule`) with the run's mean rate equal to
-  ``drop_rate``: what the warm-up leaves undropped is dropped later,
-- with the paper's uniform patterns (``pattern="uniform"``), calibrates once, at ``calibrate_at`` of
-  training (default 10%), on the first batch of the training data (its first examples, in order:
-  no random draw) with one forward (see ``DropBPController.calibrate``): ``attach``, which knows the
-  trainer, uses the trainer's own ``compute_loss``; ``DropBPCallback``, which the Trainer does not
-  hand itself, uses the model's own loss (``model(**batch).loss``, the same for ``Trainer`` and
-  ``SFTTrainer``; a trainer whose loss is not the model's should calibrate through ``attach``);
-  the default cut patterns keep their own rates,
-- logs the calibrated rates and, at every logging step, the drop figures since the last log
-  (``dropbp/dropped_branches`` per forward, ``dropbp/dropped_flops_fraction``) as ``Trainer.log``
-  logs (into ``log_history``, then every callback's ``on_log``: console and report integrations),
-- saves the controller state (rates, seed, step counter, whether calibrated) as
-  ``dropbp_state.json`` in each checkpoint folder and restores it when training resumes (from
-  ``output_dir/checkpoint-<step>`` or ``args.resume_from_checkpoint``), so a resumed run continues
-  with exactly the patterns of an uninterrupted one.
-
-Gradient accumulation: a new pattern is drawn for every micro-batch (each training forward), not
-once per optimizer step, so the accumulated gradient averages over several sub-networks.
-No step can fail because every trainable branch dropped (``DropBPController`` guarantees it).
-The trainer places its own step boundaries; nothing here adds graph breaks.
-
-Multi-process (``torchrun`` / ``accelerate launch``): every rank draws the same patterns. DDP must
-accept parameters left without a gradient. The Trainer lets it unless activation checkpointing is on
-and ``ddp_find_unused_parameters`` is left unset; ``attach`` then sets it to True, while with
-``DropBPCallback`` (which sees the trainer only after its DDP settings are made) pass
-``ddp_find_unused_parameters=True`` in the arguments: otherwise the first training forward stops
-with that advice. DeepSpeed ZeRO stages 1 to 3 (``deepspeed=`` in the arguments, or ``accelerate
-launch`` with a DeepSpeed config) work as they are; a configuration DropBP cannot train with is
-refused before anything is attached (:mod:`dropbp.integrations.deepspeed`).
+``Trainer(..., callbacks=[DropBPCallback(drop_rate=0.5)])`` applies DropBP when training begins; ``attach(trainer,
+drop_rate=0.5)`` applies it at once to a trainer already made. Options: :class:`dropbp.options.TrainerOptions`.
+Over the run the callback sets the warm-up and time schedule from the run's length, calibrates uniform patterns
+once, logs ``dropbp/*`` figures as ``Trainer.log`` does, and saves and restores the controller's state beside
+each checkpoint. It places no graph break (the trainer does). What each step does, DDP and DeepSpeed notes:
+docs/trainer.md.
 """
 
 from __future__ import annotations
@@ -66,7 +24,7 @@ from ..controller import DropBPController
 from ..internals import calling_object, prepared_inputs
 from ..options import AUTO_WARMUP, TrainerOptions, takes_options
 
-__all__ = ["STATE_FILE", "DropBPCallback", "attach", "build_callback", "fit_auto_warmup"]
+__all__ = ["STATE_FILE", "DropBPCallback", "attach", "build_callback", "callback_for", "fit_auto_warmup"]
 
 log = logging.getLogger("dropbp")
 
@@ -135,10 +93,10 @@ class DropBPCallback(TrainerCallback):
 
     def _apply(self, model: Any, args: TrainingArguments) -> None:
         seed = args.seed if self.options.seed is None else self.options.seed
-        self.controller = apply_options(model, self.options.apply_options(seed=seed))
+        self.controller = apply_options(model, self.options.for_apply(seed=seed))
         # Removing the controller takes the callback off the trainer too: a removed controller's callback
         # would stop train() ("this DropBP controller was removed"), and attach again would leave two.
-        self.controller.on_remove(self._leave)
+        self.controller.at_remove(self._leave)
 
     def _leave(self) -> None:
         self._removed = True
@@ -163,7 +121,7 @@ class DropBPCallback(TrainerCallback):
         self._schedule(state.max_steps * args.gradient_accumulation_steps)  # the controller counts micro-batches
         if state.global_step == 0:
             return
-        folders = [os.path.join(args.output_dir, f"checkpoint-{state.global_step}")]
+        folders = [_checkpoint_folder(args, state.global_step)]
         if isinstance(args.resume_from_checkpoint, str):
             folders.insert(0, args.resume_from_checkpoint)
         path = next((p for p in (os.path.join(d, STATE_FILE) for d in folders) if os.path.isfile(p)), None)
@@ -223,8 +181,7 @@ class DropBPCallback(TrainerCallback):
         """
         ctl = self.controller
         if self.options.warmup != "auto":
-            ctl.warmup_steps = round(self.warmup * forwards)
-            ctl.total_steps = forwards
+            ctl.replace_options(warmup_steps=round(self.warmup * forwards), total_steps=forwards)
             return
         longest = round(AUTO_WARMUP * forwards)
         fits = fit_auto_warmup(ctl, forwards)
@@ -286,7 +243,7 @@ class DropBPCallback(TrainerCallback):
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any):
         if not self._active() or not state.is_world_process_zero:
             return
-        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        folder = _checkpoint_folder(args, state.global_step)
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, STATE_FILE), "w") as f:
             json.dump({"controller": self.controller.state_dict(), "calibrated": self.calibrated}, f)
@@ -312,24 +269,9 @@ def fit_auto_warmup(ctl: DropBPController, forwards: int) -> int:
     """Set ``ctl``'s schedule as ``warmup="auto"`` does for a run of ``forwards`` training forwards: the time
     schedule over them and the longest warm-up, up to 20% of them, whose peak the pattern shape can take (the
     peak grows with the warm-up). Returns that warm-up."""
-    ctl.warmup_steps = 0  # a constant rate over the whole run: no peak, always valid
-    ctl.total_steps = forwards
-    longest = round(AUTO_WARMUP * forwards)
-    try:
-        ctl.warmup_steps = longest  # refused (and nothing changed) when the peak cannot be taken
-        return longest
-    except ValueError:
-        pass
-    fits, too_long = 0, longest
-    while too_long - fits > 1:
-        middle = (fits + too_long) // 2
-        try:
-            ctl.warmup_steps = middle
-            fits = middle
-        except ValueError:
-            too_long = middle
-    ctl.warmup_steps = fits
-    return fits
+    longest = ctl.longest_warmup(forwards, round(AUTO_WARMUP * forwards))
+    ctl.replace_options(warmup_steps=longest, total_steps=forwards)
+    return longest
 
 
 @takes_options(TrainerOptions)
@@ -341,7 +283,7 @@ def attach(trainer: Trainer, drop_rate: float = 0.5, **options: Any) -> DropBPCa
     :class:`DropBPController`. ``callback.controller.remove()`` takes DropBP off the model and the
     callback off the trainer; only then can ``attach`` be called again.
     """
-    callback = _built(trainer, TrainerOptions.given("attach", drop_rate=drop_rate, **options))
+    callback = callback_for(trainer, TrainerOptions.given("attach", drop_rate=drop_rate, **options))
     trainer.add_callback(callback)
     return callback
 
@@ -354,10 +296,11 @@ def build_callback(trainer: Trainer, drop_rate: float = 0.5, **options: Any) -> 
     the caller must add to ``trainer`` exactly once (axolotl's plugin hands it back from
     ``add_callbacks_post_trainer``, and axolotl adds it).
     """
-    return _built(trainer, TrainerOptions.given("build_callback", drop_rate=drop_rate, **options))
+    return callback_for(trainer, TrainerOptions.given("build_callback", drop_rate=drop_rate, **options))
 
 
-def _built(trainer: Trainer, options: TrainerOptions) -> DropBPCallback:
+def callback_for(trainer: Trainer, options: TrainerOptions) -> DropBPCallback:
+    """:func:`build_callback` with its options as one (already valid) :class:`TrainerOptions`."""
     callback = DropBPCallback.from_options(options)
     callback._bind(trainer)
     return callback
@@ -373,6 +316,11 @@ def _calling_handler() -> CallbackHandler | None:
     """
     caller = calling_object(depth=2)
     return caller if isinstance(caller, CallbackHandler) else None
+
+
+def _checkpoint_folder(args: TrainingArguments, step: int) -> str:
+    """Where the Trainer saves the checkpoint of ``step`` (and dropbp its state beside it)."""
+    return os.path.join(args.output_dir, f"checkpoint-{step}")
 
 
 def _first_batch(loader: Any) -> Any:

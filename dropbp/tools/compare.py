@@ -31,6 +31,7 @@ from ..allocation import cut_cap, cut_rates
 from ..backends import Backend
 from ..controller import DropBPController
 from ..dropped_grads import DEFAULT_DROPPED_GRADS
+from ..options import AUTO_WARMUP
 from ..schedule import anneal_factor
 from .device_services import services
 from .textdata import TokenData
@@ -38,7 +39,7 @@ from .textdata import TokenData
 __all__ = [
     "Run",
     "RunResult",
-    "apply_options",
+    "run_options",
     "compare",
     "lockstep_timed",
     "with_timed_tails",
@@ -48,7 +49,7 @@ __all__ = [
 ]
 
 
-WARMUP_FRACTION = 0.2
+WARMUP_FRACTION = AUTO_WARMUP  # a run's drop-rate warm-up, as the Trainer integration's default
 ANNEAL_FRACTION = 0.2
 #: The learning rate's linear warm-up, as a share of each run's own optimizer steps (``lr_schedule="cosine"``).
 LR_WARMUP_FRACTION = 0.1
@@ -156,7 +157,7 @@ def control_rates(kind: str, flops: Sequence[float], drop_rate: float) -> list[f
 _CUT_SHAPED_CONTROLS = ("frozen-bottom", "cut-capped", "cut-uncapped")
 
 
-def apply_options(run: Run, baseline_steps: int, own_steps: int, accumulation: int) -> dict:
+def run_options(run: Run, baseline_steps: int, own_steps: int, accumulation: int) -> dict:
     """``dropbp.apply``'s keyword options for a DropBP run (``drop_rate``, seed and backend aside).
 
     Without a time schedule, warm-up lasts a share of the baseline's optimizer steps (as in the runs
@@ -202,7 +203,7 @@ class _Trainee:
         self.lr_schedule = run.lr_schedule or regime.lr_schedule
         self.ctl: DropBPController | None = None
         if run.drop_rate is not None:
-            options = apply_options(run, steps, regime.own_steps, self.accumulation)
+            options = run_options(run, steps, regime.own_steps, self.accumulation)
             self.ctl = apply(model, run.drop_rate, seed=seed, seq_len=seq_len, backend=backend, **options)
             if run.rates is not None:
                 self.ctl.set_rates(control_rates(run.rates, [b.flops for b in self.ctl.branches], run.drop_rate))

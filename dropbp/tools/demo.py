@@ -31,7 +31,7 @@ from .. import __version__, apply
 from ..backends import Backend
 from ..imports import require
 from .bench import Point, measure_model
-from .compare import Run, apply_options, compare, summarise, timing_check
+from .compare import Run, compare, run_options, summarise, timing_check
 from .pretrained import UnusableModel, load_causal_lm
 from .report import plot_curves, steps_and_time_table
 from .textdata import pydoc_topics
@@ -87,7 +87,7 @@ def _check_runs_fit(model: torch.nn.Module, runs: tuple[Run, ...], settings: Dem
     for run in runs:
         if run.drop_rate is None:
             continue
-        options = apply_options(run, settings.steps, run.steps or settings.steps, settings.accumulation)
+        options = run_options(run, settings.steps, run.steps or settings.steps, settings.accumulation)
         try:
             apply(model, run.drop_rate, seq_len=settings.seq_len, **options).remove()
         except ValueError as err:
