@@ -55,3 +55,23 @@ def test_quick_start_is_two_commands_and_ci_runs_the_second():
     ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
     assert ci[-1] == tests, f".ci/run ends with {ci[-1]!r}, the README's test line is {tests!r}"
     assert "ci/install.sh" in (ROOT / "ci" / "test.sh").read_text()  # line 2 sets up, too
+
+
+def _readme_results():
+    """benchmarks/readme_results.py, loaded by path (benchmarks/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("readme_results", ROOT / "benchmarks" / "readme_results.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_readme_results_table_is_the_one_the_records_make():
+    """The first screen's table is generated from benchmarks/results, never typed: regenerate it with
+    ``python benchmarks/readme_results.py --write`` when a record changes."""
+    results = _readme_results()
+    text = README.read_text()
+    assert results.readme_table(text) == results.table()
+    assert text.index(results.BEGIN) < text.index("## Quick start")  # on the first screen
+    assert "full, Python help text" in results.table() and "LoRA, Python help text" in results.table()
