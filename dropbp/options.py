@@ -282,7 +282,7 @@ class TrainerOptions(DropBPOptions):
             0 to drop from the first step. Knowing the run's length, the drop rate also gets its time schedule
             (``drop_schedule``): the run's mean drop rate, warm-up included, is ``drop_rate``, so what the
             warm-up leaves undropped is dropped later. ``"auto"``: 0.2 (``AUTO_WARMUP``, the best setting
-            measured, docs/convergence.md), shortened, with a warning, to the longest warm-up that keeps the
+            measured, docs/regime.md), shortened, with a warning, to the longest warm-up that keeps the
             mean where a high drop rate cannot (with the cut shape about 0.86 and above: the top branch is
             always kept). A number is taken as given, and refused when the rate cannot keep its mean."""
         ),
