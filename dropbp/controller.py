@@ -10,6 +10,7 @@ next step; the :class:`~dropbp.discovery.Branch` objects it hands out are read-o
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -450,6 +451,11 @@ class DropBPController:
         """Run ``undo`` when :meth:`remove` runs (the last given first): for integrations that hooked this
         controller into something else (a Trainer's callback), so that removing the controller removes them too."""
         self._undo.append(undo)
+
+    def on_remove(self, undo: Callable[[], None]) -> None:
+        """The old name of :meth:`at_remove`: still accepted, with a ``FutureWarning``."""
+        warnings.warn("ctl.on_remove(undo) is now ctl.at_remove(undo)", FutureWarning, stacklevel=2)
+        self.at_remove(undo)
 
     def check_attached(self) -> None:
         """Raise ``RuntimeError``, saying what to do, if this controller was removed (:meth:`remove`)."""

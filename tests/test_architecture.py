@@ -451,7 +451,9 @@ def test_the_controller_answers_what_other_modules_asked_its_parts():
     undone = []
     ctl.at_remove(lambda: undone.append("first"))
     ctl.at_remove(lambda: undone.append("second"))
+    with pytest.warns(FutureWarning, match=r"ctl.on_remove\(undo\) is now ctl.at_remove\(undo\)"):
+        ctl.on_remove(lambda: undone.append("old name"))  # renamed: still accepted, with a warning
     ctl.remove()
-    assert undone == ["second", "first"] and controller_of(model) is None
+    assert undone == ["old name", "second", "first"] and controller_of(model) is None
     with pytest.raises(RuntimeError, match="was removed"), ctl.forcing(()):
         pass
