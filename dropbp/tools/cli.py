@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--quick",
         action="store_true",
-        help="a version of a few minutes: short sequences, few steps (the full demo: about 20 minutes on 2 CPU cores)",
+        help="a version of about 2 minutes on 2 CPU cores: short sequences, few steps (the full demo: 15-20 minutes)",
     )
     demo.add_argument("--out", type=Path, default=Path("dropbp-demo"), help="folder for demo.json and demo.png")
     demo.add_argument("--model", help="a model id or path instead of the bundled SmolLM2-135M-Instruct")
