@@ -152,7 +152,8 @@ class DropBPController:
         fixed = sorted(set(change) & {"backend", "branches", "seq_len", "dropped_grads", "chunked_loss"})
         if fixed:
             raise ValueError(f"{', '.join(fixed)} cannot change after apply: remove() and apply again")
-        self._policy.use(dataclasses.replace(self._policy.options, **change))
+        reset_rates = not {"drop_rate", "pattern"}.isdisjoint(change)  # set, even to its value: as apply does
+        self._policy.use(dataclasses.replace(self._policy.options, **change), reset_rates)
 
     def longest_warmup(self, total_steps: int, up_to: int) -> int:
         """The longest warm-up, at most ``up_to`` training forwards, whose time schedule over a run of

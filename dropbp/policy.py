@@ -72,13 +72,13 @@ class DropPolicy:
         """The settings in force."""
         return self._options
 
-    def use(self, options: DropBPOptions) -> None:
+    def use(self, options: DropBPOptions, reset_rates: bool = False) -> None:
         """Decide from ``options`` from the next pattern on; all or nothing (a ValueError changes nothing).
 
-        A new ``drop_rate`` or ``pattern`` resets the rates to the shape's own for the drop rate (as ``apply``
-        does); rates given by :meth:`set_rates` are otherwise kept, and checked at the new schedule's peak."""
-        old = self._options
-        own = self._own_rates or options.drop_rate != old.drop_rate or options.pattern != old.pattern
+        ``reset_rates`` (a ``drop_rate`` or ``pattern`` set, even to its value) makes the rates the shape's own for
+        the drop rate, as ``apply`` does; rates given by :meth:`set_rates` are otherwise kept, and checked at the new
+        schedule's peak."""
+        own = self._own_rates or reset_rates
         if options.pattern == "uniform":
             check_drop_rate(options.drop_rate, self._num_branches)
         time = _time_schedule(options)

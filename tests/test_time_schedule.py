@@ -257,3 +257,11 @@ def test_settings_change_together_all_or_nothing():
         ctl.replace_options(seq_len=64)
     ctl.replace_options(seed=3, warmup_steps=20, total_steps=200)
     assert (ctl.seed, ctl.warmup_steps, ctl.total_steps, ctl.options.seed) == (3, 20, 200, 3)
+
+
+@pytest.mark.parametrize("setting", ["drop_rate", "pattern"])
+def test_setting_the_drop_rate_or_pattern_to_its_value_resets_given_rates(setting):
+    ctl = dropbp.apply(tiny_model("llama", layers=2), 0.5, pattern="uniform")
+    ctl.set_rates([0.1, 0.2, 0.3, 0.4])
+    setattr(ctl, setting, getattr(ctl, setting))
+    assert ctl.rates == [0.5] * 4
