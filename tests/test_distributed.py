@@ -238,17 +238,24 @@ def test_trainer_on_two_processes(tmp_path):
 def test_torchrun_example(mode):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}"]
     command += ["examples/distributed.py", "--mode", mode, "--steps", "3"]
-    try:
-        done = subprocess.run(
-            command,
-            cwd=ROOT,
-            env={**os.environ, "DROPBP_BACKEND": "cpu"},
-            capture_output=True,
-            text=True,
-            timeout=JOB_TIMEOUT,
-        )
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"torchrun {mode} did not finish within {JOB_TIMEOUT} s (a hang)")
+    for _ in range(2):  # a second run only after a teardown abort (below)
+        try:
+            done = subprocess.run(
+                command,
+                cwd=ROOT,
+                env={**os.environ, "DROPBP_BACKEND": "cpu"},
+                capture_output=True,
+                text=True,
+                timeout=JOB_TIMEOUT,
+            )
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"torchrun {mode} did not finish within {JOB_TIMEOUT} s (a hang)")
+        # torch's own teardown on gloo aborts a rank now and then after the run has finished and torn its process
+        # group down (seen with FSDP2: "terminate called without an active exception" at interpreter exit): run
+        # once more in that case only; any other failure, or the same twice, fails
+        teardown_abort = "terminate called without an active exception" in done.stderr and "every rank:" in done.stdout
+        if done.returncode == 0 or not teardown_abort:
+            break
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "same drop patterns on every rank: True" in done.stdout
     assert mode == "fsdp2" or "same parameters on every rank: True" in done.stdout
