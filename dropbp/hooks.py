@@ -36,7 +36,7 @@ from .intercept import ForwardPatch
 from .no_grad import attach_no_grad_hooks
 from .optimizer import compensation
 from .policy import DropPolicy
-from .recompute import RecomputeCache, forward_region, in_backward, recomputed_region
+from .recompute import RecomputeCache, forward_region, in_backward, recomputed_region, reentrant_regions
 from .scaling import attach_gradient_scaling
 
 __all__ = ["StepHooks", "StepListener"]
@@ -139,7 +139,8 @@ class StepHooks:
     def in_force(self) -> frozenset[int]:
         """The pattern a branch called now obeys: during a backward, the one of the forward whose
         checkpointed region is being recomputed; inside a training forward of the model, that forward's,
-        which a call inside a checkpointed region records for that region; elsewhere none."""
+        which a call inside a (non-re-entrant) checkpointed region records for that region (a re-entrant one's
+        is recorded when the forward ends); elsewhere none."""
         if in_backward():
             region = recomputed_region()
             return self.dropped if region is None else self._regions.get(region, self.dropped)
@@ -235,6 +236,8 @@ class StepHooks:
         self._recompute.end_forward()
         if self._recompute.reentrant:
             check_running_ddp_checkpointing()
+            for region in reentrant_regions(output, self._regions):
+                self._regions[region] = self.dropped
         if self.forced is None and model.training and torch.is_grad_enabled() and not in_backward():
             self._check_output_needs_a_gradient(output)
 

@@ -1,23 +1,21 @@
-"""Every read of another library's private names (torch, transformers, DeepSpeed), and the only frame inspection.
+"""Every read of another library's private names (torch, transformers, DeepSpeed).
 
 Each function reads one internal and says what it needs; ``tests/test_internals.py`` checks each against the
 installed versions (CI runs it with the torch it installs), and ``tests/test_architecture.py`` refuses private
-names of other libraries, and frame inspection, anywhere else in the package. A release that moves one of these
-fails there first, with the function's name.
+names of other libraries anywhere else in the package, and frame inspection everywhere. A release that moves one
+of these fails there first, with the function's name.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-import sys
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.checkpoint import CheckpointFunction
 
 __all__ = [
     "at_backward_end",
@@ -25,7 +23,6 @@ __all__ = [
     "backward_hooks",
     "backward_task",
     "built_with",
-    "calling_object",
     "captured",
     "checkpoint_hook",
     "deepspeed_fp32_mapping",
@@ -33,9 +30,8 @@ __all__ = [
     "deepspeed_zero_optimizer",
     "module_hooks",
     "prepared_inputs",
-    "reentrant_checkpoint_node",
-    "running_ddp",
     "running_node",
+    "running_ddp",
     "torch_lazy",
 ]
 
@@ -89,17 +85,6 @@ def captured(hook: Callable[..., Any], name: str) -> Any:
     )
 
 
-def reentrant_checkpoint_node() -> object | None:
-    """The autograd node of the re-entrant ``torch.utils.checkpoint`` call whose forward runs now (its ``ctx``:
-    torch exposes no other handle on it), found on the call stack; None outside one."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is CheckpointFunction.forward.__code__:
-            return frame.f_locals["ctx"]
-        frame = frame.f_back
-    return None
-
-
 # -- torch devices and engines -------------------------------------------------------------------------------------
 def built_with(device_module: str) -> bool:
     """Whether this torch was built with the device module ``torch.<device_module>`` (``"xpu"``) compiled in."""
@@ -119,13 +104,6 @@ def torch_lazy() -> ModuleType:
 
 
 # -- transformers --------------------------------------------------------------------------------------------------
-def calling_object(depth: int = 1) -> object | None:
-    """The ``self`` of the function ``depth`` calls above the caller of this one (1: whoever called the caller), or
-    None. The Trainer hands its callbacks neither itself nor its ``CallbackHandler``; this finds the handler."""
-    frame = sys._getframe(depth + 1)
-    return frame.f_locals.get("self")
-
-
 def prepared_inputs(trainer: Any, batch: Any) -> Any:
     """``batch`` as ``trainer`` feeds it to its model (``Trainer._prepare_inputs``: on the device, and so on)."""
     return trainer._prepare_inputs(batch)

@@ -1,16 +1,18 @@
 """Activation checkpointing that does not recompute dropped branches.
 
-When a dropped branch runs inside a checkpointed region during a training forward, its output is held, and when
-checkpointing calls the branch again during backward (the recomputation), the branch hands back that tensor
-instead of running, provided the random generators stand where they stood before its first call. Each region is
-known by the object checkpointing keeps for it (:func:`forward_region`, :func:`recomputed_region`), so a
-recomputation obeys the pattern of the forward it replays. Nothing depends on an output being held: without one
-the branch is recomputed, with the same pattern. What is held, for how long, and why: docs/checkpointing.md.
+When a dropped branch runs inside a non-re-entrant checkpointed region during a training forward, its output is
+held, and when checkpointing calls the branch again during backward (the recomputation), the branch hands back
+that tensor instead of running, provided the random generators stand where they stood before its first call. Each
+region is known by the object checkpointing keeps for it (:func:`forward_region`, :func:`recomputed_region`), so a
+recomputation obeys the pattern of the forward it replays (a re-entrant region, which torch names to no one during
+its forward, is found in the forward's autograd graph once the forward ends: :func:`reentrant_regions`). Nothing
+depends on an output being held: without one (re-entrant checkpointing) the branch is recomputed, with the same
+pattern. What is held, for how long, and why: docs/checkpointing.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from itertools import chain
 from typing import Any
 
@@ -18,16 +20,9 @@ import torch
 from torch import nn
 
 from .intercept import ForwardPatch
-from .internals import (
-    at_backward_end,
-    backward_task,
-    captured,
-    checkpoint_hook,
-    reentrant_checkpoint_node,
-    running_node,
-)
+from .internals import at_backward_end, backward_task, captured, checkpoint_hook, running_node
 
-__all__ = ["BranchCache", "RecomputeCache", "forward_region", "in_backward", "recomputed_region"]
+__all__ = ["BranchCache", "RecomputeCache", "forward_region", "in_backward", "recomputed_region", "reentrant_regions"]
 
 RngState = list[torch.Tensor]
 
@@ -38,22 +33,45 @@ def in_backward() -> bool:
 
 
 def forward_region() -> object | None:
-    """The checkpointed region a forward runs in now, as checkpointing keeps it for the backward:
-    the non-re-entrant call's frame, or the re-entrant call's autograd node; None outside every region."""
+    """The non-re-entrant checkpointed region a forward runs in now, as checkpointing keeps it for the backward
+    (the call's frame object); None outside every such region."""
     hook = checkpoint_hook()
-    if hook is not None:
-        return captured(hook, "frame")
-    if torch.is_grad_enabled():
-        return None  # a re-entrant region runs its forward under no_grad
-    return reentrant_checkpoint_node()
+    return None if hook is None else captured(hook, "frame")
 
 
 def recomputed_region() -> object | None:
-    """During a backward, the region being recomputed, as :func:`forward_region` gave it in the forward."""
+    """During a backward, the region being recomputed: the non-re-entrant call's frame object, as
+    :func:`forward_region` gave it, or the re-entrant call's autograd node, as :func:`reentrant_regions` finds it."""
     hook = checkpoint_hook()
-    if hook is not None:
-        return captured(hook, "target_frame_ref")()  # non-re-entrant: saved-tensor hooks name the frame
-    return running_node()  # re-entrant: the region's node runs the recomputation
+    return running_node() if hook is None else captured(hook, "target_frame_ref")()
+
+
+def reentrant_regions(output: object, known: Container[object]) -> list[object]:
+    """The autograd nodes of the re-entrant checkpointed regions ``output`` (a tensor, or a mapping or sequence of
+    them) was computed from, found by walking its autograd graph; ``known`` nodes and what lies behind them are
+    not walked again."""
+    stack = [t.grad_fn for t in _tensors(output)]
+    seen: set[object] = set()
+    found = []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen or node in known:
+            continue
+        seen.add(node)
+        if node.name() == "CheckpointFunctionBackward":
+            found.append(node)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+def _tensors(output: object) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, Mapping):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _tensors(item)]
+    return []
 
 
 def _device_of(module: nn.Module) -> torch.device:
@@ -116,6 +134,9 @@ class BranchCache:
         if not owner.recording:
             return False
         owner.branch_starts(dropped)
+        if not torch.is_grad_enabled():
+            owner.reentrant = True  # a re-entrant region (its forward runs without grad): recomputed, not held
+            return False
         if not dropped:
             return False
         self._calls += 1
@@ -124,7 +145,6 @@ class BranchCache:
             return False
         if torch.is_grad_enabled() and checkpoint_hook() is None:
             return False  # not in a checkpointed region: nothing recomputes this branch
-        owner.reentrant |= not torch.is_grad_enabled()
         self._device = _device_of(self._module)
         self._rng_before = _rng_state(self._device)
         return True
@@ -162,7 +182,7 @@ class RecomputeCache:
     def __init__(self, modules: Sequence[nn.Module]) -> None:
         self.branches = [BranchCache(m, self) for m in modules]
         self.recording = False  # a training forward of the controlled model is under way
-        self.reentrant = False  # a dropped branch of this forward ran in a re-entrant checkpointed region
+        self.reentrant = False  # a branch of this forward ran without grad (a re-entrant checkpointed region)
         #: Held in a non-re-entrant region, with the region, until a kept branch starts there.
         self.pending: list[tuple[BranchCache, object]] = []
         self._release_task: int | None = None

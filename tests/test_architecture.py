@@ -302,7 +302,6 @@ _FOREIGN_PRIVATES = {
     "_current_autograd_node": "torch: the node a backward runs now",
     "_current_graph_task_id": "torch: which backward runs now",
     "_execution_engine": "torch: a callback at the end of the running backward (a stand-in test)",
-    "_getframe": "sys: the frame that called a callback, the checkpoint frame that recomputation runs in",
     "_prepare_inputs": "transformers.Trainer: the batch as the trainer feeds it",
     "_attn_implementation": "transformers: the attention a model was loaded with",
     "_active_ddp_module": "torch DDP: the wrapper whose forward runs now",
@@ -323,7 +322,7 @@ _FOREIGN_PRIVATES = {
 }
 #: Private names of the standard library the package may read anywhere: documented there, stable.
 _STDLIB_PRIVATES = {"_exit": "os: the memory probe's child process ends without interpreter teardown"}
-#: The one module of the package that reads other libraries' private names and inspects frames.
+#: The one module of the package that reads other libraries' private names.
 _INTERNALS = PACKAGE / "internals.py"
 #: Never read from outside, whatever a file defines: the controller's parts and the attached-model registry.
 _CONTROLLER_PRIVATES = {"_hooks", "_policy", "_model", "_ATTACHED", "_undo", "_fill", "_tally"}
@@ -416,13 +415,11 @@ _FRAME_FUNCTIONS |= {("inspect", "getouterframes"), ("inspect", "getinnerframes"
 _FRAME_ATTRIBUTES = {"f_back", "f_locals", "f_globals", "tb_frame", "gi_frame", "cr_frame"}
 
 
-def test_frames_are_inspected_only_in_the_internals_module():
-    """``sys._getframe``, ``inspect.currentframe`` / ``stack`` and frame attributes appear in
-    :mod:`dropbp.internals` alone."""
+def test_no_frame_is_inspected_anywhere_in_the_package():
+    """``sys._getframe``, ``inspect.currentframe`` / ``stack`` and frame attributes appear nowhere in the package,
+    :mod:`dropbp.internals` included."""
     found = []
     for path in _package_files():
-        if path == _INTERNALS:
-            continue
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Attribute):
                 continue

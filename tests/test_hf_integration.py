@@ -389,11 +389,33 @@ def test_callback_at_construction_calibrates_with_the_models_own_loss_or_says_wh
         trainer.train()
 
 
-def test_removing_the_controller_takes_a_construction_callback_off_its_trainer(tmp_path):
+def test_removing_the_controller_leaves_a_construction_callback_idle(tmp_path):
+    """The Trainer does not tell a callback given to its constructor which handler holds it (and dropbp inspects no
+    frames to find out), so remove() leaves it on the trainer, idle: the next run is plain."""
     callback = DropBPCallback(drop_rate=0.5)
-    trainer = _trainer(tmp_path, callbacks=[callback], max_steps=4)
+    trainer = _trainer(tmp_path, callbacks=[callback], max_steps=4, logging_steps=2)
     trainer.train()
     callback.controller.remove()
-    assert callback not in trainer.callback_handler.callbacks
-    trainer.train()  # a plain Trainer again
-    assert callback.controller.step == 4
+    assert callback in trainer.callback_handler.callbacks
+    assert any(k.startswith("dropbp/") for entry in trainer.state.log_history for k in entry)
+    trainer.train()  # a plain Trainer again (train() starts a new state)
+    assert callback.controller.step == 4 and trainer.state.log_history
+    assert not any(k.startswith("dropbp/") for entry in trainer.state.log_history for k in entry)
+
+
+def test_a_construction_callback_says_where_its_figures_go_when_report_to_names_loggers(tmp_path, caplog):
+    """A callback the Trainer's constructor holds cannot reach the loggers of ``report_to`` (it is not told its
+    trainer): said at the start, with what to do."""
+    args = _args(tmp_path, max_steps=2)
+    args.report_to = ["wandb"]  # set after the arguments are checked: no wandb needed to see the message
+    callback = DropBPCallback(drop_rate=0.5)
+    with caplog.at_level("WARNING", logger="dropbp"):
+        callback.on_train_begin(
+            args, transformers.TrainerState(max_steps=2), transformers.TrainerControl(), model=_trainer(tmp_path).model
+        )
+    assert "go to trainer.state.log_history and the 'dropbp' logger only" in caplog.text
+    assert "To see them in wandb, apply it with dropbp.attach(trainer, ...)" in caplog.text
+    caplog.clear()
+    attached = attach(_trainer(tmp_path, report_to=[]), drop_rate=0.5)
+    attached.on_train_begin(args, transformers.TrainerState(max_steps=2), transformers.TrainerControl())
+    assert "log_history" not in caplog.text  # attach knows the trainer: its loggers get the figures

@@ -7,6 +7,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from dropbp import internals
+from dropbp.recompute import reentrant_regions
 
 
 class _Probe(torch.autograd.Function):
@@ -49,24 +50,26 @@ def test_backward_hooks_of_a_tensor_and_a_module():
 
 
 def _regions(use_reentrant: bool) -> tuple[list, list]:
-    """The region the forward saw and the region the recomputation saw, for one checkpointed call."""
+    """The region the forward saw (the non-re-entrant call's frame object; for a re-entrant call, its node found in
+    the output's graph) and the region the recomputation saw, for one checkpointed call."""
     forward, recomputed = [], []
 
     def region_fn(x):
+        hook = internals.checkpoint_hook()
         if internals.backward_task() == -1:
-            hook = internals.checkpoint_hook()
-            forward.append(
-                internals.captured(hook, "frame") if hook is not None else internals.reentrant_checkpoint_node()
-            )
+            if hook is not None:
+                forward.append(internals.captured(hook, "frame"))
         else:
-            hook = internals.checkpoint_hook()
             recomputed.append(
                 internals.captured(hook, "target_frame_ref")() if hook is not None else internals.running_node()
             )
         return torch.sin(x) * 2
 
     x = torch.ones(4, requires_grad=True)
-    checkpoint(region_fn, x, use_reentrant=use_reentrant).sum().backward()
+    y = checkpoint(region_fn, x * 1, use_reentrant=use_reentrant) * 3
+    if use_reentrant:
+        forward.extend(reentrant_regions(y, ()))
+    y.sum().backward()
     return forward, recomputed
 
 
@@ -76,8 +79,8 @@ def test_non_reentrant_checkpoint_names_its_region_in_forward_and_recomputation(
     assert len(forward) == len(recomputed) == 1 and forward[0] is not None and forward[0] is recomputed[0]
 
 
-def test_reentrant_checkpoint_names_its_region_in_forward_and_recomputation():
-    assert internals.reentrant_checkpoint_node() is None
+def test_reentrant_checkpoint_region_is_found_in_the_graph_and_runs_the_recomputation():
+    assert internals.running_node() is None
     forward, recomputed = _regions(use_reentrant=True)
     assert len(forward) == len(recomputed) == 1 and forward[0] is not None and forward[0] is recomputed[0]
 
@@ -114,24 +117,6 @@ def test_running_ddp_is_the_wrapper_whose_forward_runs(tmp_path):
 def test_torch_lazy_has_what_the_lazy_engine_harness_uses():
     lazy = internals.torch_lazy()
     assert callable(lazy.mark_step) and callable(lazy.ts_backend.init) and callable(lazy.metrics.counter_value)
-
-
-def test_calling_object_finds_the_trainer_callback_handler():
-    from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-    from transformers.trainer_callback import CallbackHandler
-
-    from dropbp.integrations.hf import _calling_handler
-
-    found = []
-
-    class Probe(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kw):
-            found.append(_calling_handler())
-
-    handler = CallbackHandler([Probe()], None, None, None, None)
-    handler.on_train_begin(TrainingArguments(output_dir="unused", report_to=[]), TrainerState(), TrainerControl())
-    assert found == [handler]
-    assert _calling_handler() is None  # called from something that is not a handler
 
 
 def test_trainer_prepares_inputs_and_a_config_names_its_attention():

@@ -3,7 +3,8 @@
 ``Trainer(..., callbacks=[DropBPCallback(drop_rate=0.5)])`` applies DropBP when training begins; ``attach(trainer,
 drop_rate=0.5)`` applies it at once to a trainer already made. Options: :class:`dropbp.options.TrainerOptions`.
 Over the run the callback sets the warm-up and time schedule from the run's length, calibrates uniform patterns
-once, logs ``dropbp/*`` figures as ``Trainer.log`` does, and saves and restores the controller's state beside
+once, logs ``dropbp/*`` figures (to every callback's ``on_log`` as ``Trainer.log`` does where the trainer is known:
+``attach``; else to ``log_history`` and the ``dropbp`` logger), and saves and restores the controller's state beside
 each checkpoint. It places no graph break (the trainer does). What each step does, DDP and DeepSpeed notes:
 docs/trainer.md.
 """
@@ -21,7 +22,7 @@ from transformers.trainer_callback import CallbackHandler
 
 from ..api import apply_options
 from ..controller import DropBPController
-from ..internals import calling_object, prepared_inputs
+from ..internals import prepared_inputs
 from ..options import AUTO_WARMUP, TrainerOptions, takes_options
 
 __all__ = ["STATE_FILE", "DropBPCallback", "attach", "build_callback", "callback_for", "fit_auto_warmup"]
@@ -37,7 +38,7 @@ class DropBPCallback(TrainerCallback):
     Applies :func:`dropbp.apply` to the trainer's model when training begins, then warms up, schedules,
     calibrates, logs and checkpoints as the module's docstring says. ``callback.controller`` is the
     :class:`DropBPController` (``None`` until training begins); ``callback.controller.remove()`` takes
-    DropBP off the model and this callback off its trainer.
+    DropBP off the model and leaves this callback idle (off its trainer, where :func:`attach` made it).
     """
 
     @takes_options(TrainerOptions)
@@ -107,8 +108,14 @@ class DropBPCallback(TrainerCallback):
         return self.controller is not None and not self._removed
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any):
-        if self._handler is None:
-            self._handler = _calling_handler()
+        if self._handler is None and args.report_to and not self._removed:
+            log.warning(
+                "dropbp: DropBPCallback was given to the Trainer, which hands its callbacks neither itself nor the "
+                "loggers of report_to=%s: dropbp's statistics (dropbp/...) go to trainer.state.log_history and "
+                "the 'dropbp' logger only. To see them in %s, apply it with dropbp.attach(trainer, ...) instead.",
+                args.report_to,
+                ", ".join(args.report_to),
+            )
         if self._removed:
             return
         if self.controller is None:
@@ -304,18 +311,6 @@ def callback_for(trainer: Trainer, options: TrainerOptions) -> DropBPCallback:
     callback = DropBPCallback.from_options(options)
     callback._bind(trainer)
     return callback
-
-
-def _calling_handler() -> CallbackHandler | None:
-    """The ``CallbackHandler`` whose ``call_event`` called the callback event that calls this.
-
-    The Trainer hands its callbacks neither itself nor its handler; the handler is what logs reach every
-    callback through (``Trainer.log`` calls its ``on_log``) and what a callback leaves. ``None`` where the
-    caller is something else (a framework calling events its own way): logs then go to ``log_history``
-    and the ``dropbp`` logger only.
-    """
-    caller = calling_object(depth=2)
-    return caller if isinstance(caller, CallbackHandler) else None
 
 
 def _checkpoint_folder(args: TrainingArguments, step: int) -> str:

@@ -1,0 +1,101 @@
+"""LLaMA-Factory: the README's recipe, ``run_exp(args, callbacks=[DropBPCallback(...)])``, run against LLaMA-Factory.
+
+LLaMA-Factory is not in CI's environment: 0.9.5 pins transformers <= 5.6, peft <= 0.18.1 and accelerate <= 1.11,
+older than dropbp's ``hf`` extra asks for, so ``bash ci/llamafactory.sh`` runs this file in an environment of its
+own (docs/trainer.md); here it skips. A tiny random Llama and a word-level tokenizer are saved locally, the data is
+a local JSON-lines file: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import VOCAB, tiny_model
+
+transformers = pytest.importorskip("transformers")
+
+try:
+    import llamafactory
+
+    LLAMAFACTORY_MISSING = ""
+except ImportError as err:  # not installed, or installed but unable to import here
+    llamafactory = None
+    LLAMAFACTORY_MISSING = (
+        f"LLaMA-Factory is not importable ({err}); it pins transformers <= 5.6 and peft <= 0.18.1, older than "
+        "dropbp's hf extra asks for: bash ci/llamafactory.sh runs this file in an environment of its own"
+    )
+
+pytestmark = pytest.mark.skipif(llamafactory is None, reason=LLAMAFACTORY_MISSING)
+
+#: The recipe as the README gives it, with a tiny local model and data; run as a user runs a script.
+_SCRIPT = """
+from llamafactory.train.tuner import run_exp
+from dropbp.integrations.hf import DropBPCallback
+
+args = {args}
+run_exp(args, callbacks=[DropBPCallback(drop_rate=0.5, pattern="uniform", warmup=0.0, calibrate_at=0.1)])
+"""
+
+
+def _model_and_data(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    words = {f"w{i}": i for i in range(VOCAB)}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="w3"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    model_dir = tmp_path / "model"
+    tiny_model("llama", layers=4).save_pretrained(model_dir)
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="w0", bos_token="w1", eos_token="w2", unk_token="w3"
+    ).save_pretrained(model_dir)
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    rows = (" ".join(f"w{3 + (7 * i + 5 * j) % (VOCAB - 3)}" for j in range(30)) for i in range(64))
+    (data_dir / "words.jsonl").write_text("".join(json.dumps({"text": row}) + "\n" for row in rows))
+    info = {"words": {"file_name": "words.jsonl", "columns": {"prompt": "text"}}}
+    (data_dir / "dataset_info.json").write_text(json.dumps(info))
+    return model_dir, data_dir
+
+
+def test_run_exp_with_the_callback_trains_with_dropped_branches(tmp_path):
+    """LLaMA-Factory's own ``run_exp`` (pre-training stage, LoRA on every linear layer) with the callback: the run
+    calibrates once at 10%, drops branches at every logging step, and each checkpoint carries DropBP's state."""
+    model_dir, data_dir = _model_and_data(tmp_path)
+    args = {
+        "stage": "pt",
+        "do_train": True,
+        "model_name_or_path": str(model_dir),
+        "finetuning_type": "lora",
+        "lora_target": "all",
+        "lora_rank": 4,
+        "dataset": "words",
+        "dataset_dir": str(data_dir),
+        "cutoff_len": 32,
+        "output_dir": str(tmp_path / "out"),
+        "per_device_train_batch_size": 2,
+        "max_steps": 20,
+        "learning_rate": 1e-3,
+        "logging_steps": 5,
+        "save_steps": 20,
+        "report_to": "none",
+        "seed": 7,
+        "use_cpu": True,
+        "bf16": False,
+        "overwrite_output_dir": True,
+        "plot_loss": False,
+    }
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT.format(args=repr(args)))
+    env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "WANDB_MODE": "disabled"}
+    env.update({k: v for k, v in __import__("os").environ.items() if k not in env})
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    checkpoint = tmp_path / "out" / "checkpoint-20"
+    state = json.loads((checkpoint / "dropbp_state.json").read_text())
+    assert state["calibrated"] and state["controller"]["seed"] == 7 and state["controller"]["step"] == 20
+    history = json.loads((checkpoint / "trainer_state.json").read_text())["log_history"]
+    assert len([h for h in history if "dropbp/rate_mean" in h]) == 1
+    drops = [h for h in history if "dropbp/dropped_branches" in h]
+    assert len(drops) == 4 and all(0 < h["dropbp/dropped_branches"] < 8 for h in drops)
