@@ -1,20 +1,12 @@
-"""Stored activations bounded at every step: at most ``keep`` kept branches store theirs.
+"""Stored activations bounded at every step (``memory_bound``): at most ``keep`` kept branches store theirs.
 
-A step of the cut shape keeps every branch above its cut, and a shallow cut keeps them all: that
-step needs full backprop's activation memory. With the bound on, a step whose pattern keeps more
-branches than ``keep`` runs the layers of the lowest kept branches checkpointed (non-re-entrant
-``torch.utils.checkpoint``: their activations are recomputed in backward) until no more than
-``keep`` store theirs, counting the inputs the checkpointed layers keep (:data:`INPUTS_PER_BRANCH`).
-Gradients are the pattern's exactly (checkpointing recomputes exactly, random
-ops included), and a dropped branch inside such a layer is still not recomputed
-(:mod:`dropbp.recompute`). ``keep`` is what the uniform shape keeps at most at the drop rate:
-``N - floor(drop_rate x N)``. Layers already inside a checkpointed region (Hugging Face
-``gradient_checkpointing``) are left alone: their activations are not stored anyway.
-
-The unit checkpointed is the module holding a branch (its decoder layer) when it holds several
-branches, else the branch module itself. A checkpointed layer gets no key/value cache (as Hugging
-Face's own checkpointing does in training): a cache updated in forward would be updated again when
-the layer is recomputed.
+A step whose pattern keeps more than ``keep = N - floor(drop_rate x N)`` branches (what the uniform shape keeps at
+most) runs the layers of its lowest kept branches checkpointed (non-re-entrant ``torch.utils.checkpoint``) until no
+more than ``keep`` store activations, counting the inputs the checkpointed layers keep (:data:`INPUTS_PER_BRANCH`).
+Gradients are the pattern's exactly, and a dropped branch inside such a layer is still not recomputed
+(:mod:`dropbp.recompute`). Layers already inside a checkpointed region (Hugging Face ``gradient_checkpointing``) are
+left alone; a layer checkpointed here gets no key/value cache. Why, the unit checkpointed, and the measured peaks:
+docs/memory.md ("Stored activations bounded at every step").
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """A memory-lean LM head and cross-entropy for Hugging Face causal LMs called with ``labels``.
 
-With a large vocabulary the logits dominate what a long sequence keeps for backward: SmolLM2's
-49,152-token vocabulary costs 192 KiB of float32 logits per token, and the plain path holds the
-logits, their log-softmax and, in backward, their gradient: more per token than a third of its
-layers. Dropping branches cannot touch that part, so it caps DropBP's memory gain. Here the head
-and the loss run over chunks of tokens, inside one autograd function that keeps only the final
-hidden states and the labels and recomputes each chunk's logits in backward. So the full logits and
-their gradient never exist at once; the loss and every gradient are the plain path's (the same
-formula, summed chunk by chunk). It is independent of dropping: a baseline can use it at rate 0.
-
-It patches the model instance's ``forward`` (the class is untouched, so ``isinstance``, state-dict
-keys and ``save_pretrained`` are unchanged); :meth:`ChunkedLoss.remove` restores it, and copies and
-pickles of the model leave it out (:mod:`dropbp.copies`). Only training
-forwards (``model.training`` and grad mode on) with ``labels`` take the chunked path, and they
-return ``logits=None``; evaluation keeps the plain path so metrics still see logits.
+The head and the loss run over chunks of tokens inside one autograd function that keeps only the final hidden
+states and the labels and recomputes each chunk's logits in backward, so the full logits and their gradient never
+exist at once; the loss and every gradient are the plain path's. It is independent of dropping (usable at rate 0).
+It patches the model instance's ``forward`` (the class, ``isinstance``, state-dict keys and ``save_pretrained`` are
+unchanged); :meth:`ChunkedLoss.remove` restores it, and copies and pickles of the model leave it out
+(:mod:`dropbp.copies`). Only training forwards (``model.training`` and grad mode on) with ``labels`` take the
+chunked path, and they return ``logits=None``; evaluation keeps the plain path. Why and what it saves:
+docs/memory.md, section 2.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """``torch.compile`` with DropBP: the drop decision stays out of compiled graphs, so recompiles stay bounded.
 
-Dynamo guards every compiled graph on the Python values it read while tracing. Were the controller's
-hooks traced, each graph would be guarded on the current drop pattern and recompiled for every new
-pattern (hundreds over a run, far past Dynamo's cache limit). So every DropBP hook runs eagerly
-(:func:`outside_graphs`); a compiled branch sees only the grad mode its hook set: grad on (kept) or
-off (dropped). Grad mode is part of Dynamo's global-state guard, so each branch ``forward`` code
-gets exactly two graphs, however many layers share it and whatever the patterns.
-
-The recipe is :func:`compile_branches`: compile the branch modules themselves (regional compilation,
-the usual way to compile a transformer). Compiling the whole model (``model.compile()``) is also bounded
-(graphs break at every hook) but not exact: a compiled region whose output feeds only dropped branches
-(the norm in front of a dropped MLP) gets a zero gradient instead of none from AOTAutograd, and an
-optimizer such as AdamW then still moves those weights. So does compiling whole layers. The first
-training forward in which a branch runs inside such a compiled region says so, once
-(:class:`EnclosingCompileWarning`).
+Every DropBP hook runs eagerly (:func:`dropbp.eager.outside_graphs`): a compiled branch sees only the grad mode its
+hook set, on (kept) or off (dropped), so each branch ``forward`` code gets exactly two graphs, however many layers
+share it and whatever the patterns. The recipe is :func:`compile_branches` (compile the branch modules themselves).
+Compiling the whole model (``model.compile()``) or whole layers is bounded but not exact: a compiled region whose
+output feeds only dropped branches gets a zero gradient instead of none. The first training forward in which a branch
+runs inside such a region says so, once (:class:`EnclosingCompileWarning`). Why, and what was measured:
+docs/scaling-out.md ("torch.compile").
 """
 
 from __future__ import annotations

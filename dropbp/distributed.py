@@ -1,24 +1,12 @@
 """DropBP under ``torch.distributed``: what DDP needs to know; FSDP2 needs nothing.
 
-Every rank draws the same pattern without communicating (a pure function of seed and step,
-:mod:`dropbp.sampler`), so every rank skips the same branches and the collectives of DDP and FSDP2
-``fully_shard`` match. Parameters of dropped branches get no gradient at all (``.grad`` stays
-``None``, so AdamW neither decays nor moves them), exactly as on one process:
-
-- **FSDP2** reduce-scatters only the parameters that received a gradient, the same set on every
-  rank. ``dropbp.apply`` works before or after ``fully_shard`` (it finds the branches by module
-  path, which sharding keeps, and reads parameters at use).
-- **DDP** waits for a gradient of every parameter unless it looks for unused ones
-  (``find_unused_parameters=True``). Without that it finishes the first step with buckets pending,
-  never reducing the gradients in them, and raises "Expected to have finished reduction" at the next;
-  with ``static_graph=True`` it assumes the unused set never changes, which DropBP changes every
-  step. So a DDP wrapper with either setting is refused with a message saying what to pass, when it
-  is given to ``dropbp.apply`` and, for a model wrapped after ``apply``, at its first training forward
-  (DDP names the wrapper running a forward in ``DistributedDataParallel._active_ddp_module``). With
-  ``find_unused_parameters=True`` DDP leaves the gradient of a parameter unused on every rank untouched.
-- **DeepSpeed** ZeRO treats a parameter without a gradient differently per stage, never as one process
-  does; :mod:`dropbp.integrations.deepspeed` makes it (a ``DeepSpeedEngine`` given to ``apply`` is unwrapped
-  like DDP, :func:`dropbp.frameworks.unwrap`).
+Every rank draws the same pattern without communicating (:mod:`dropbp.sampler`), so the collectives of DDP and FSDP2
+``fully_shard`` match, and a dropped branch's parameters get no gradient (``.grad`` stays ``None``), as on one
+process. A DDP wrapper without ``find_unused_parameters=True``, or with ``static_graph=True``, is refused with a
+message saying what to pass (:func:`check_ddp`): when it is given to ``dropbp.apply`` and, for a model wrapped after
+``apply``, at its first training forward (:class:`RunningDDPCheck`); so is re-entrant activation checkpointing under
+DDP (:func:`check_running_ddp_checkpointing`). DeepSpeed ZeRO: :mod:`dropbp.integrations.deepspeed`.
+Why, and what is tested: docs/scaling-out.md; DeepSpeed: docs/deepspeed.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
-"""What the optimizer sees for a branch whose backward was dropped.
+"""What the optimizer sees for a branch whose backward was dropped (``dropped_grads``).
 
-A dropped branch's parameters get no gradient, so their ``.grad`` stays ``None`` and PyTorch's
-optimizers skip them: a branch dropped with rate ``r`` is updated in only ``1 - r`` of the steps
-(``"skip"``, the paper's behaviour). Under Adam(W) that loss of updates, not the noisier gradient,
-is most of what slows convergence per step. Two alternatives keep every branch moving every step:
-
-- ``"zero"``: the dropped parameters get a zero gradient, so a momentum optimizer still steps them
-  along their momentum (Adam: ``m`` and ``v`` decay, the update keeps its direction). Costs nothing
-  beyond the zero tensors, which full backprop would have allocated as gradients anyway.
-- ``"reuse"``: the dropped parameters get their most recent computed gradient (a stale gradient,
-  as in asynchronous SGD). Costs one stored gradient per trainable branch parameter: negligible for
-  LoRA, one gradient copy of the branches for full fine-tuning. The store starts empty after a
-  resume; until a branch has been kept once, it is skipped.
-
-The fill runs in a global optimizer step pre-hook (``torch.optim.optimizer.
-register_optimizer_step_pre_hook``), so it works with any training loop: a hand-written
-``optimizer.step()``, Hugging Face ``Trainer`` (after gradient clipping), or a ``GradScaler`` (after
-unscaling). Only parameters the stepping optimizer holds, of branches dropped since the previous
-step, with ``.grad is None``, are filled.
+- ``"skip"`` (the default, the paper's): no gradient; ``.grad`` stays ``None`` and PyTorch's optimizers skip them.
+- ``"zero"``: a zero gradient, so a momentum optimizer still steps them along their momentum.
+- ``"reuse"``: their most recent computed gradient (a stale gradient); the store starts empty after a resume, and
+  until a branch has been kept once it is skipped.
+The fill runs in a global optimizer step pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``), so
+any training loop works; only parameters the stepping optimizer holds, of branches dropped since the previous step,
+with ``.grad is None``, are filled. Costs, and what each mode did to convergence: docs/history.md ("The levers").
 """
 
 from __future__ import annotations

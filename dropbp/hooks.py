@@ -1,18 +1,13 @@
 """The per-step decision and the hooks that carry it to the model and its branches.
 
-Once per training-mode forward of the model (a forward pre-hook, before any branch runs) the
-decision asks the policy for the step's pattern and keeps it until the next one. Activation
-checkpointing re-runs forwards during backward, possibly after further forwards (several losses, one
-backward): each checkpointed region is recorded with the pattern of the forward that ran it, and its
-recomputation obeys that one (:meth:`StepHooks.in_force`). Each branch module consults it when
-called: a dropped one runs without autograd (:mod:`dropbp.no_grad`) and is not run again by
-checkpointing (:mod:`dropbp.recompute`); a kept one may get its incoming gradient scaled
-(:mod:`dropbp.scaling`). Eval and no-grad forwards draw nothing. Calibration forces a pattern
-(:meth:`StepHooks.force`) without taking a step. Every hook runs outside ``torch.compile`` graphs.
-
-Whatever else must follow each step's pattern (the fill of dropped gradients, the DDP check, a
-framework's guard, the drop tally) is a :class:`StepListener` its owner adds (:meth:`StepHooks.listen`):
-a new concern adds a listener, not a line here.
+Once per training-mode forward of the model (a forward pre-hook, before any branch runs) the policy gives the step's
+pattern, kept until the next one; eval and no-grad forwards draw nothing, and :meth:`StepHooks.force` sets a pattern
+(calibration) without taking a step. A checkpointed region's recomputation obeys the pattern of the forward that ran
+it (:meth:`StepHooks.in_force`). A dropped branch runs without autograd (:mod:`dropbp.no_grad`) and is not recomputed
+(:mod:`dropbp.recompute`); a kept one may get its incoming gradient scaled (:mod:`dropbp.scaling`). Every hook runs
+outside ``torch.compile`` graphs. Whatever else must follow each step's pattern (dropped-gradient fill, DDP check, a
+framework's guard, the drop tally) is a :class:`StepListener` its owner adds (:meth:`StepHooks.listen`), not a line
+here. Several forwards before one backward: docs/checkpointing.md.
 """
 
 from __future__ import annotations

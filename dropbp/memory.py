@@ -1,21 +1,12 @@
 """Exact saved-activation accounting: the bytes autograd keeps for backward after one training forward.
 
-The paper's memory claim is that a dropped branch keeps no activations. Peak-memory figures show it
-only where activations dominate and only on a device with an allocator; this module counts it
-exactly, on any device, from autograd itself. Every tensor autograd saves during the forward passes
-through a ``torch.autograd.graph.saved_tensors_hooks`` pack hook; after the forward, the packs
-still referenced by the graph that leads to the loss are what backward needs (packs of graph parts
-that no longer reach the loss, such as the pre-norm feeding a dropped branch, are freed with them and
-do not count). Each storage is counted once (views and re-saves of one tensor share it), and the
-model's parameters and buffers are left out: they are held whether or not anything trains.
-
-The bytes are split by where they were saved: inside each branch module (a storage saved only within
-that branch), and the rest (embeddings, norms, the residual stream, rotary tables, logits and loss,
-and storages several branches share). The count depends only on the model, the batch's shape and the
-pattern, not on the values, so it is exact and repeatable. Measure with ``pattern="uniform"``
-controllers in mind: that shape drops about ``drop_rate`` of the branches every step, so every
-step's saved bytes are about the same; the ``"cut"`` shape drops nothing in some steps, and those
-steps need full backprop's memory.
+:func:`saved_bytes` counts, through a ``saved_tensors_hooks`` pack hook, the storages that the graph leading to the
+loss still holds after a forward with a given pattern: each storage once, the model's parameters and buffers left
+out, split into each branch's own (saved only within that branch) and the rest (embeddings, norms, the residual
+stream, rotary tables, logits and loss, storages several branches share). :func:`branch_bytes` gives what dropping
+each branch alone frees. The count depends only on the model, the batch's shape and the pattern, so it is exact and
+repeatable on any device. A ``"cut"`` controller drops nothing in some steps (full backprop's memory); measure with
+``pattern="uniform"`` for a figure every step shares. Why and what was measured: docs/memory.md, section 1.
 """
 
 from __future__ import annotations

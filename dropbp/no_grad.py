@@ -1,15 +1,12 @@
 """Running a dropped branch: forward under ``torch.no_grad()``, so it builds no graph.
 
-The research code computes a dropped branch with autograd on and detaches its output afterwards;
-that gives the same numbers but still records the graph and keeps every activation the branch
-saved until the step ends. Switching grad mode off around the branch's own call gives identical
-values and gradients (nothing upstream can receive a gradient through a detached output) while
-saving that memory and the bookkeeping. The model's modules are not replaced: two hooks per branch
-module toggle grad mode, so state-dict keys, ``isinstance`` and PEFT target names are unchanged.
-The hooks also feed the branch's :class:`~dropbp.recompute.BranchCache` (activation checkpointing
-skips recomputing dropped branches), and they run outside ``torch.compile`` graphs
-(:mod:`dropbp.compile`). torch runs ``always_call`` hooks after an ``Exception`` only: the grad mode a
-``KeyboardInterrupt`` leaves is put back by the model's guarded forward (:mod:`dropbp.hooks`).
+Values and gradients are those of running the branch with autograd and detaching its output (the research code's
+way), without that graph's memory and bookkeeping (docs/memory.md). The model's modules are not replaced: two hooks
+per branch module toggle grad mode, so state-dict keys, ``isinstance`` and PEFT target names are unchanged. The
+hooks also feed the branch's :class:`~dropbp.recompute.BranchCache` (activation checkpointing skips recomputing
+dropped branches), and they run outside ``torch.compile`` graphs (:mod:`dropbp.compile`). torch runs
+``always_call`` hooks after an ``Exception`` only: the grad mode a ``KeyboardInterrupt`` leaves is put back by the
+model's guarded forward (:mod:`dropbp.hooks`).
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """The options of ``dropbp.apply`` and of the Trainer integration, declared and validated once.
 
-:class:`DropBPOptions` holds every keyword option of :func:`dropbp.apply`; :class:`TrainerOptions`
-adds what only a Trainer run has (``warmup`` and ``calibrate_at``, fractions of the run) and leaves
-out what the run decides itself (``warmup_steps`` and ``total_steps``, which the callback of
-:mod:`dropbp.integrations.hf` derives from the run's length). Each field carries its default and its
-help text; :func:`takes_options` turns them into the keyword parameters that ``help()`` shows for
-``apply``, ``attach`` and ``DropBPCallback``, and the axolotl plugin derives its ``dropbp_*`` config
-keys from the same fields (:mod:`dropbp.integrations.axolotl`).
-
-**Adding an option is one edit, here**: a field of :class:`DropBPOptions` (or of
-:class:`TrainerOptions`, if only a Trainer run has it) with its default, its help and its check in
-``__post_init__``. ``apply``, ``attach``, ``DropBPCallback`` and the axolotl keys take it from
-there; what the option *does* is then wired where it acts (the policy, the controller).
-
-Validation happens once, when an options object is made: an object that exists is valid (it is
-frozen), so the parts built from it (policy, controller, hooks) do not check its values again; they
-check only what needs the model (a uniform drop rate against the number of branches, a schedule's peak).
-A setting changed later (``ctl.seed = ...``, ``ctl.replace_options(...)``) replaces the controller's
-options with ``dataclasses.replace``, so a value is refused with the same message either way.
+:class:`DropBPOptions` holds every keyword option of :func:`dropbp.apply`; :class:`TrainerOptions` adds ``warmup``
+and ``calibrate_at`` (fractions of the run) and leaves out ``warmup_steps`` and ``total_steps`` (the callback of
+:mod:`dropbp.integrations.hf` derives them from the run's length). :func:`takes_options` makes each field's default
+and help the keyword parameters of ``apply``, ``attach`` and ``DropBPCallback``; the axolotl ``dropbp_*`` keys come
+from the same fields (:mod:`dropbp.integrations.axolotl`). Adding an option is one field here (default, help, check
+in ``__post_init__``), then wired where it acts (the policy, the controller). An object is valid once made (frozen):
+the parts built from it check only what needs the model (a uniform rate against the branch count, a schedule's peak).
+A later change (``ctl.seed = ...``, ``ctl.replace_options(...)``) uses ``dataclasses.replace``: the same checks.
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """Which branches drop at a given step: a pure function of (seed, step, rates).
 
-Systematic sampling over the branches in a random order: with cumulative rates laid end to end on
-``[0, R)`` (``R = sum(rates)``), the points ``u, u + 1, u + 2, ...`` (``u`` uniform in ``[0, 1)``)
-each fall in one branch's interval, and that branch drops. Since every rate is below 1, branch ``i``
-drops with probability exactly ``rates[i]``, and exactly ``floor(R)`` or ``ceil(R)`` branches drop
-each step, which keeps the step time and peak memory steady. With ``R <= N - 1`` (the rule that
-:mod:`dropbp.checks` enforces) no step drops every branch.
-
-With ``max_patterns=K`` the sampler draws from a pool of ``K`` patterns instead, built with one order
-and the stratified offsets ``(k + v) / K``: across the pool branch ``i`` drops in
-``floor(K * r_i)`` or ``ceil(K * r_i)`` patterns and each pattern drops ``floor(R)`` or ``ceil(R)``
-branches. That layout alone repeats few patterns (at uniform rates, every other branch of the one
-order), so random swaps that keep every row and column count (pattern a drops i but not j, pattern
-b drops j but not i: exchange) then mix the pool. Cycling through the pool in that fixed order keeps
-each branch's frequency within ``1 / K`` of its rate. Compiled-graph backends need this bound: each
-distinct pattern is a distinct graph. The fixed order matters under gradient accumulation too: a
-step's graphs depend on the sequence of its micro-batches' patterns, and a fixed cycle makes that
-sequence repeat (at most ``K / gcd(K, a)`` distinct ones for ``a`` micro-batches per step).
-
-Randomness comes from ``random.Random`` seeded with a string, which Python hashes with SHA-512, so
-every process (every rank of a distributed job) computes the same pattern without communicating.
+:class:`PatternSampler` (the uniform shape) drops branch ``i`` with probability exactly ``rates[i]`` and exactly
+``floor(R)`` or ``ceil(R)`` branches each step (``R = sum(rates)``); with ``R <= N - 1`` (the rule that
+:mod:`dropbp.checks` enforces) no step drops every branch. :class:`CutSampler` drops every branch below a random cut.
+With ``max_patterns=K`` either cycles, in one fixed order, through a pool of ``K`` patterns (for compiled-graph
+backends, where each distinct pattern is a distinct graph), each branch's frequency within ``1 / K`` of its rate:
+at most ``K / gcd(K, a)`` distinct pattern sequences for ``a`` micro-batches per step. Randomness comes from
+``random.Random`` seeded with a string (hashed with SHA-512), so every process computes the same pattern without
+communicating. How patterns are drawn: docs/patterns.md ("How patterns are drawn"); the pool: docs/backends.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """Drop-rate schedules: pure functions of the step that scale every branch's rate.
 
-A schedule multiplies the rates by a factor in ``[0, 1]`` that depends only on the step, so the
-pattern of a step stays a pure function of (seed, step, rates) and a resumed run repeats an
-uninterrupted one. The controller uses :func:`warmup_factor` (``apply(..., warmup_steps=N)``,
-``attach(trainer, warmup=0.2)``) and, when it knows the run's length (``apply(..., total_steps=T)``,
-``attach`` always), a :class:`TimeSchedule`; :func:`anneal_factor` is the measured alternative the
-convergence benchmark compares against (applied there with ``ctl.set_rates`` each step).
-
-Warm-up exists because the first steps of a fine-tune are where it learns most: running them with
-(nearly) full backprop closed about a fifth of DropBP's gap at equal time in the recorded runs. A
-warm-up alone saves less compute than the drop rate asked for; a :class:`TimeSchedule` gives the
-saving back later in the run, so that the mean rate over the run is the drop rate (the same compute).
+A schedule multiplies the rates by a factor in ``[0, 1]`` that depends only on the step, so the pattern of a step
+stays a pure function of (seed, step, rates) and a resumed run repeats an uninterrupted one. The controller uses
+:func:`warmup_factor` (``apply(..., warmup_steps=N)``, ``attach(trainer, warmup=0.2)``) and, when it knows the run's
+length (``apply(..., total_steps=T)``, ``attach`` always), a :class:`TimeSchedule`, which gives back later in the run
+what the warm-up left undropped, so that the mean rate over the run is the drop rate; :func:`anneal_factor` is the
+measured alternative the convergence benchmark compares against (applied there with ``ctl.set_rates`` each step).
+Why, and what was measured: docs/regime.md ("A drop rate that moves with training time"), docs/history.md.
 """
 
 from __future__ import annotations

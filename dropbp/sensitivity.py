@@ -1,20 +1,12 @@
 """Branch sensitivities (the DropBP paper's calibration), from ONE forward pass.
 
-S_i = sum over trainable parameters P of (||g_P|| - ||g_P^(i)||)^2, where g is the gradient with
-nothing dropped and g^(i) the gradient with only branch i dropped (``gradnorm=False``: the squared
-norm of the whole difference, sum ||g_P - g_P^(i)||^2).
-
-The research code runs N + 1 forward+backward passes. For a fixed forward the backward is linear in
-the incoming gradient, and dropping branch i changes only one thing: the gradient ``d_i`` arriving at
-the branch output ``y_i`` is no longer propagated into the branch. Everything downstream of ``y_i``
-is untouched, so
-
-    g^(i) = g - c^(i),    c^(i) = vector-Jacobian product of y_i with d_i, w.r.t. the parameters,
-
-and ``c^(i)`` is a backward pass that starts at ``y_i`` and only covers the graph upstream of it.
-One forward, one full backward, and N partial backwards: no forward is ever repeated, the
-randomness (dropout) is the same for every branch by construction, and ``.grad`` is never touched.
-The brute-force method is kept (``exact_recompute``) to check against.
+S_i = sum over trainable parameters P of (||g_P|| - ||g_P^(i)||)^2, where g is the gradient with nothing dropped
+and g^(i) the gradient with only branch i dropped (``gradnorm=False``: the squared norm of the whole difference,
+sum ||g_P - g_P^(i)||^2). :func:`one_pass` gets every ``g^(i) = g - c^(i)`` (``c^(i)``: the vector-Jacobian product
+of branch i's output ``y_i`` with the gradient arriving there, a backward that covers only the graph upstream of
+``y_i``) from one forward, one full backward and N partial backwards: no forward is repeated, the randomness
+(dropout) is the same for every branch by construction, and ``.grad`` is never touched. The research code's N + 1
+forward+backward passes are kept to check against (:func:`exact_recompute`). Derivation, timings: docs/calibration.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """``dropbp bench``: step time, ideal vs measured, throughput and memory, baseline against DropBP.
 
-For every point of the grid (model preset x method x sequence length x batch size) one model is
-trained by every configuration in turn, round by round in rotating order: the baseline (the model
-with no library attached), the library at each drop rate (attached and removed outside the timed
-region), and, to state the ideal, every branch without autograd (B0). Per configuration it records
-the forward (F), backward (B) and optimizer (O) phases. The ideal step time at rate p is
-``F + B0 + O0 + (1 - p)(B - B0 + O - O0)`` (dropped parameters also skip the optimizer update);
-efficiency = ideal / measured; speedups are medians of per-round ratios, so drift cancels.
-Peak memory: the device allocator's peak where there is one; on the CPU, the peak resident memory
-of a fresh process per configuration (``memory=True``).
+For every point of the grid (model preset x method x sequence length x batch size) one model is trained by every
+configuration in turn, round by round in rotating order: the baseline (the model with no library attached), the
+library at each drop rate, and every branch without autograd (B0). Per configuration it records the forward (F),
+backward (B) and optimizer (O) phases; the ideal step time at rate p is ``F + B0 + O0 + (1 - p)(B - B0 + O - O0)``,
+efficiency = ideal / measured, and speedups are medians of per-round ratios. Peak memory: the device allocator's
+peak where there is one; on the CPU, the peak resident memory of a fresh process per configuration (``memory=True``).
+Why each choice, and recorded figures: docs/performance.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """``dropbp check``: proves dropbp on the user's own device and model, in a minute or two.
 
-No accelerator is available where dropbp is developed; the people who have the hardware are its
-users. This runs, on their device: the environment report (:mod:`.check_env`), the lazy-graph
-checks where the backend compiles graphs per pattern (:mod:`.check_graphs`), the correctness
-contract (:mod:`.check_grads`), and what DropBP buys there (``dropbp bench``'s interleaved
-measurement, :func:`dropbp.tools.bench.measure_model`). ``run_check`` is the notebook entry point;
-the command writes ``check.json`` and ``check.md`` to attach to an issue.
-
-Every place whose result depends on the pattern shape names it (``pattern="uniform"`` where one
-shape is enough, both shapes for the gradient check and the speed figures), so a change of
-``dropbp.apply``'s default shape changes no check.
+It runs, on their device: the environment report (:mod:`.check_env`), the lazy-graph checks where the backend
+compiles graphs per pattern (:mod:`.check_graphs`), the correctness contract (:mod:`.check_grads`), and what DropBP
+buys there (``dropbp bench``'s interleaved measurement, :func:`dropbp.tools.bench.measure_model`). ``run_check`` is
+the notebook entry point; the command writes ``check.json`` and ``check.md`` to attach to an issue. Every place whose
+result depends on the pattern shape names it (``pattern="uniform"`` where one shape is enough, both shapes for the
+gradient check and the speed figures), so a change of ``dropbp.apply``'s default shape changes no check.
+What it reports and why users run it: the README ("Verify on your hardware").
 """
 
 from __future__ import annotations

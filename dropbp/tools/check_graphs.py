@@ -1,19 +1,11 @@
 """The lazy-graph part of ``dropbp check``: step boundaries and the compilation bound, observed.
 
-On a device that compiles one graph per drop pattern (Gaudi in lazy mode: the backend sets a
-pattern bound), two things decide whether DropBP pays off: each step is cut into a forward+backward
-graph and an update graph (a graph break right after ``backward`` and right after the optimizer
-step), and the graph cache stops growing once every pattern of the bounded pool has been seen.
-Both are observed through the backend's own compilation counter, not assumed:
-
-- a break that is in place compiles the pending graph there, the first time it is seen, so the
-  counter rises across ``ctl.backward`` (and across ``ctl.optimizer_step``) in some step; a missing
-  break moves that compilation elsewhere, and the counter never rises there;
-- after two passes over the pool (the first update of a parameter differs: momentum buffers are
-  created), a third pass compiles nothing.
-
-Where every graph came from a cache (the counter never moves) the placement cannot be observed and
-the checks say so (SKIP) rather than pass.
+On a device that compiles one graph per drop pattern (the backend sets a pattern bound: Gaudi in lazy mode),
+:func:`graph_checks` observes through the backend's own compilation counter, not by assumption, that each step is
+cut into a forward+backward graph and an update graph (a graph break right after ``backward`` and right after the
+optimizer step), and that the graph cache stops growing once every pattern of the bounded pool has been seen. Where
+every graph came from a cache (the counter never moves) the placement cannot be observed and the checks say so
+(SKIP) rather than pass. How each is observed: docs/backends.md ("What `dropbp check` observes in lazy mode").
 """
 
 from __future__ import annotations

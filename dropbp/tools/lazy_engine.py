@@ -1,16 +1,12 @@
 """The HPU backend's lazy mode on PyTorch's own lazy-tensor engine (``torch._lazy``), on the CPU.
 
-Gaudi's lazy mode and ``torch._lazy`` (TorchScript backend, device ``"lazy"``) share one design: ops
-accumulate into a graph until ``mark_step``, which compiles that graph or fetches it from a cache keyed
-by the graph. :class:`LazyEngineBackend` is :class:`~backends.hpu.HPUBackend` in lazy mode with only its
-two touch points on Habana's stack moved: ``mark_step`` is ``torch._lazy.mark_step`` and the device is
-``"lazy"``. Everything else (graph breaks, the pattern bound, ``ctl.backward`` / ``ctl.optimizer_step``)
-is the HPU backend's own code. :func:`compiled_graphs` and :func:`graph_runs` read the engine's counters:
-graphs compiled (cache misses) and graphs run (misses and hits).
-
-The engine's cache lives as long as the process: counts are per process, so a measurement that must not
-meet graphs compiled before it uses shapes of its own. For measurement and tests only; a real Gaudi
-run uses :class:`~backends.hpu.HPUBackend` unchanged.
+:class:`LazyEngineBackend` is :class:`~backends.hpu.HPUBackend` in lazy mode with only its two touch points on
+Habana's stack moved: ``mark_step`` is ``torch._lazy.mark_step`` and the device is ``"lazy"``; everything else
+(graph breaks, the pattern bound, ``ctl.backward`` / ``ctl.optimizer_step``) is the HPU backend's own code.
+:func:`compiled_graphs` (cache misses) and :func:`graph_runs` (misses and hits) read the engine's counters, which are
+per process (the cache lives as long as the process): a measurement that must not meet graphs compiled before it uses
+shapes of its own. For measurement and tests only; a real Gaudi run uses :class:`~backends.hpu.HPUBackend`
+unchanged. The engine, and what it showed: docs/backends.md ("Gaudi lazy mode on a real lazy engine").
 """
 
 from __future__ import annotations

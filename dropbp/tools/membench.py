@@ -1,19 +1,13 @@
 """``dropbp bench --memory`` and ``--max-seq-len``: real peak memory and the longest trainable sequence.
 
-Every figure comes from a real training step (micro-batch 1: forward, backward, optimizer step) in a
-fresh process (:mod:`dropbp.tools.memprobe`), so no configuration inherits another's heap:
-- the memory table: per sequence length and configuration, the peak above the level after loading
-  the model and optimizer (CPU: the resident set; devices with an allocator: its peak), next to the
-  exact saved-activation count of the same pattern (:mod:`dropbp.memory`), split into dropped
-  branches, kept branches and the rest;
-- the longest sequence that fits a budget (judged by each probe's measured absolute peak), by a
-  search on a grid of lengths 2^(k/4) x 256, rounded to multiples of 64: doubling from the longest
-  length already known to fit, then bisection. A configuration that drops more never needs more
-  memory, so each drop rate starts from the previous rate's longest.
-Every DropBP configuration uses ``pattern="uniform"``: it drops about ``drop_rate`` of the branches
-in every step, so every step's memory is about the same. (The ``"cut"`` shape drops nothing in some
-steps, and a step that drops nothing needs full backprop's memory: its peak is the baseline's.)
-Rate 0 is the baseline: the model without the library (with ``chunked_loss``: the chunked loss alone).
+Every figure comes from a real training step (micro-batch 1) in a fresh process (:mod:`dropbp.tools.memprobe`).
+:func:`memory_table`: per sequence length and configuration, the peak above the level after loading the model and
+optimizer, next to the exact saved-activation count of the same pattern (:mod:`dropbp.memory`), split into dropped
+branches, kept branches and the rest. :func:`longest_sequence`: the longest length on the grid of
+:func:`grid_length` whose probe's measured absolute peak fits a budget (doubling, then bisection; each drop rate
+starts from the previous rate's longest). Every DropBP configuration uses ``pattern="uniform"``; rate 0 is the
+baseline: the model without the library (with ``chunked_loss``: the chunked loss alone). Method, and why uniform:
+docs/memory.md ("Commands").
 """
 
 from __future__ import annotations

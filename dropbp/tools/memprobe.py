@@ -1,20 +1,12 @@
 """One memory probe: a fresh process that trains one real step and reports its peak memory.
 
-``python -m dropbp.tools.memprobe '<json spec>'`` (run by :mod:`dropbp.tools.membench`, one process
-per configuration, so no probe inherits another's heap). It builds the model and optimizer, records
-the memory level, trains micro-batch 1 for ``steps`` steps (forward, backward, optimizer step), and
-prints one JSON line: the peak above that level and the absolute peak. On the CPU the peak is the
-process's high-water resident set (``VmHWM``, reset after loading through ``/proc/self/clear_refs``);
-on devices with an allocator it is the allocator's peak. On glibc the probe first fixes the heap's
-mmap threshold at 64 KiB, so every tensor of that size or more is mapped on allocation and unmapped on
-free: the resident set then follows the tensors alive, not the heap's history (with the default, dynamic
-threshold a freed block can stay resident and the peak depends on the order of earlier frees).
-With a budget, a CPU probe stops as soon as its resident set passes it (a watchdog thread), so an
-over-budget probe costs seconds, not a step.
-Optionally it then counts the saved activations of the same pattern (:mod:`dropbp.memory`).
-The spec may also name the pattern shape (``"pattern"``, default uniform), the memory bound
-(``"memory_bound"``, default off), the seed and Hugging Face activation checkpointing (``"checkpointing"``).
-Progress goes to stderr.
+``python -m dropbp.tools.memprobe '<json spec>'`` (run by :mod:`dropbp.tools.membench`, one process per
+configuration) builds the model and optimizer, records the memory level, trains micro-batch 1 for ``steps`` steps
+and prints one JSON line: the peak above that level and the absolute peak (CPU: the high-water resident set
+``VmHWM``, with glibc's mmap threshold fixed at 64 KiB; devices with an allocator: its peak). With a budget, a CPU
+probe stops as soon as its resident set passes it. Optionally it counts the saved activations of the same pattern
+(:mod:`dropbp.memory`). The spec may name the pattern shape (``"pattern"``, default uniform), the memory bound
+(``"memory_bound"``, default off), the seed and ``"checkpointing"``. Progress goes to stderr. Why: docs/memory.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
 """QLoRA for the tools: a causal LM's linear layers as bitsandbytes nf4 4-bit weights, then PEFT LoRA.
 
-This is what the research code's ``--quantize bnb.nf4`` does, in the Hugging Face way a user would
-write it: the model is (re)loaded with ``BitsAndBytesConfig(load_in_4bit=True,
-bnb_4bit_quant_type="nf4")`` (no double quantisation, as ``bnb.nf4``; the compute dtype is the
-training dtype), which turns every ``nn.Linear`` of the decoder layers into ``bnb.nn.Linear4bit``
-(the LM head stays as it is), and LoRA then goes on the same targets as the ``lora`` method. A model
-built in memory (a random preset) is saved to a temporary folder first: loading is the one path on
-which transformers quantises, and it needs nothing from the network.
-
-``peft.prepare_model_for_kbit_training`` is not called: it freezes the base weights (LoRA does that
-too), casts half-precision non-4-bit parameters to float32 and turns on gradient checkpointing by
-default; the last two would make ``qlora`` time something other than ``lora`` plus 4-bit weights.
-
-bitsandbytes (>= 0.46) runs its 4-bit layers on the CPU with PyTorch-native kernels: a forward
-dequantises each weight and multiplies; a backward that needs the input's gradient dequantises the
-weight again (``MatMul4Bit.backward``), which a dropped branch never runs.
-
-On a CPU with AVX512-BF16, recent bitsandbytes (0.50.2; not 0.46.1) repacks a ``Linear4bit`` weight in place into an
-inference-only layout at its first eval-mode forward whose input needs no gradient; every training
-forward after that fails (and on layers narrower than a quantisation block the repack itself fails).
-An evaluation between training steps is exactly that forward, so :func:`quantize_4bit` turns the
-repack off (:func:`keep_4bit_trainable`): evaluation then runs the same kernels as training.
+:func:`quantize_4bit` does what the research code's ``--quantize bnb.nf4`` does, the Hugging Face way: the model is
+saved to a temporary folder and loaded back with ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")``
+(no double quantisation; the training dtype as compute dtype), which turns every ``nn.Linear`` of the decoder layers
+into ``bnb.nn.Linear4bit`` (the LM head stays); nothing is downloaded. LoRA then goes on the same targets as the
+``lora`` method (:func:`with_lora`); ``peft.prepare_model_for_kbit_training`` is not called. On a CPU with AVX512-BF16,
+recent bitsandbytes repacks a ``Linear4bit`` weight in place into an inference-only layout at its first eval-mode
+forward whose input needs no gradient, which breaks training after it; :func:`quantize_4bit` turns that repack off
+(:func:`keep_4bit_trainable`). Why, and the versions: docs/qlora.md.
 """
 
 from __future__ import annotations
