@@ -1,4 +1,4 @@
-"""DropBP for a Hugging Face ``transformers.Trainer`` and the trainers built on it (TRL, LLaMA-Factory, Unsloth).
+"""DropBP for a Hugging Face ``transformers.Trainer`` and the trainers built on it (TRL, LLaMA-Factory).
 
 ``Trainer(..., callbacks=[DropBPCallback(drop_rate=0.5)])`` applies DropBP when training begins; ``attach(trainer,
 drop_rate=0.5)`` applies it at once to a trainer already made. Options: :class:`dropbp.options.TrainerOptions`.
