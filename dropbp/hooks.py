@@ -31,7 +31,7 @@ from .intercept import ForwardPatch
 from .no_grad import attach_no_grad_hooks
 from .optimizer import compensation
 from .policy import DropPolicy
-from .recompute import RecomputeCache, forward_region, in_backward, recomputed_region, reentrant_regions
+from .recompute import RecomputeCache, forward_region, in_backward, recomputed_region
 from .scaling import attach_gradient_scaling
 
 __all__ = ["StepHooks", "StepListener"]
@@ -231,7 +231,7 @@ class StepHooks:
         self._recompute.end_forward()
         if self._recompute.reentrant:
             check_running_ddp_checkpointing()
-            for region in reentrant_regions(output, self._regions):
+            for region in self._recompute.claim_reentrant_regions(output):
                 self._regions[region] = self.dropped
         if self.forced is None and model.training and torch.is_grad_enabled() and not in_backward():
             self._check_output_needs_a_gradient(output)

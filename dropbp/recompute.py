@@ -1,17 +1,18 @@
 """Activation checkpointing that does not recompute dropped branches.
 
-When a dropped branch runs inside a non-re-entrant checkpointed region during a training forward, its output is
-held, and when checkpointing calls the branch again during backward (the recomputation), the branch hands back
-that tensor instead of running, provided the random generators stand where they stood before its first call. Each
-region is known by the object checkpointing keeps for it (:func:`forward_region`, :func:`recomputed_region`), so a
-recomputation obeys the pattern of the forward it replays (a re-entrant region, which torch names to no one during
-its forward, is found in the forward's autograd graph once the forward ends: :func:`reentrant_regions`). Nothing
-depends on an output being held: without one (re-entrant checkpointing) the branch is recomputed, with the same
-pattern. What is held, for how long, and why: docs/checkpointing.md.
+When a dropped branch runs inside a checkpointed region during a training forward, its output is held, and when
+checkpointing calls the branch again during backward (the recomputation), the branch hands back that tensor instead
+of running, provided the random generators stand where they stood before its first call. A recomputation obeys the
+pattern of the forward it replays: a non-re-entrant region is known by the object checkpointing keeps for it
+(:func:`forward_region`, :func:`recomputed_region`), a re-entrant one by its autograd node, found in the forward's
+graph when the forward ends (:func:`reentrant_regions`). Nothing depends on an output being held: without one the
+branch is recomputed, with the same pattern. What is held, for how long, and why: docs/checkpointing.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from collections.abc import Callable, Container, Mapping, Sequence
 from itertools import chain
 from typing import Any
@@ -67,6 +68,8 @@ def reentrant_regions(output: object, known: Container[object]) -> list[object]:
 def _tensors(output: object) -> list[torch.Tensor]:
     if isinstance(output, torch.Tensor):
         return [output]
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        output = [getattr(output, f.name) for f in dataclasses.fields(output)]
     if isinstance(output, Mapping):
         output = list(output.values())
     if isinstance(output, (list, tuple)):
@@ -114,7 +117,7 @@ class BranchCache:
 
     def _make_forward(self) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if self._held and in_backward() and recomputed_region() is self._region:
+            if self._held and in_backward() and self._owner.recomputed() is self._region:
                 if self._rng_after is None:
                     return self.take()
                 if _same(_rng_state(self._device), self._rng_before):
@@ -135,8 +138,7 @@ class BranchCache:
             return False
         owner.branch_starts(dropped)
         if not torch.is_grad_enabled():
-            owner.reentrant = True  # a re-entrant region (its forward runs without grad): recomputed, not held
-            return False
+            owner.reentrant = True  # a re-entrant region: its forward runs without grad
         if not dropped:
             return False
         self._calls += 1
@@ -153,7 +155,7 @@ class BranchCache:
         after = _rng_state(self._device)
         self._rng_after = None if _same(after, self._rng_before) else after
         self._output, self._held = output, True
-        self._region = forward_region()
+        self._region = forward_region() or self._owner.forward_token  # re-entrant: known by its forward
         self._patch.install()
         region = checkpoint_hook()
         if region is not None:
@@ -183,6 +185,9 @@ class RecomputeCache:
         self.branches = [BranchCache(m, self) for m in modules]
         self.recording = False  # a training forward of the controlled model is under way
         self.reentrant = False  # a branch of this forward ran without grad (a re-entrant checkpointed region)
+        #: Stands for the current training forward; a held re-entrant output is known by it.
+        self.forward_token = object()
+        self._forward_of: weakref.WeakKeyDictionary[object, object] = weakref.WeakKeyDictionary()
         #: Held in a non-re-entrant region, with the region, until a kept branch starts there.
         self.pending: list[tuple[BranchCache, object]] = []
         self._release_task: int | None = None
@@ -191,6 +196,24 @@ class RecomputeCache:
         self.clear()
         self.recording = True
         self.reentrant = False
+        self.forward_token = object()
+
+    def claim_reentrant_regions(self, output: object) -> list[object]:
+        """The re-entrant regions the forward that made ``output`` ran (:func:`reentrant_regions`), each marked as
+        that forward's, so their recomputation is handed the outputs it held; call as that forward ends."""
+        nodes = reentrant_regions(output, self._forward_of)
+        for node in nodes:
+            self._forward_of[node] = self.forward_token
+        return nodes
+
+    def recomputed(self) -> object | None:
+        """During a backward, what a held output's region is known by: the non-re-entrant region being recomputed,
+        or the token of the forward whose re-entrant region is being recomputed."""
+        hook = checkpoint_hook()
+        if hook is not None:
+            return captured(hook, "target_frame_ref")()
+        node = running_node()
+        return None if node is None else self._forward_of.get(node)
 
     def branch_starts(self, dropped: bool) -> None:
         """A kept branch in a pending output's region means the region will be recomputed up to it;
