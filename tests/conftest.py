@@ -46,6 +46,26 @@ def with_lora(model: nn.Module) -> nn.Module:
     return peft.get_peft_model(model, config).train()
 
 
+def save_tiny_llama(folder) -> None:
+    """A tiny random Llama (4 layers) and a word-level tokenizer over its vocabulary (``w0`` .. ``w95``), saved in
+    ``folder`` as a local model a framework loads by path (nothing downloaded)."""
+    import tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{i}": i for i in range(VOCAB)}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="w3"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tiny_model("llama", layers=4).save_pretrained(folder)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="w0", bos_token="w1", eos_token="w2", unk_token="w3"
+    ).save_pretrained(folder)
+
+
+def word_rows(rows: int = 64, words: int = 30) -> list[str]:
+    """Texts of the saved tokenizer's words, one per row, for a local dataset."""
+    return [" ".join(f"w{3 + (7 * i + 5 * j) % (VOCAB - 3)}" for j in range(words)) for i in range(rows)]
+
+
 def batch(seed: int = 0, size: int = 2, length: int = 12) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (size, length), generator=g)

@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import VOCAB, tiny_model, with_lora
+from conftest import save_tiny_llama, tiny_model, with_lora, word_rows
 
 transformers = pytest.importorskip("transformers")
 pydantic = pytest.importorskip("pydantic")
@@ -239,18 +239,10 @@ def test_axolotl_train_runs_the_plugin_from_a_yaml_config(tmp_path):
     """``axolotl train config.yml`` (its own process, as a user runs it) with a tiny random llama
     saved locally: the plugin is loaded from ``plugins:``, the run calibrates once and drops branches,
     and the checkpoint carries DropBP's state."""
-    tokenizers = pytest.importorskip("tokenizers")
-    words = {f"w{i}": i for i in range(VOCAB)}
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="w3"))
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     model_dir = tmp_path / "model"
-    tiny_model("llama", layers=4).save_pretrained(model_dir)
-    transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, pad_token="w0", bos_token="w1", eos_token="w2", unk_token="w3"
-    ).save_pretrained(model_dir)
+    save_tiny_llama(model_dir)
     data = tmp_path / "data.jsonl"
-    rows = (" ".join(f"w{3 + (7 * i + 5 * j) % (VOCAB - 3)}" for j in range(30)) for i in range(64))
-    data.write_text("".join(json.dumps({"text": row}) + "\n" for row in rows))
+    data.write_text("".join(json.dumps({"text": row}) + "\n" for row in word_rows()))
     config = tmp_path / "config.yml"
     config.write_text(_TRAIN_CONFIG.format(model=model_dir, data=data, tmp=tmp_path))
     env = {**os.environ, "AXOLOTL_DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}

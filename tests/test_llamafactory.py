@@ -9,11 +9,12 @@ a local JSON-lines file: nothing is downloaded.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
-from conftest import VOCAB, tiny_model
+from conftest import save_tiny_llama, word_rows
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,19 +42,11 @@ run_exp(args, callbacks=[DropBPCallback(drop_rate=0.5, pattern="uniform", warmup
 
 
 def _model_and_data(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
-    words = {f"w{i}": i for i in range(VOCAB)}
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="w3"))
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     model_dir = tmp_path / "model"
-    tiny_model("llama", layers=4).save_pretrained(model_dir)
-    transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, pad_token="w0", bos_token="w1", eos_token="w2", unk_token="w3"
-    ).save_pretrained(model_dir)
+    save_tiny_llama(model_dir)
     data_dir = tmp_path / "data"
     data_dir.mkdir()
-    rows = (" ".join(f"w{3 + (7 * i + 5 * j) % (VOCAB - 3)}" for j in range(30)) for i in range(64))
-    (data_dir / "words.jsonl").write_text("".join(json.dumps({"text": row}) + "\n" for row in rows))
+    (data_dir / "words.jsonl").write_text("".join(json.dumps({"text": row}) + "\n" for row in word_rows()))
     info = {"words": {"file_name": "words.jsonl", "columns": {"prompt": "text"}}}
     (data_dir / "dataset_info.json").write_text(json.dumps(info))
     return model_dir, data_dir
@@ -88,8 +81,8 @@ def test_run_exp_with_the_callback_trains_with_dropped_branches(tmp_path):
     }
     script = tmp_path / "train.py"
     script.write_text(_SCRIPT.format(args=repr(args)))
-    env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "WANDB_MODE": "disabled"}
-    env.update({k: v for k, v in __import__("os").environ.items() if k not in env})
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    env["HF_HOME"] = str(tmp_path / "hf")  # the dataset cache stays in the test's folder
     run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     checkpoint = tmp_path / "out" / "checkpoint-20"
