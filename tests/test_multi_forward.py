@@ -5,6 +5,7 @@ the hand-detached reference's, whichever later forwards drew other patterns."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -54,3 +55,29 @@ def test_torch_checkpoint_several_forwards(pattern, reentrant):
     xs = [torch.randn(4, 8, requires_grad=True) for _ in range(6)]
     steps = [xs[:2], xs[2:5], xs[5:]]
     _check(model, reference, ctl, steps, loss=lambda m, x: m(x).square().mean())
+
+
+@dataclasses.dataclass
+class _Output:
+    hidden: torch.Tensor
+    note: str = "not a tensor"
+
+
+class _DataclassNet(torch.nn.Module):
+    """:class:`Net` returning its output in a dataclass: the re-entrant regions are found through its fields."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> _Output:
+        return _Output(self.net(x))
+
+
+def test_reentrant_regions_are_found_through_a_dataclass_output():
+    net, plain = net_and_reference(reentrant=True)
+    model, reference = _DataclassNet(net), _DataclassNet(plain)
+    branches = [f"net.{name}" for name in NET_BRANCHES]
+    ctl = dropbp.apply(model, 0.5, branches=branches, seed=4, pattern="uniform")
+    xs = [torch.randn(4, 8, requires_grad=True) for _ in range(6)]
+    _check(model, reference, ctl, [xs[:2], xs[2:5], xs[5:]], loss=lambda m, x: m(x).hidden.square().mean())
