@@ -58,6 +58,20 @@ SETTINGS = [
             "convergence_checkpointing_lora_stdlib-docstrings_accumulate_ckpt_seed1",
         ],
     ),
+    (
+        "full + checkpointing, Python help text",
+        [
+            "convergence_checkpointing_full_pydoc_accumulate_ckpt",
+            "convergence_checkpointing_full_pydoc_accumulate_ckpt_seed1",
+        ],
+    ),
+    (
+        "full + checkpointing, stdlib docstrings",
+        [
+            "convergence_checkpointing_full_stdlib-docstrings_accumulate_ckpt",
+            "convergence_checkpointing_full_stdlib-docstrings_accumulate_ckpt_seed1",
+        ],
+    ),
 ]
 EQUAL_STEPS, EQUAL_TIME, BASELINE = "DropBP 0.5, equal steps", "DropBP 0.5, equal time", "full backprop"
 
