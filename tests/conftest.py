@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import importlib
 import logging
 from collections import Counter
+from types import ModuleType
 
 import pytest
 import torch
@@ -44,6 +46,15 @@ def with_lora(model: nn.Module) -> nn.Module:
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
     torch.manual_seed(1)
     return peft.get_peft_model(model, config).train()
+
+
+def import_or_reason(name: str, why: str) -> tuple[ModuleType | None, str]:
+    """Module ``name``, or None and the reason its tests skip: the import error, then ``why`` (for a framework
+    tested in an environment of its own, which script runs them there)."""
+    try:
+        return importlib.import_module(name), ""
+    except ImportError as err:  # not installed, or installed but unable to import here
+        return None, f"{name} is not importable ({err}); {why}"
 
 
 def save_tiny_llama(folder) -> None:

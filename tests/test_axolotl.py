@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import save_tiny_llama, tiny_model, with_lora, word_rows
+from conftest import import_or_reason, save_tiny_llama, tiny_model, with_lora, word_rows
 
 transformers = pytest.importorskip("transformers")
 pydantic = pytest.importorskip("pydantic")
@@ -30,17 +30,12 @@ from dropbp.integrations.hf import DropBPCallback, attach  # noqa: E402
 
 PLUGIN = "dropbp.integrations.axolotl.DropBPPlugin"
 
-try:
-    import axolotl.integrations.base as axolotl_base
-
-    AXOLOTL_MISSING = ""
-except ImportError as err:  # not installed, or installed but unable to import here
-    axolotl_base = None
-    AXOLOTL_MISSING = (
-        f"axolotl is not importable ({err}); it is not in CI's environment because axolotl 0.19.0 pins "
-        "transformers 5.16.1 and peft 0.20.0, older than dropbp's hf extra asks for: bash ci/axolotl.sh runs "
-        "these tests in an environment of their own (docs/axolotl.md)"
-    )
+axolotl_base, AXOLOTL_MISSING = import_or_reason(
+    "axolotl.integrations.base",
+    "axolotl is not in CI's environment because axolotl 0.19.0 pins transformers 5.16.1 and peft 0.20.0, older "
+    "than dropbp's hf extra asks for: bash ci/axolotl.sh runs these tests in an environment of their own "
+    "(docs/axolotl.md)",
+)
 needs_axolotl = pytest.mark.skipif(axolotl_base is None, reason=AXOLOTL_MISSING)
 
 

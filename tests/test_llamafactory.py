@@ -14,21 +14,15 @@ import subprocess
 import sys
 
 import pytest
-from conftest import save_tiny_llama, word_rows
+from conftest import import_or_reason, save_tiny_llama, word_rows
 
 transformers = pytest.importorskip("transformers")
 
-try:
-    import llamafactory
-
-    LLAMAFACTORY_MISSING = ""
-except ImportError as err:  # not installed, or installed but unable to import here
-    llamafactory = None
-    LLAMAFACTORY_MISSING = (
-        f"LLaMA-Factory is not importable ({err}); it pins transformers <= 5.6 and peft <= 0.18.1, older than "
-        "dropbp's hf extra asks for: bash ci/llamafactory.sh runs this file in an environment of its own"
-    )
-
+llamafactory, LLAMAFACTORY_MISSING = import_or_reason(
+    "llamafactory",
+    "LLaMA-Factory 0.9.5 pins transformers <= 5.6 and peft <= 0.18.1, older than dropbp's hf extra asks for: "
+    "bash ci/llamafactory.sh runs this file in an environment of its own",
+)
 pytestmark = pytest.mark.skipif(llamafactory is None, reason=LLAMAFACTORY_MISSING)
 
 #: The recipe as the README gives it, with a tiny local model and data; run as a user runs a script.
