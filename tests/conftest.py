@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import copy
 import importlib
+import json
 import logging
+import subprocess
 from collections import Counter
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -55,6 +58,19 @@ def import_or_reason(name: str, why: str) -> tuple[ModuleType | None, str]:
         return importlib.import_module(name), ""
     except ImportError as err:  # not installed, or installed but unable to import here
         return None, f"{name} is not importable ({err}); {why}"
+
+
+def assert_framework_run(run: subprocess.CompletedProcess, checkpoint: Path) -> None:
+    """A framework's own 20-step run of :func:`save_tiny_llama`'s model (seed 7, a log every 5 steps, uniform
+    patterns calibrated once) ended well: DropBP's state beside ``checkpoint``, one calibration and the drop
+    figures of 4 logging steps in its ``log_history``."""
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    state = json.loads((checkpoint / "dropbp_state.json").read_text())
+    assert state["calibrated"] and state["controller"]["seed"] == 7 and state["controller"]["step"] == 20
+    history = json.loads((checkpoint / "trainer_state.json").read_text())["log_history"]
+    assert len([h for h in history if "dropbp/rate_mean" in h]) == 1
+    drops = [h for h in history if "dropbp/dropped_branches" in h]
+    assert len(drops) == 4 and all(0 < h["dropbp/dropped_branches"] < 8 for h in drops)
 
 
 def save_tiny_llama(folder) -> None:
