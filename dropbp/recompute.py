@@ -209,11 +209,8 @@ class RecomputeCache:
     def recomputed(self) -> object | None:
         """During a backward, what a held output's region is known by: the non-re-entrant region being recomputed,
         or the token of the forward whose re-entrant region is being recomputed."""
-        hook = checkpoint_hook()
-        if hook is not None:
-            return captured(hook, "target_frame_ref")()
-        node = running_node()
-        return None if node is None else self._forward_of.get(node)
+        region = recomputed_region()
+        return None if region is None else self._forward_of.get(region, region)
 
     def branch_starts(self, dropped: bool) -> None:
         """A kept branch in a pending output's region means the region will be recomputed up to it;
