@@ -6,7 +6,10 @@ import copy
 import importlib
 import json
 import logging
+import os
 import subprocess
+import sys
+import traceback
 from collections import Counter
 from pathlib import Path
 from types import ModuleType
@@ -174,10 +177,26 @@ def clone():
     return copy.deepcopy
 
 
+def _rank_entry(target, rank: int, *args) -> None:
+    """Run one rank, then leave with ``os._exit``: exit code 0 when ``target`` returned, 1 (traceback printed) when
+    it raised. The interpreter-exit teardown is skipped because gloo aborted a finished rank there (SIGABRT,
+    "terminate called without an active exception") in clean-clone CI runs, after its results were written."""
+    code = 1
+    try:
+        target(rank, *args)
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def run_ranks(target, *args, world: int, timeout: float) -> None:
     """Run ``target(rank, *args)`` in ``world`` spawned processes; fail on a non-zero exit or a hang."""
     ctx = torch.multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=target, args=(rank, *args)) for rank in range(world)]
+    procs = [ctx.Process(target=_rank_entry, args=(target, rank, *args)) for rank in range(world)]
     for p in procs:
         p.start()
     for p in procs:

@@ -259,3 +259,14 @@ def test_torchrun_example(mode):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "same drop patterns on every rank: True" in done.stdout
     assert mode == "fsdp2" or "same parameters on every rank: True" in done.stdout
+
+
+def _raising_rank(rank: int) -> None:
+    if rank == 1:
+        raise RuntimeError("rank 1 failed on purpose")
+
+
+def test_a_rank_that_raises_fails_the_run():
+    """Ranks leave through ``os._exit`` (conftest.run_ranks): an exception must still be a non-zero exit."""
+    with pytest.raises(AssertionError, match=r"\[0, 1\]"):
+        run_ranks(_raising_rank, world=2, timeout=60)
