@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 import torch
-from conftest import batch, detach_outputs, tiny_model, with_lora
+from conftest import batch, detach_outputs, run_ranks, tiny_model, with_lora
 
 import dropbp
 
@@ -130,16 +130,7 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 def test_ranks_end_with_identical_rates():
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = torch.multiprocessing.get_context("spawn")
-        procs = [ctx.Process(target=_rank_main, args=(r, 2, os.path.join(tmp, "init"), tmp)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=120)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+        run_ranks(_rank_main, 2, os.path.join(tmp, "init"), tmp, world=2, timeout=120)
         a, b = (torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2))
     assert a["rates"] == b["rates"] and a["sens"] == b["sens"]
     # the average of the two ranks' own sensitivities
