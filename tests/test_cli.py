@@ -62,6 +62,7 @@ def test_demo_quick_writes_results(tiny_model_dir, tmp_path, capsys):
     speed = record["step_speedups"]
     assert [r["checkpointing"] for r in speed] == [False, True]
     assert all(r["speedup"] > 0 and r["rounds"] == 4 and r["seq_len"] == 256 for r in speed)
+    assert all(0 <= r["dropped_fraction"] <= 1 and r["speedup_at_expected"] > 0 for r in speed)
     assert "| on (a dropped branch also skips its recompute) |" in out and "| off |" in out
     assert record["memory"] == []  # the memory table's probes build SmolLM2 itself: only the default model gets it
 
@@ -150,6 +151,7 @@ def test_bench_tiny_grid_writes_results(tmp_path, capsys):
         assert [r["drop_rate"] for r in point["rows"]] == [0.0, 0.5]
         for r in point["rows"]:
             assert r["efficiency"] > 0 and r["tokens_per_s"] > 0 and r["ideal_step_s"] > 0
+            assert r["expected_dropped_fraction"] == pytest.approx(r["drop_rate"]) and r["speedup_at_expected"] > 0
     assert (tmp_path / "bench.png").is_file() and "| tiny | full | 16 | 1 | baseline |" in out
 
 

@@ -4,9 +4,10 @@ For every point of the grid (model preset x method x sequence length x batch siz
 configuration in turn, round by round in rotating order: the baseline (the model with no library attached), the
 library at each drop rate, and every branch without autograd (B0). Per configuration it records the forward (F),
 backward (B) and optimizer (O) phases; the ideal step time at rate p is ``F + B0 + O0 + (1 - p)(B - B0 + O - O0)``,
-efficiency = ideal / measured, and speedups are medians of per-round ratios. Peak memory: the device allocator's
-peak where there is one; on the CPU, the peak resident memory of a fresh process per configuration (``memory=True``).
-Why each choice, and recorded figures: docs/performance.md.
+efficiency = ideal / measured, and speedups are medians of per-round ratios; each round's pattern is drawn afresh, so
+a row also gives its speedup at the pattern's expected dropped FLOPs (the rounds' mean corrected for what they drew).
+Peak memory: the device allocator's peak where there is one; on the CPU, the peak resident memory of a fresh process
+per configuration (``memory=True``). Why each choice, and recorded figures: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -178,6 +179,18 @@ class _Bench:
         pattern, rate = _parse(config)
         return [apply(self.model, rate, seed=seed, seq_len=self.seq_len, backend=self.backend, **_shape(pattern))]
 
+    @staticmethod
+    def dropped_fraction(config: str, attached: list) -> tuple[float, float]:
+        """The FLOP-weighted fraction of the branches dropped by the step just timed under ``config``, and the
+        fraction its pattern drops at that step in expectation (``attached``: what :meth:`attach` returned)."""
+        if config in ("baseline", "all_dropped"):
+            whole = float(config == "all_dropped")
+            return whole, whole
+        ctl = attached[0]
+        flops = {b.name: b.flops for b in ctl.branches}
+        dropped = sum(flops[name] for name in ctl.last_dropped) / sum(flops.values())
+        return dropped, ctl.drop_rate_at(ctl.step - 1)
+
     def step(self, ids: torch.Tensor) -> tuple[float, float, float]:
         """Forward, backward and optimizer seconds of one training step.
 
@@ -281,6 +294,7 @@ def measure_model(
     refused = refused_configs(model, configs, point.seq_len, backend)
     configs = [c for c in configs if c not in refused]
     times: dict[str, list[tuple[float, float, float]]] = {c: [] for c in configs}
+    drawn: dict[str, list[tuple[float, float]]] = {c: [] for c in configs}  # (dropped, expected) per round
     dequantize: list[float] = []  # 4-bit models: one dequantisation of every weight, once a round
     peaks: dict[str, int] = {}
     g = torch.Generator().manual_seed(0)
@@ -293,24 +307,36 @@ def measure_model(
             backend.reset_peak_memory()
             t = bench.step(ids)
             peaks[name] = max(peaks.get(name, 0), backend.max_memory_allocated())
-            for handle in attached:
-                handle.remove()
             if rnd >= warmup:
                 times[name].append(t)
+                drawn[name].append(bench.dropped_fraction(name, attached))
+            for handle in attached:
+                handle.remove()
         if bench.four_bit:
             seconds = bench.dequantize()
             if rnd >= warmup:
                 dequantize.append(seconds)
         if progress is not None:
             progress(f"{point.preset}/{point.method} s={point.seq_len} b={point.batch_size} round {rnd + 1}")
-    summary = _summarise(point, configs, times, peaks, model, len(bench.branch_modules))
+    summary = _summarise(point, configs, times, drawn, peaks, model, len(bench.branch_modules))
     summary["refused"] = refused
     summary["four_bit_layers"] = len(bench.four_bit)
     summary["baseline"]["dequantize_s"] = statistics.median(dequantize) if dequantize else None
     return summary
 
 
-def _summarise(point: Point, configs: Sequence[str], times, peaks, model: nn.Module, branches: int) -> dict:
+def at_expected_fraction(step_s: Sequence[float], dropped: Sequence[float], expected: float) -> float:
+    """The mean step time of rounds whose patterns dropped ``dropped`` of the branch FLOPs, moved to where the
+    pattern's expected fraction ``expected`` would put it along the least-squares line of step time on dropped
+    fraction (a control variate: unbiased, and it removes the luck of which patterns a few rounds drew)."""
+    mean = statistics.mean(step_s)
+    if len(set(dropped)) < 2:
+        return mean
+    slope = statistics.linear_regression(dropped, step_s).slope
+    return mean - slope * (statistics.mean(dropped) - expected)
+
+
+def _summarise(point: Point, configs: Sequence[str], times, drawn, peaks, model: nn.Module, branches: int) -> dict:
     def phase(config: str, i: int) -> float:
         return statistics.median(t[i] for t in times[config])
 
@@ -326,6 +352,9 @@ def _summarise(point: Point, configs: Sequence[str], times, peaks, model: nn.Mod
         step = statistics.median(total[name])
         ideal = f + b0 + o0 + (1 - r) * (b - b0 + o - o0)
         paired = [x / y for x, y in zip(total["baseline"], total[name], strict=True)]
+        dropped = [d for d, _ in drawn[name]]
+        expected = statistics.mean(e for _, e in drawn[name])
+        at_expected = at_expected_fraction(total[name], dropped, expected)
         rows.append(
             {
                 "pattern": pattern,
@@ -336,6 +365,10 @@ def _summarise(point: Point, configs: Sequence[str], times, peaks, model: nn.Mod
                 "speedup": statistics.median(paired),
                 "mean_speedup": statistics.mean(total["baseline"]) / statistics.mean(total[name]),
                 "round_step_s": total[name],
+                "round_dropped_fraction": dropped,
+                "dropped_fraction": statistics.mean(dropped),
+                "expected_dropped_fraction": expected,
+                "speedup_at_expected": statistics.mean(total["baseline"]) / at_expected,
                 "ideal_speedup": base_step / ideal,
                 "tokens_per_s": tokens / step,
                 "peak_memory_bytes": peaks.get(name) or None,
@@ -395,25 +428,27 @@ def markdown_table(results: dict) -> str:
         f"{results['rounds']} interleaved rounds per point.",
         "",
         "| preset | method | seq | batch | pattern @ drop rate | step (s) | speedup | ideal | efficiency "
-        "| tokens/s | peak memory | activation checkpointing |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| FLOPs dropped: drawn / expected | speedup at expected | tokens/s | peak memory | activation checkpointing |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in results["points"]:
         base = p["baseline"]
         lines.append(
             f"| {p['preset']} | {p['method']} | {p['seq_len']} | {p['batch_size']} | baseline | "
-            f"{base['step_s']:.3f} | 1.00x | | | {base['tokens_per_s']:.0f} | {_gib(base['peak_memory_bytes'])} | "
+            f"{base['step_s']:.3f} | 1.00x | | | | | {base['tokens_per_s']:.0f} | {_gib(base['peak_memory_bytes'])} | "
             f"{_ckpt(p)} |"
         )
         for r in p["rows"]:
             lines.append(
                 f"| | | | | {r.get('pattern', 'uniform')} @ {r['drop_rate']} | {r['step_s']:.3f} | "
                 f"{r['speedup']:.2f}x | "
-                f"{r['ideal_speedup']:.2f}x | {r['efficiency']:.2f} | {r['tokens_per_s']:.0f} | "
+                f"{r['ideal_speedup']:.2f}x | {r['efficiency']:.2f} | {_drawn(r)} | {_at_expected(r)} | "
+                f"{r['tokens_per_s']:.0f} | "
                 f"{_gib(r['peak_memory_bytes'])} | {_ckpt(p)} |"
             )
         for config in p.get("refused", {}):  # the reason is in the JSON ("refused")
-            lines.append(f"| | | | | {config.replace('@', ' @ ')} | refused by apply (see bench.json) | | | | | | |")
+            refused = f"| | | | | {config.replace('@', ' @ ')} | refused by apply (see bench.json) |"
+            lines.append(refused + " |" * 8)
     phased = [p for p in results["points"] if "forward_s" in p["baseline"] and "all_dropped" in p]
     if phased:
         lines += [
@@ -429,6 +464,16 @@ def markdown_table(results: dict) -> str:
     if warnings:
         lines += ["", *warnings]
     return "\n".join(lines) + "\n"
+
+
+def _drawn(r: dict) -> str:
+    if "dropped_fraction" not in r:  # a record from before the bench kept what each round drew
+        return "n/a"
+    return f"{r['dropped_fraction']:.2f} / {r['expected_dropped_fraction']:.2f}"
+
+
+def _at_expected(r: dict) -> str:
+    return f"{r['speedup_at_expected']:.2f}x" if "speedup_at_expected" in r else "n/a"
 
 
 def _ckpt(p: dict) -> str:

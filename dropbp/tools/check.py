@@ -143,7 +143,8 @@ def _speed(probe: Probe, settings: CheckSettings, method: str, branches: int) ->
         "patterns uniform (every branch at the rate) and cut (every branch below a random depth; the rate is "
         f"the FLOP-weighted mean), batch {settings.batch_size} x {settings.seq_len} tokens, "
         f"{settings.rounds} interleaved rounds after {settings.warmup} warm-up; speedup: median of per-round "
-        "ratios to the model without the library; ideal: F + B0 + O0 + (1-p)(B - B0 + O - O0) "
+        "ratios to the model without the library; at expected FLOPs dropped: the rounds' mean step corrected "
+        "for the patterns they drew; ideal: F + B0 + O0 + (1-p)(B - B0 + O - O0) "
         f"(efficiency = ideal / measured); {memory}; saved for backward: bytes autograd keeps per step "
         f"(mean of {SAVED_STEPS} steps)"
         + "".join(f"; {c} refused: {why}" for c, why in result.get("refused", {}).items())
