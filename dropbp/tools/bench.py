@@ -186,10 +186,8 @@ class _Bench:
         if config in ("baseline", "all_dropped"):
             whole = float(config == "all_dropped")
             return whole, whole
-        ctl = attached[0]
-        flops = {b.name: b.flops for b in ctl.branches}
-        dropped = sum(flops[name] for name in ctl.last_dropped) / sum(flops.values())
-        return dropped, ctl.drop_rate_at(ctl.step - 1)
+        ctl = attached[0]  # attached for this one step: its tally holds that step alone
+        return ctl.drop_stats()["dropped_flops_fraction"], ctl.drop_rate_at(ctl.step - 1)
 
     def step(self, ids: torch.Tensor) -> tuple[float, float, float]:
         """Forward, backward and optimizer seconds of one training step.
