@@ -125,6 +125,42 @@ def test_lockstep_runs_share_the_start_and_the_batches():
     ]
 
 
+def test_each_step_records_the_mean_fraction_of_branch_flops_its_micro_batches_dropped():
+    """Per optimizer step, the mean over its micro-batches of the dropped branches' share of branch FLOPs; the
+    reference replays the same patterns on a second controller and reads which branches each forward dropped."""
+    import copy
+
+    from dropbp import apply
+    from dropbp.tools.compare import run_options
+
+    model, data = tiny_model("llama", layers=4), _data()
+    run = Run("cut", 0.5, pattern="cut")
+    full, dropped = compare(
+        model,
+        [Run("full backprop"), run],
+        data,
+        steps=3,
+        lr=1e-3,
+        batch_size=4,
+        backend=backends.get("cpu"),
+        eval_every=3,
+        accumulation=2,
+        seed=5,
+    )
+    assert full.dropped_fractions == [0.0, 0.0, 0.0]
+    replay = copy.deepcopy(model).train()
+    ctl = apply(replay, 0.5, seed=5, seq_len=12, backend=backends.get("cpu"), **run_options(run, 3, 3, 2))
+    flops = {b.name: b.flops for b in ctl.branches}
+    per_forward = []
+    for _ in range(6):
+        replay(input_ids=data.train[:2])
+        per_forward.append(sum(flops[name] for name in ctl.last_dropped) / sum(flops.values()))
+    expected = [(per_forward[2 * i] + per_forward[2 * i + 1]) / 2 for i in range(3)]
+    assert dropped.dropped_fractions == pytest.approx(expected)
+    assert len(set(per_forward)) > 1  # the draws differ, so the test tells steps apart
+    assert RunResult.from_dict(dropped.to_dict()).dropped_fractions == dropped.dropped_fractions
+
+
 def test_bad_schedule_is_named():
     with pytest.raises(ValueError, match="schedule must be 'warmup' or 'anneal', got 'cosine'"):
         compare(

@@ -109,11 +109,21 @@ class RunResult:
     val_loss: list[float] = field(default_factory=list)
     calibration_seconds: float = 0.0
     rates: list[float] = field(default_factory=list)
+    # per optimizer step, the mean fraction of branch FLOPs its micro-batches dropped (0 for full backprop)
+    dropped_fractions: list[float] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: dict) -> RunResult:
         """The inverse of :meth:`to_dict` (for re-summarising recorded runs)."""
-        fields = ("step_seconds", "eval_steps", "eval_seconds", "val_loss", "calibration_seconds", "rates")
+        fields = (
+            "step_seconds",
+            "eval_steps",
+            "eval_seconds",
+            "val_loss",
+            "calibration_seconds",
+            "rates",
+            "dropped_fractions",
+        )
         return cls(Run(**data["config"]), **{k: data[k] for k in fields if k in data})
 
     def to_dict(self) -> dict:
@@ -127,6 +137,7 @@ class RunResult:
             "val_loss": self.val_loss,
             "calibration_seconds": self.calibration_seconds,
             "rates": self.rates,
+            "dropped_fractions": self.dropped_fractions,
         }
 
 
@@ -238,6 +249,9 @@ class _Trainee:
         self.backend.synchronize()
         seconds = time.perf_counter() - start
         self.result.step_seconds.append(seconds)
+        self.result.dropped_fractions.append(
+            self.ctl.drop_stats()["dropped_flops_fraction"] if self.ctl is not None else 0.0
+        )
         self.elapsed += seconds
 
     def calibrate(self, ids: torch.Tensor) -> None:
