@@ -215,7 +215,8 @@ class DropBPController:
     )
 
     unbiased = _setting(
-        "unbiased", "Scale the gradient entering each kept branch by ``1 / (1 - rate)`` (see :mod:`dropbp.scaling`)."
+        "unbiased",
+        "Weight each kept branch's own parameter gradients by ``1 / (1 - rate in force)`` (:mod:`dropbp.scaling`).",
     )
 
     @property

@@ -81,6 +81,8 @@ class StepHooks:
         self.step = 0
         #: The pattern in force: indices of the dropped branches.
         self.dropped: frozenset[int] = frozenset()
+        #: The factor the warm-up or time schedule put on the rates at the forward in force.
+        self.factor = 1.0
         #: The pattern of the most recent training-mode forward (calibration's forced ones excluded).
         self.last: frozenset[int] = frozenset()
         #: The pattern calibration forces, or None.
@@ -96,8 +98,9 @@ class StepHooks:
         self.bound = MemoryBound(model, self._names, self._modules)
         self._listeners: list[StepListener] = []
         self._recompute = RecomputeCache(self._modules)
-        #: Per checkpointed region of a training forward (as checkpointing keeps it), that forward's pattern.
-        self._regions: weakref.WeakKeyDictionary[object, frozenset[int]] = weakref.WeakKeyDictionary()
+        #: Per checkpointed region of a training forward (as checkpointing keeps it), that forward's pattern and
+        #: rate factor.
+        self._regions: weakref.WeakKeyDictionary[object, tuple[frozenset[int], float]] = weakref.WeakKeyDictionary()
         self._handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(self._on_model_forward),
             model.register_forward_hook(self._after_model_forward, always_call=True),
@@ -105,10 +108,11 @@ class StepHooks:
         for index, (module, *tail) in enumerate(parts):
             dropped, cache = self._dropped_test(index), self._recompute.branches[index]
             # the gradient entering the branch is the one at the residual add: the last part's output
+            kept_scale = self._kept_scale(index)
             if not tail:  # one decision per call serves the no-grad switch and the scaling
-                self._handles += attach_no_grad_hooks(module, dropped, cache, scale=self._kept_scale(index))
+                self._handles += attach_no_grad_hooks(module, dropped, cache, kept_scale, kept_scale)
                 continue
-            self._handles += attach_no_grad_hooks(module, dropped, cache)
+            self._handles += attach_no_grad_hooks(module, dropped, cache, inputs_scale=kept_scale)
             for norm in tail:  # checkpointing recomputes a norm cheaply: no held output needed
                 self._handles += attach_no_grad_hooks(norm, dropped)
             self._handles.append(attach_gradient_scaling(tail[-1], self._scale_for(index)))
@@ -132,22 +136,27 @@ class StepHooks:
         return self._policy.draw(step, self._trainable_branches)
 
     def in_force(self) -> frozenset[int]:
-        """The pattern a branch called now obeys: during a backward, the one of the forward whose
-        checkpointed region is being recomputed; inside a training forward of the model, that forward's,
-        which a call inside a (non-re-entrant) checkpointed region records for that region (a re-entrant one's
-        is recorded when the forward ends); elsewhere none."""
+        """The pattern a branch called now obeys (:meth:`decision_in_force`)."""
+        return self.decision_in_force()[0]
+
+    def decision_in_force(self) -> tuple[frozenset[int], float]:
+        """The pattern a branch called now obeys and the rate factor of its forward: during a backward, those of
+        the forward whose checkpointed region is being recomputed; inside a training forward of the model, that
+        forward's, which a call inside a (non-re-entrant) checkpointed region records for that region (a
+        re-entrant one's are recorded when the forward ends); elsewhere none."""
+        decision = (self.dropped, self.factor)
         if in_backward():
             region = recomputed_region()
-            return self.dropped if region is None else self._regions.get(region, self.dropped)
+            return decision if region is None else self._regions.get(region, decision)
         if not self._forward:
             if self._forward is None:
                 self._warn_outside()
-            return frozenset()
+            return frozenset(), 1.0
         if self._recompute.recording:
             region = forward_region()
             if region is not None:
-                self._regions[region] = self.dropped
-        return self.dropped
+                self._regions[region] = decision
+        return decision
 
     def _warn_outside(self) -> None:
         """Once: a branch runs in training mode outside every forward of the model (nothing drops there)."""
@@ -186,12 +195,14 @@ class StepHooks:
         self._recompute.end_forward()
 
     def _kept_scale(self, index: int) -> Callable[[nn.Module], float]:
-        """The factor on the incoming gradient of branch ``index`` in a call where it is kept."""
+        """The importance weight of branch ``index`` in a call where it is kept: ``1 / (1 - r)`` for its rate in
+        force at that call's forward (1 where the rate is 1: such a branch is kept only by the keep rule)."""
 
         def scale(module: nn.Module) -> float:
             if not self._unbiased() or self.forced is not None:
                 return 1.0  # calibration measures the plain gradients
-            return compensation(self._policy.rates[index])
+            rate = min(1.0, self._policy.rates[index] * self.decision_in_force()[1])
+            return 1.0 if rate >= 1.0 else compensation(rate)
 
         return scale
 
@@ -213,6 +224,7 @@ class StepHooks:
         if not (model.training and torch.is_grad_enabled()):
             return  # eval or no-grad forwards drop nothing and leave the step's decision alone
         self.dropped = self.pattern(self.step)
+        self.factor = self._policy.factor(self.step)
         for listener in self._listeners:  # one may refuse the step (raise): before anything moves on
             listener.on_training_forward(self.dropped)
         self._recompute.begin_forward()
@@ -232,7 +244,7 @@ class StepHooks:
         if self._recompute.reentrant:
             check_running_ddp_checkpointing()
             for region in self._recompute.claim_reentrant_regions(output):
-                self._regions[region] = self.dropped
+                self._regions[region] = (self.dropped, self.factor)
         if self.forced is None and model.training and torch.is_grad_enabled() and not in_backward():
             self._check_output_needs_a_gradient(output)
 

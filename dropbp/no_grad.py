@@ -19,7 +19,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .eager import outside_graphs
 from .recompute import BranchCache
-from .scaling import scaled_output
+from .scaling import scaled_inputs, scaled_output
 
 __all__ = ["attach_no_grad_hooks"]
 
@@ -29,6 +29,7 @@ def attach_no_grad_hooks(
     is_dropped: Callable[[], bool],
     cache: BranchCache | None = None,
     scale: Callable[[nn.Module], float] | None = None,
+    inputs_scale: Callable[[nn.Module], float] | None = None,
 ) -> list[RemovableHandle]:
     """Make ``module`` run without autograd whenever ``is_dropped()`` is true at call time.
 
@@ -36,18 +37,23 @@ def attach_no_grad_hooks(
     raises an ``Exception`` (``always_call``). Re-entrant calls nest correctly.
     With a ``cache``, the output of a dropped call inside a checkpointed region is held for the
     recomputation. With ``scale``, a kept call's output has its incoming gradient scaled
-    (:func:`dropbp.scaling.scaled_output`), decided by the same ``is_dropped()`` as the switch.
+    (:func:`dropbp.scaling.scaled_output`), decided by the same ``is_dropped()`` as the switch; with
+    ``inputs_scale``, the gradient leaving a kept call through its inputs is multiplied by the inverse
+    (:func:`dropbp.scaling.scaled_inputs`): only the module's own parameters keep the factor.
     """
     calls: list[tuple[bool, bool, bool]] = []  # per call under way: (dropped, grad switched off here, to hold)
 
     @outside_graphs
-    def before(mod: nn.Module, args: tuple) -> None:
+    def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         dropped = is_dropped()  # the step's decision, drawn from the model's mode, not this module's
         hold = cache is not None and cache.on_call(dropped)
         switch = dropped and torch.is_grad_enabled()
         if switch:
             torch.set_grad_enabled(False)
         calls.append((dropped, switch, hold))
+        if inputs_scale is None or dropped:
+            return None
+        return scaled_inputs(args, kwargs, 1.0 / inputs_scale(mod))
 
     @outside_graphs
     def after(mod: nn.Module, args: tuple, output: object) -> object:
@@ -63,6 +69,6 @@ def attach_no_grad_hooks(
         return scaled_output(mod, output, scale)
 
     return [
-        module.register_forward_pre_hook(before),
+        module.register_forward_pre_hook(before, with_kwargs=True),
         module.register_forward_hook(after, always_call=True),
     ]

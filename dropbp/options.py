@@ -94,8 +94,10 @@ class DropBPOptions:
     unbiased: bool = field(
         default=False,
         metadata=_help(
-            """Multiply the gradient entering each kept branch by ``1 / (1 - rate)`` (forward unchanged), so
-            every parameter's expected gradient is the full-backprop gradient; ``ctl.unbiased``, settable."""
+            """Importance weights: a kept branch's own parameters get their gradient times ``1 / (1 - rate)``
+            for its rate in force at that forward (the residual stream is left alone), so with cut patterns
+            every branch's expected gradient is exactly full backprop's (:mod:`dropbp.scaling`);
+            ``ctl.unbiased``, settable."""
         ),
     )
     dropped_grads: str = field(

@@ -1,12 +1,10 @@
-"""Unbiased backward scaling: the gradient entering a KEPT branch's output is multiplied by 1 / (1 - p).
+"""Importance weights (``unbiased=True``): a kept branch's own parameters get their gradient times ``1 / (1 - r)``.
 
-A branch kept with probability ``1 - p`` passes its gradient on only in those steps, so the gradient
-that reaches its parameters and, through it, the layers before it is on average ``1 - p`` of the
-full-backprop gradient. Scaling the incoming gradient of a kept branch by ``1 / (1 - p)`` (the
-forward is untouched) makes the expected gradient of every parameter equal to the full-backprop
-gradient when branches drop independently — the inverted-dropout correction, applied to the
-backward only. (With a fixed count per step the drops are slightly negatively correlated, so the
-equality is close rather than exact for paths through several branches.)
+``r`` is the branch's rate in force at the forward that kept it (under warm-up or a time schedule too). The gradient
+arriving at the branch's output is multiplied by ``w = 1 / (1 - r)`` and the gradient leaving it through its inputs by
+``1 / w``: the backward is linear, so only the branch's parameters (its post-norm tail's too) see ``w``, and the
+residual stream carries full backprop's gradient (no factors compound down the layers). With cut patterns a kept
+branch's gradient is exactly full backprop's, so its expected weighted gradient is exactly full backprop's.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 from .eager import outside_graphs
 from .intercept import map_output
 
-__all__ = ["attach_gradient_scaling", "scaled_output"]
+__all__ = ["attach_gradient_scaling", "scaled_inputs", "scaled_output"]
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -45,6 +43,13 @@ def _needs_grad(item: object) -> bool:
     return torch.is_tensor(item) and item.requires_grad
 
 
+def _scaled(item: object, factor: float) -> object:
+    """``item`` with gradient through it scaled: a tensor that needs one, or each such tensor in a tuple or list."""
+    if isinstance(item, (tuple, list)):
+        return type(item)(_scaled(x, factor) for x in item)
+    return _ScaleGrad.apply(item, factor) if _needs_grad(item) else item
+
+
 def scaled_output(module: nn.Module, output: object, scale: Callable[[nn.Module], float]) -> object:
     """``output`` of ``module`` with the gradient arriving at it multiplied by ``scale(module)``, or None where
     nothing is scaled (autograd off, or a factor of 1.0): a forward hook's return value."""
@@ -53,12 +58,22 @@ def scaled_output(module: nn.Module, output: object, scale: Callable[[nn.Module]
     factor = scale(module)
     if factor == 1.0:
         return None
-    return map_output(output, lambda x: _ScaleGrad.apply(x, factor) if _needs_grad(x) else x)
+    return map_output(output, lambda x: _scaled(x, factor))
+
+
+def scaled_inputs(args: tuple, kwargs: dict, factor: float) -> tuple[tuple, dict] | None:
+    """A module's call arguments with the gradient leaving through each tensor that needs one multiplied by
+    ``factor``, or None where nothing is scaled (autograd off, or a factor of 1.0): a forward pre-hook's return
+    value (``with_kwargs=True``)."""
+    if not torch.is_grad_enabled() or factor == 1.0:
+        return None
+    return tuple(_scaled(a, factor) for a in args), {k: _scaled(v, factor) for k, v in kwargs.items()}
 
 
 def attach_gradient_scaling(module: nn.Module, scale: Callable[[nn.Module], float]) -> RemovableHandle:
     """After ``module`` runs with autograd, multiply the gradient arriving at its output from the rest
-    of the model by ``scale(module)`` (evaluated at forward time; 1.0 means leave it alone)."""
+    of the model by ``scale(module)`` (evaluated at forward time; 1.0 means leave it alone). The branch's
+    first module undoes it on its inputs (:func:`dropbp.no_grad.attach_no_grad_hooks`)."""
 
     @outside_graphs  # reads the step's pattern: compiled branches must not guard on it
     def after(mod: nn.Module, args: tuple, output: object) -> object:

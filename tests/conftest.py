@@ -122,6 +122,14 @@ def detach_outputs(model: nn.Module, names: tuple[str, ...]) -> list:
     return [modules[n].register_forward_hook(detach) for n in names]
 
 
+def weight_branch_grads(grads: dict, branch: str, weight: float, parts: tuple[str, ...] = ()) -> None:
+    """Multiply, in place, the gradient of every parameter inside ``branch`` (and the modules ``parts``, a
+    post-norm tail) by ``weight``: the hand-written importance weights of a kept branch."""
+    for name in grads:
+        if grads[name] is not None and any(name.startswith(f"{m}.") for m in (branch, *parts)):
+            grads[name] = grads[name] * weight
+
+
 def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 

@@ -104,7 +104,7 @@ def test_run_check_function_for_notebooks(model_dir):
 
 def test_a_drop_that_does_nothing_fails_the_gradient_check(model_dir, monkeypatch):
     """A broken library (branches never run without autograd, outputs never cut) must be caught."""
-    monkeypatch.setattr(dropbp.hooks, "attach_no_grad_hooks", lambda module, dropped, cache=None, scale=None: [])
+    monkeypatch.setattr(dropbp.hooks, "attach_no_grad_hooks", lambda module, dropped, *scales, **named: [])
     result = run_check("cpu", model=model_dir, settings=TINY)
     statuses = _statuses(result)
     assert not result.passed and result.exit_code == 1
@@ -117,7 +117,7 @@ def test_detach_without_no_grad_passes_gradients_but_fails_the_graph_check(model
     """The research code's semantics (compute with autograd, detach after): same gradients, but the
     dropped branches still record a graph and keep activations; the check names exactly that."""
 
-    def detach_only(module, dropped, cache=None, scale=None):  # unbiased is off: nothing to scale
+    def detach_only(module, dropped, cache=None, scale=None, inputs_scale=None):  # unbiased is off: nothing to scale
         def after(mod, args, output):
             if not (mod.training and dropped()):
                 return output

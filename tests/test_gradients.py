@@ -7,7 +7,15 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_same_grads, batch, detach_outputs, loss_and_grads, tiny_model, with_lora
+from conftest import (
+    assert_same_grads,
+    batch,
+    detach_outputs,
+    loss_and_grads,
+    tiny_model,
+    weight_branch_grads,
+    with_lora,
+)
 
 import dropbp
 
@@ -176,28 +184,23 @@ def test_custom_model_with_explicit_branches():
 
 @pytest.mark.parametrize("method", METHODS)
 def test_unbiased_scaling_equals_scaled_reference(method):
-    """unbiased=True: kept branches' incoming gradient times 1 / (1 - rate); dropped ones detached."""
+    """unbiased=True: a kept branch's own parameters get its detached-reference gradient times 1 / (1 - rate);
+    every other parameter, the residual stream included, gets the detached reference's unscaled."""
     model = _model("llama", method)
     reference = copy.deepcopy(model)
     ctl = dropbp.apply(model, 0.5, seed=3, unbiased=True, pattern="uniform")
     ctl.set_rates([0.2, 0.6, 0.5, 0.4, 0.3, 0.7])
     rates = {b.name: b.rate for b in ctl.branches}
-    modules = dict(reference.named_modules())
     for step in range(3):
         ids = batch(step)
         loss, grads = loss_and_grads(model, ids)
         dropped = ctl.last_dropped
         handles = detach_outputs(reference, dropped)
-        for name in set(rates) - set(dropped):
-
-            def scale(module, args, output, factor=1 / (1 - rates[name])):
-                first = output[0] if isinstance(output, tuple) else output
-                first.register_hook(lambda g: g * factor)
-
-            handles.append(modules[name].register_forward_hook(scale))
         ref_loss, ref_grads = loss_and_grads(reference, ids)
         for h in handles:
             h.remove()
+        for name in set(rates) - set(dropped):
+            weight_branch_grads(ref_grads, name, 1 / (1 - rates[name]))
         assert torch.equal(loss, ref_loss)
         assert_same_grads(grads, ref_grads, atol=1e-5)
     ctl.unbiased = False  # and calibration always measures plain gradients

@@ -13,7 +13,15 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_same_grads, batch, detach_outputs, loss_and_grads, tiny_model, with_lora
+from conftest import (
+    assert_same_grads,
+    batch,
+    detach_outputs,
+    loss_and_grads,
+    tiny_model,
+    weight_branch_grads,
+    with_lora,
+)
 
 import dropbp
 from dropbp.discovery import branch_flops
@@ -79,28 +87,23 @@ def test_post_norm_is_part_of_the_branch(arch):
 
 @pytest.mark.parametrize("arch", ["gemma2", "olmo2"])
 def test_unbiased_scaling_applies_at_the_residual_add(arch):
-    """unbiased=True: the gradient arriving at the post-norm's output (the residual add) is scaled, so
-    the post-norm's own weight gets the scaled gradient too."""
+    """unbiased=True: the importance weight covers the branch up to the residual add, so the post-norm's own
+    weight gets the weighted gradient too; everything else gets the detached reference's."""
     model = _model(arch)
     reference = copy.deepcopy(model)
     ctl = dropbp.apply(model, 0.5, seed=4, unbiased=True, pattern="uniform")
     ctl.set_rates([0.2, 0.6, 0.5, 0.4, 0.3, 0.7])
     rates = {b.name: b.rate for b in ctl.branches}
-    modules = dict(reference.named_modules())
     for step in range(3):
         ids = batch(step)
         loss, grads = loss_and_grads(model, ids)
         dropped = ctl.last_dropped
         handles = detach_outputs(reference, tuple(_added(arch, n) for n in dropped))
-        for name in set(rates) - set(dropped):
-
-            def scale(module, args, output, factor=1 / (1 - rates[name])):
-                output.register_hook(lambda g: g * factor)
-
-            handles.append(modules[_added(arch, name)].register_forward_hook(scale))
         ref_loss, ref_grads = loss_and_grads(reference, ids)
         for h in handles:
             h.remove()
+        for name in set(rates) - set(dropped):
+            weight_branch_grads(ref_grads, name, 1 / (1 - rates[name]), (_added(arch, name),))
         assert torch.equal(loss, ref_loss)
         assert_same_grads(grads, ref_grads, atol=1e-5)
 
