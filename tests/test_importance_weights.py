@@ -125,3 +125,27 @@ def test_a_kept_branch_passes_full_backprops_gradient_down_the_residual_stream()
         weight_branch_grads(want, b.name, 1 / (1 - b.rate))
     for name in full:
         torch.testing.assert_close(grads[name], want[name], atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointing_recomputes_with_the_weights_of_the_forward_it_recomputes(reentrant):
+    """Under activation checkpointing, several forwards (during the warm-up, each at its own rate) before one
+    backward get exactly the weighted gradients they get without checkpointing."""
+    plain = tiny_model("llama", layers=3)
+    checkpointed = copy.deepcopy(plain)
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    for model in (plain, checkpointed):
+        dropbp.apply(model, 0.3, seed=5, unbiased=True, warmup_steps=4)
+    results = []
+    for model in (plain, checkpointed):
+        model.train()
+        model.zero_grad(set_to_none=True)
+        loss = sum(model(input_ids=batch(i), labels=batch(i)).loss for i in range(4))
+        loss.backward()
+        results.append({n: p.grad for n, p in model.named_parameters()})
+    assert results[0].keys() == results[1].keys()
+    for name, grad in results[0].items():
+        if grad is None:
+            assert results[1][name] is None, name
+        else:
+            torch.testing.assert_close(results[1][name], grad, atol=1e-5, rtol=0, msg=name)
