@@ -22,14 +22,36 @@ from transformers.trainer_callback import CallbackHandler
 
 from ..api import apply_options
 from ..controller import DropBPController
+from ..forecast import forecast
 from ..internals import prepared_inputs
 from ..options import AUTO_WARMUP, TrainerOptions, takes_options
 
-__all__ = ["STATE_FILE", "DropBPCallback", "attach", "build_callback", "callback_for", "fit_auto_warmup"]
+__all__ = [
+    "STATE_FILE",
+    "DropBPCallback",
+    "attach",
+    "build_callback",
+    "callback_for",
+    "fit_auto_warmup",
+    "log_forecast",
+]
 
 log = logging.getLogger("dropbp")
 
 STATE_FILE = "dropbp_state.json"
+
+
+def log_forecast(args: TrainingArguments, state: TrainerState, drop_rate: float) -> None:
+    """Log what the measured map forecasts for this run (:mod:`dropbp.forecast`): a warning where DropBP is not
+    expected to reach full backprop's quality sooner, else at info level. Tokens per step come from the arguments'
+    sequence length where they name one (TRL's ``max_length``: at most that many)."""
+    if state.max_steps < 1 or drop_rate == 0:
+        return
+    length = getattr(args, "max_length", None) or getattr(args, "max_seq_length", None)
+    sequences = args.per_device_train_batch_size * args.gradient_accumulation_steps * max(1, args.world_size)
+    tokens = sequences * length if isinstance(length, int) and length > 0 else None
+    seen = forecast(state.max_steps, tokens, drop_rate)
+    log.log(logging.INFO if seen.pays else logging.WARNING, "%s", seen.message)
 
 
 class DropBPCallback(TrainerCallback):
@@ -127,6 +149,7 @@ class DropBPCallback(TrainerCallback):
             self._apply(kw["model"], args)
         self._schedule(state.max_steps * args.gradient_accumulation_steps)  # the controller counts micro-batches
         if state.global_step == 0:
+            log_forecast(args, state, self.controller.drop_rate)
             return
         folders = [_checkpoint_folder(args, state.global_step)]
         if isinstance(args.resume_from_checkpoint, str):
@@ -143,8 +166,10 @@ class DropBPCallback(TrainerCallback):
             return
         with open(path) as f:
             saved = json.load(f)
-        if not isinstance(saved, dict) or set(saved) != {"controller", "calibrated"} or not isinstance(
-            saved["calibrated"], bool
+        if (
+            not isinstance(saved, dict)
+            or set(saved) != {"controller", "calibrated"}
+            or not isinstance(saved["calibrated"], bool)
         ):
             raise ValueError(
                 f"dropbp: {path} is not a state dropbp wrote (expected the keys 'controller' and 'calibrated', a "

@@ -1,0 +1,543 @@
+"""Where DropBP pays: speedup at equal quality over run length and tokens per optimizer step (issue 40).
+
+A proxy fast enough for 2 cores: a small Llama-shaped model (6 layers, hidden 64, byte-level vocabulary) pre-trained
+here on the standard library's source code, then fully fine-tuned on Python's help text (``pydoc_data.topics``,
+every tenth topic held out). For each cell of the map (full backprop's run length L in optimizer steps, tokens per
+step T, as micro-batches of 4 x 128 tokens, a drop pattern each):
+
+1. learning rates: every arm swept over the same grid on seed 0, full backprop first (at L steps), each DropBP rate
+   at its equal-time budget (the steps its modelled step speedup buys in L full-backprop steps); each arm keeps its
+   own best;
+2. complete runs (each its own lr warm-up + cosine decay, and for DropBP the shipped default: cut patterns, rates
+   warmed up over the first 20% with the mean kept): full backprop at L/2, L and 2L steps, DropBP at L steps and at
+   its equal-time budget, on 3 seeds (batch order and patterns; the same pre-trained start);
+3. the figure (``dropbp.tools.frontier``): the time full backprop needs to reach DropBP's final loss, read from that
+   seed's full-backprop frontier, over DropBP's time; mean and 95% interval over the seeds.
+
+Time is MODELLED, not timed on the proxy: each optimizer step costs what SmolLM2-135M's measured step components
+(``--cost-record``: forward, backward, backward with every branch dropped, optimizer; full fine-tuning, 512 tokens,
+2 CPU cores) give for the fraction of branch FLOPs that step's micro-batches dropped (``F + B0 + (1 - f)(B - B0)``
+per micro-batch; that record's speedups sit on this line, per-round efficiency 1.01-1.02). The proxy's own steps are
+dominated by other costs; its wall times are recorded beside, not used. Runs are independent, so two run at once
+(one thread each); every finished run is appended to ``runs.jsonl`` and a stopped map resumes where it was.
+
+    python benchmarks/where_it_pays.py --cells 100x1k 300x1k 100x8k 1000x1k 300x8k   # runs, in the background
+    python benchmarks/where_it_pays.py --report                                       # map.md, map.json, map.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import sysconfig
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass
+from datetime import date
+from multiprocessing import get_context
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+OUT = RESULTS / "where_it_pays"
+COST_RECORD = RESULTS / "bench_checkpointing_cpu" / "full" / "bench.json"
+CACHE = Path.home() / ".cache" / "dropbp"
+SHIPPED_MAP = RESULTS.parent.parent / "dropbp" / "where_it_pays.json"  # dropbp.forecast reads it
+
+SEQ_LEN = 128
+MICRO_SEQUENCES = 4  # 512 tokens per micro-batch, as the cost record's step
+PROXY = {"hidden_size": 64, "intermediate_size": 168, "num_hidden_layers": 6, "num_attention_heads": 4}
+PRETRAIN = {"steps": 1500, "sequences": 16, "lr": 3e-3, "seed": 0, "max_bytes": 4_000_000}
+LR_GRID = (5e-4, 1e-3, 2e-3, 4e-3)
+RATES = (0.5, 0.75)
+SEEDS = (0, 1, 2)
+BASELINE_BUDGETS = (0.5, 1.0, 2.0)  # full backprop's complete runs, as multiples of the cell's run length
+WEIGHT_DECAY = 0.02  # the research code's, for full fine-tuning
+VAL_WINDOWS = 64
+
+
+# -- the proxy ---------------------------------------------------------------------------------------------------
+class ByteTokenizer:
+    """UTF-8 bytes as token ids (vocabulary 256): nothing to download or train."""
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        return {"input_ids": list(text.encode("utf-8"))}
+
+
+def proxy_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=256,
+        num_key_value_heads=PROXY["num_attention_heads"],
+        max_position_embeddings=SEQ_LEN,
+        tie_word_embeddings=False,
+        **PROXY,
+    )
+
+
+def stdlib_source(max_bytes: int) -> str:
+    """The standard library's own Python source, files in sorted order, up to ``max_bytes`` characters."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts, size = [], 0
+    for path in sorted(root.glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        parts.append(text)
+        size += len(text)
+        if size >= max_bytes:
+            break
+    return "\n\n".join(parts)
+
+
+def pretrained_proxy() -> Path:
+    """Pre-train the proxy on stdlib source once (lr warm-up + cosine), cached by its settings; returns the file."""
+    key = hashlib.sha256(json.dumps([PROXY, PRETRAIN, SEQ_LEN]).encode()).hexdigest()[:12]
+    path = CACHE / f"where_it_pays_proxy_{key}.pt"
+    if path.exists():
+        return path
+    from transformers import LlamaForCausalLM
+
+    from dropbp.tools.compare import lr_factor
+
+    torch.manual_seed(PRETRAIN["seed"])
+    model = LlamaForCausalLM(proxy_config())
+    ids = torch.tensor(list(stdlib_source(PRETRAIN["max_bytes"]).encode("utf-8")))
+    windows = ids[: len(ids) // SEQ_LEN * SEQ_LEN].view(-1, SEQ_LEN)
+    opt = torch.optim.AdamW(model.parameters(), lr=PRETRAIN["lr"], weight_decay=0.1)
+    g = torch.Generator().manual_seed(PRETRAIN["seed"])
+    started = time.perf_counter()
+    for step in range(PRETRAIN["steps"]):
+        for group in opt.param_groups:
+            group["lr"] = PRETRAIN["lr"] * lr_factor(step, PRETRAIN["steps"], "cosine")
+        batch = windows[torch.randint(0, len(windows), (PRETRAIN["sequences"],), generator=g)]
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 250 == 0:
+            print(f"pre-training step {step} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), path)
+    return path
+
+
+# -- the time model ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepCost:
+    """One micro-batch's forward, backward, backward with every branch dropped, and the optimizer step (seconds)."""
+
+    forward: float
+    backward: float
+    backward_all_dropped: float
+    optimizer: float
+    tokens: int
+
+    @classmethod
+    def from_bench(cls, path: Path) -> StepCost:
+        """The first point of a ``dropbp bench`` record (batch 1, its ``seq_len`` tokens)."""
+        point = json.loads(path.read_text())["points"][0]
+        base = point["baseline"]
+        return cls(
+            base["forward_s"],
+            base["backward_s"],
+            point["all_dropped"]["backward_s"],
+            base["optimizer_s"],
+            point["seq_len"] * point["batch_size"],
+        )
+
+    def step_seconds(self, dropped_fraction: float, tokens_per_step: int) -> float:
+        """An optimizer step of ``tokens_per_step`` tokens whose micro-batches dropped ``dropped_fraction`` of the
+        branch FLOPs on average: ``F + B0 + (1 - f)(B - B0)`` per micro-batch of ``tokens`` tokens, then one
+        optimizer step."""
+        micro = (
+            self.forward
+            + self.backward_all_dropped
+            + (1 - dropped_fraction) * (self.backward - self.backward_all_dropped)
+        )
+        return micro * tokens_per_step / self.tokens + self.optimizer
+
+    def speedup(self, dropped_fraction: float, tokens_per_step: int) -> float:
+        """Full backprop's step time over a step that dropped ``dropped_fraction``."""
+        return self.step_seconds(0.0, tokens_per_step) / self.step_seconds(dropped_fraction, tokens_per_step)
+
+
+# -- the map's runs ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Cell:
+    steps: int  # full backprop's run length
+    tokens: int  # tokens per optimizer step
+
+    @classmethod
+    def parse(cls, text: str) -> Cell:
+        """``"300x8k"``: 300 optimizer steps of 8192 tokens."""
+        steps, _, tokens = text.partition("x")
+        if not steps.isdigit() or not tokens.removesuffix("k").isdigit() or not tokens.endswith("k"):
+            raise argparse.ArgumentTypeError(f"a cell is STEPSxTOKENSk, such as 300x8k; got {text!r}")
+        return cls(int(steps), int(tokens.removesuffix("k")) * 1024)
+
+    @property
+    def name(self) -> str:
+        return f"{self.steps}x{self.tokens // 1024}k"
+
+
+@dataclass(frozen=True)
+class Job:
+    cell: str
+    tokens: int
+    rate: float | None  # None: full backprop
+    lr: float
+    steps: int
+    seed: int
+    phase: str  # "sweep" or "runs"
+    unbiased: bool = False  # DropBP with importance weights (apply's unbiased=True)
+
+    @property
+    def key(self) -> str:
+        arm = "full" if self.rate is None else f"dropbp{self.rate:g}" + ("+iw" if self.unbiased else "")
+        return f"{self.cell}/{arm}/lr{self.lr:g}/steps{self.steps}/seed{self.seed}"
+
+
+def equal_time_steps(cost: StepCost, cell: Cell, rate: float) -> int:
+    """DropBP's steps in the time of ``cell.steps`` full-backprop steps, at its expected dropped fraction."""
+    return round(cell.steps * cost.speedup(rate, cell.tokens))
+
+
+def sweep_jobs(cell: Cell, cost: StepCost, weighted: bool = False) -> list[Job]:
+    """The learning-rate grid: full backprop, then each DropBP rate (with importance weights if ``weighted``)."""
+    jobs = [Job(cell.name, cell.tokens, None, lr, cell.steps, 0, "sweep") for lr in LR_GRID]
+    for rate in RATES:
+        steps = equal_time_steps(cost, cell, rate)
+        jobs += [Job(cell.name, cell.tokens, rate, lr, steps, 0, "sweep", weighted) for lr in LR_GRID]
+    return jobs
+
+
+def best_lr(done: dict[str, dict], cell: Cell, rate: float | None, weighted: bool = False) -> float | None:
+    """The arm's learning rate with the lowest final loss on the sweep (None until every grid point ran)."""
+    rows = [
+        r
+        for r in done.values()
+        if r["cell"] == cell.name
+        and r["rate"] == rate
+        and r["phase"] == "sweep"
+        and r.get("unbiased", False) == weighted
+    ]
+    if len(rows) < len(LR_GRID):
+        return None
+    return min(rows, key=lambda r: r["final_loss"])["lr"]
+
+
+def run_jobs(cell: Cell, cost: StepCost, done: dict[str, dict], weighted: bool = False) -> list[Job]:
+    """The complete runs at each arm's best learning rate (empty until the cell's sweep finished)."""
+    full_lr = best_lr(done, cell, None)
+    lrs = {rate: best_lr(done, cell, rate, weighted) for rate in RATES}
+    if full_lr is None or None in lrs.values():
+        return []
+    jobs = [
+        Job(cell.name, cell.tokens, None, full_lr, round(cell.steps * b), seed, "runs")
+        for seed in SEEDS
+        for b in BASELINE_BUDGETS
+    ]
+    for rate, lr in lrs.items():
+        for seed in SEEDS:
+            for steps in (cell.steps, equal_time_steps(cost, cell, rate)):
+                jobs.append(Job(cell.name, cell.tokens, rate, lr, steps, seed, "runs", weighted))
+    return jobs
+
+
+def same_run(done: dict[str, dict], job: Job) -> dict | None:
+    """A finished run with the same settings in either phase (the sweep's best runs are seed 0's runs)."""
+    return done.get(job.key)
+
+
+def train(job: Job, proxy: str, cost: StepCost) -> dict:
+    """One complete run of ``job`` on the pre-trained proxy (one thread); its curve and modelled time."""
+    torch.set_num_threads(1)
+    import transformers
+    from transformers import LlamaForCausalLM
+
+    from dropbp import backends
+    from dropbp.tools.compare import Run, compare
+    from dropbp.tools.textdata import pydoc_topics
+
+    transformers.logging.set_verbosity_error()
+    model = LlamaForCausalLM(proxy_config())
+    model.load_state_dict(torch.load(proxy, weights_only=True))
+    data = pydoc_topics(ByteTokenizer(), SEQ_LEN, max_val_windows=VAL_WINDOWS)
+    default = {"pattern": "cut", "schedule": "warmup", "drop_schedule": "constant"}  # the shipped default
+    arm = {**default, "unbiased": job.unbiased} if job.rate is not None else {}
+    run = Run(job.key, job.rate, lr=job.lr, steps=job.steps, **arm)
+    sequences = job.tokens // SEQ_LEN
+    started = time.perf_counter()
+    [result] = compare(
+        model,
+        [run],
+        data,
+        steps=job.steps,
+        lr=job.lr,
+        batch_size=sequences,
+        backend=backends.get("cpu"),
+        eval_every=max(1, job.steps // 5),
+        seed=job.seed,
+        accumulation=sequences // MICRO_SEQUENCES,
+        lr_schedule="cosine",
+        weight_decay=WEIGHT_DECAY,
+    )
+    modelled = [cost.step_seconds(f, job.tokens) for f in result.dropped_fractions]
+    elapsed = [0.0]
+    for seconds in modelled:
+        elapsed.append(elapsed[-1] + seconds)
+    return {
+        **asdict(job),
+        "key": job.key,
+        "final_loss": result.val_loss[-1],
+        "modelled_s": elapsed[-1],
+        "measured_s": sum(result.step_seconds),
+        "wall_s": time.perf_counter() - started,
+        "mean_dropped_fraction": sum(result.dropped_fractions) / len(result.dropped_fractions),
+        "eval_steps": result.eval_steps,
+        "eval_modelled_s": [elapsed[s] for s in result.eval_steps],
+        "val_loss": result.val_loss,
+    }
+
+
+def load_done(path: Path) -> dict[str, dict]:
+    if not path.exists():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {row["key"]: row for row in rows}
+
+
+def run_map(cells: list[Cell], workers: int, out: Path, cost: StepCost, weighted: bool = False) -> None:
+    """Run every cell's sweep, then its complete runs, ``workers`` at a time, cells in the order given (with
+    ``weighted``, DropBP's arms use importance weights; full backprop's runs are shared)."""
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "runs.jsonl"
+    done = load_done(log)
+    proxy = str(pretrained_proxy())
+    started = time.perf_counter()
+    running: dict[Future, Job] = {}
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        while True:
+            ready = [
+                job
+                for cell in cells
+                for job in [*sweep_jobs(cell, cost, weighted), *run_jobs(cell, cost, done, weighted)]
+                if same_run(done, job) is None
+                and job.key not in {j.key for j in running.values()}
+                and (job.unbiased or not weighted)  # the weighted runner leaves full backprop to the default one
+            ]
+            ready = list(dict.fromkeys(ready))
+            while ready and len(running) < workers:
+                job = ready.pop(0)
+                running[pool.submit(train, job, proxy, cost)] = job
+            if not running:
+                break
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            done.update(load_done(log))  # another runner (the other arm) may share the record
+            for future in finished:
+                job = running.pop(future)
+                row = future.result()
+                done[job.key] = row
+                with log.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                print(
+                    f"[{time.perf_counter() - started:6.0f} s] {job.key}: loss {row['final_loss']:.4f}, "
+                    f"modelled {row['modelled_s']:.0f} s, proxy {row['wall_s']:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+
+# -- the report --------------------------------------------------------------------------------------------------
+def cell_figures(cell: Cell, done: dict[str, dict], cost: StepCost) -> dict | None:
+    """The cell's learning rates, frontier runs and, per DropBP arm (rate, with or without importance weights) and
+    budget, the speedup at equal quality; None until the default arms' runs are all done."""
+    jobs = run_jobs(cell, cost, done)
+    if not jobs or any(same_run(done, j) is None for j in jobs):
+        return None
+    rows = [same_run(done, j) for j in jobs]
+    full = [r for r in rows if r["rate"] is None]
+    figures = {"cell": cell.name, "steps": cell.steps, "tokens": cell.tokens, "lr": {"full": full[0]["lr"]}}
+    figures["full"] = {
+        str(n): [r["final_loss"] for r in full if r["steps"] == n] for n in sorted({r["steps"] for r in full})
+    }
+    baseline = {s: [(r["modelled_s"], r["final_loss"]) for r in full if r["seed"] == s] for s in SEEDS}
+    arms = [(r, False) for r in rows if r["rate"] is not None]
+    weighted = run_jobs(cell, cost, done, weighted=True)
+    if weighted and all(same_run(done, j) is not None for j in weighted):
+        arms += [(same_run(done, j), True) for j in weighted if j.rate is not None]
+    for rate in RATES:
+        for iw in (False, True):
+            arm = [r for r, w in arms if w == iw and r["rate"] == rate]
+            if arm:
+                name = f"{rate:g}" + ("+iw" if iw else "")
+                figures["lr"][name] = arm[0]["lr"]
+                figures[name] = _budgets(arm, baseline, cost, cell, rate)
+    return figures
+
+
+def _budgets(arm: list[dict], baseline: dict, cost: StepCost, cell: Cell, rate: float) -> dict:
+    from dropbp.tools.frontier import equal_quality_speedup, over_seeds
+
+    budgets = {}
+    for steps in sorted({r["steps"] for r in arm}):
+        runs = sorted((r for r in arm if r["steps"] == steps), key=lambda r: r["seed"])
+        readings = [equal_quality_speedup(baseline[r["seed"]], r["modelled_s"], r["final_loss"]) for r in runs]
+        full_step = cost.step_seconds(0.0, cell.tokens)
+        budgets[str(steps)] = {
+            **over_seeds(readings),
+            # full backprop's steps to the same loss per DropBP step (speedup over the run's own step speedup)
+            "step_worth": sum(
+                x.value * r["modelled_s"] / (steps * full_step) for x, r in zip(readings, runs, strict=True)
+            )
+            / len(runs),
+            "final_loss": [r["final_loss"] for r in runs],
+            "equal_time": steps == equal_time_steps(cost, cell, rate),
+        }
+    return budgets
+
+
+def report(out: Path, cost: StepCost, cost_record: Path) -> None:
+    done = load_done(out / "runs.jsonl")
+    cells = sorted({Cell.parse(r["cell"]) for r in done.values()}, key=lambda c: (c.tokens, c.steps))
+    figures = [f for c in cells if (f := cell_figures(c, done, cost)) is not None]
+    record = {
+        "benchmark": "where_it_pays",
+        "date": date.today().isoformat(),
+        "proxy": {**PROXY, "vocab_size": 256, "seq_len": SEQ_LEN, "pretrain": PRETRAIN},
+        "micro_batch_tokens": SEQ_LEN * MICRO_SEQUENCES,
+        "lr_grid": LR_GRID,
+        "seeds": SEEDS,
+        "baseline_budgets": BASELINE_BUDGETS,
+        "cost_record": str(cost_record.relative_to(RESULTS.parent.parent)),
+        "step_cost": asdict(cost),
+        "torch": torch.__version__,
+        "cells": figures,
+    }
+    (out / "map.json").write_text(json.dumps(record, indent=2) + "\n")
+    SHIPPED_MAP.write_text(json.dumps(shipped_map(figures), indent=1) + "\n")
+    lines = map_table(figures, cost)
+    (out / "map.md").write_text("\n".join(lines) + "\n")
+    plot_map(figures, out / "map.png")
+    print("\n".join(lines))
+
+
+def shipped_map(figures: list[dict]) -> dict:
+    """What ``dropbp.forecast`` reads: per cell and DropBP rate, the shipped default's speedup at equal quality at
+    equal time (mean and 95% interval over the seeds)."""
+    cells = []
+    for f in figures:
+        for rate in RATES:
+            equal = next(b for b in f[f"{rate:g}"].values() if b["equal_time"])
+            cells.append(
+                {"steps": f["steps"], "tokens": f["tokens"], "rate": rate}
+                | {k: round(equal[k], 3) for k in ("mean", "low", "high")}
+            )
+    conditions = (
+        f"a {PROXY['num_hidden_layers']}-layer, {PROXY['hidden_size']}-wide Llama-shaped proxy, full fine-tuning, "
+        f"{len(SEEDS)} seeds, time modelled on SmolLM2-135M's CPU steps"
+    )
+    return {"source": "benchmarks/results/where_it_pays/map.json", "conditions": conditions, "cells": cells}
+
+
+def _speedup_cell(budget: dict) -> str:
+    text = f"**{budget['mean']:.2f}x**"
+    if budget["seeds"] > 1:
+        text += f" [{budget['low']:.2f}, {budget['high']:.2f}]"
+    if budget["bounded"]:
+        bounds = sorted({p["bound"] for p in budget["per_seed"] if p["bound"] != "exact"})
+        text += f" ({budget['bounded']} of {budget['seeds']} seeds {' / '.join(bounds)})"
+    return text
+
+
+def map_table(figures: list[dict], cost: StepCost) -> list[str]:
+    lines = [
+        "| run length x tokens per step | DropBP | modelled step speedup | lr full / DropBP | DropBP at equal time: "
+        "speedup at equal quality [95%] | a DropBP step is worth (full-backprop steps) | DropBP at L steps: speedup "
+        "at equal quality [95%] |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for f in figures:
+        for rate in RATES:
+            for name in (f"{rate:g}", f"{rate:g}+iw"):
+                if name not in f:
+                    continue
+                budgets = f[name]
+                equal = next(b for b in budgets.values() if b["equal_time"])
+                same = budgets[str(f["steps"])]
+                label = name.replace("+iw", " + importance weights")
+                lines.append(
+                    f"| {f['steps']} x {f['tokens'] // 1024}k | {label} | {cost.speedup(rate, f['tokens']):.2f}x | "
+                    f"{f['lr']['full']:g} / {f['lr'][name]:g} | {_speedup_cell(equal)} | {equal['step_worth']:.2f} | "
+                    f"{_speedup_cell(same)} |"
+                )
+    return lines
+
+
+def plot_map(figures: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(RATES), figsize=(6 * len(RATES), 4.5), sharey=True)
+    for ax, rate in zip(axes, RATES, strict=True):
+        for i, tokens in enumerate(sorted({f["tokens"] for f in figures})):
+            for arm, style in ((f"{rate:g}", "-"), (f"{rate:g}+iw", "--")):
+                row = sorted((f for f in figures if f["tokens"] == tokens and arm in f), key=lambda f: f["steps"])
+                if not row:
+                    continue
+                eq = [next(b for b in f[arm].values() if b["equal_time"]) for f in row]
+                errors = [[b["mean"] - b["low"] for b in eq], [b["high"] - b["mean"] for b in eq]]
+                label = f"{tokens // 1024}k tokens/step" + (" + importance weights" if arm.endswith("iw") else "")
+                shift = 1.03 if arm.endswith("iw") else 1.0  # side by side, not on top of each other
+                ax.errorbar(
+                    [f["steps"] * shift for f in row],
+                    [b["mean"] for b in eq],
+                    yerr=errors,
+                    marker="o",
+                    capsize=3,
+                    linestyle=style,
+                    color=f"C{i}",
+                    label=label,
+                )
+        ax.set_xscale("log")
+        ax.set_xticks(sorted({f["steps"] for f in figures}), [str(s) for s in sorted({f["steps"] for f in figures})])
+        ax.minorticks_off()
+        ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
+        ax.axhline(1.3, color="green", linestyle="--", linewidth=0.8)
+        ax.set_xlabel("full backprop's run length (optimizer steps)")
+        ax.set_title(f"DropBP {rate:g} at equal time")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("speedup at equal quality (mean, 95% over 3 seeds)")
+    fig.suptitle("Where DropBP pays: proxy Llama (6 x 64), full fine-tuning, time modelled on SmolLM2-135M's steps")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cells", type=Cell.parse, nargs="+", default=[])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--report", action="store_true", help="only write map.json, map.md and map.png")
+    parser.add_argument(
+        "--importance-weights", action="store_true", help="DropBP's arms with importance weights (unbiased=True)"
+    )
+    parser.add_argument("--cost-record", type=Path, default=COST_RECORD)
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args()
+    cost = StepCost.from_bench(args.cost_record)
+    if args.report:
+        report(args.out, cost, args.cost_record)
+        return
+    if not args.cells:
+        parser.error("give --cells (such as 100x1k 300x8k) or --report")
+    run_map(args.cells, args.workers, args.out, cost, args.importance_weights)
+
+
+if __name__ == "__main__":
+    main()
