@@ -1,7 +1,10 @@
-"""The README's results table, made from the convergence records under benchmarks/results (never typed by hand).
+"""The README's results tables, made from the records under benchmarks/results (never typed by hand).
 
-    python benchmarks/readme_results.py           # print the table
-    python benchmarks/readme_results.py --write   # put it between README.md's results-table markers
+    python benchmarks/readme_results.py           # print the tables
+    python benchmarks/readme_results.py --write   # put them between README.md's markers
+
+The first, the headline, is the map of the speedup at equal quality (benchmarks/where_it_pays.py,
+docs/where-it-pays.md); the second is SmolLM2-135M at equal steps and equal time.
 
 Each row is one setting of the accumulation regime (docs/regime.md: SmolLM2-135M-Instruct, 100 optimizer steps of
 8 micro-batches of 128 tokens, lr warm-up and cosine decay, 2 CPU cores), the shipped default at drop rate 0.5
@@ -19,6 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
 BEGIN, END = "<!-- results-table: made by benchmarks/readme_results.py -->", "<!-- end of results-table -->"
+MAP_BEGIN, MAP_END = "<!-- map-table: made by benchmarks/readme_results.py -->", "<!-- end of map-table -->"
+MAP = RESULTS / "where_it_pays" / "map.json"
 
 #: (setting, the records of its seeds: stems under benchmarks/results)
 SETTINGS = [
@@ -103,13 +108,18 @@ def row(setting: str, stems: list[str]) -> str | None:
     if not seeds:
         return None
     speedups = [s[EQUAL_STEPS if EQUAL_STEPS in s else EQUAL_TIME]["step_speedup"] for s in seeds]
-    steps = [(1 - s[EQUAL_STEPS]["train_s"] / s[BASELINE]["train_s"], s[EQUAL_STEPS]["final_val_loss"] /
-              s[BASELINE]["final_val_loss"] - 1) for s in seeds if EQUAL_STEPS in s]
+    steps = [
+        (
+            1 - s[EQUAL_STEPS]["train_s"] / s[BASELINE]["train_s"],
+            s[EQUAL_STEPS]["final_val_loss"] / s[BASELINE]["final_val_loss"] - 1,
+        )
+        for s in seeds
+        if EQUAL_STEPS in s
+    ]
     timed = [s for s in seeds if EQUAL_TIME in s]
     # at the same training time, the shorter run's (as the records' tables read it): a DropBP run that trained less
     # than the baseline against the baseline at its end, one that trained longer read at the baseline's end
     gaps = [s[EQUAL_TIME]["val_loss_at_equal_time"] - _baseline_then(s) for s in timed]
-    targets = [s[EQUAL_TIME]["time_to_target_speedup"] for s in timed]
     equal_steps = (
         f"{100 * _mean([t for t, _ in steps]):.0f}% less time, {100 * _mean([g for _, g in steps]):+.2f}% loss"
         + (f" ({len(steps)} seeds)" if len(steps) > 1 else " (1 seed)")
@@ -117,45 +127,73 @@ def row(setting: str, stems: list[str]) -> str | None:
         else "not run"
     )
     equal_time = f"{_signed(_mean(gaps))} ({', '.join(map(_signed, gaps))})" if gaps else "not run"
-    to_target = ", ".join("not reached" if t is None else f"{t:.2f}x" for t in targets) or "not run"
-    return (
-        f"| {setting} | {_mean(speedups):.2f}x | {equal_steps} | {equal_time} | {to_target} | "
-        f"{len(seeds)} of {len(stems)} |"
-    )
+    return f"| {setting} | {_mean(speedups):.2f}x | {equal_steps} | {equal_time} | {len(seeds)} of {len(stems)} |"
 
 
 def table() -> str:
-    """The whole table, markers included."""
+    """The SmolLM2 table, markers included."""
     lines = [
         BEGIN,
         "| fine-tuning, corpus | step speedup | equal steps: time saved, loss gap (mean) | equal time: loss minus "
-        "full backprop's at the same time, mean (per seed) | time to full backprop's final loss (per seed) | seeds |",
-        "|---|---|---|---|---|---|",
+        "full backprop's at the same time, mean (per seed) | seeds |",
+        "|---|---|---|---|---|",
     ]
     lines += [r for r in (row(setting, stems) for setting, stems in SETTINGS) if r is not None]
     return "\n".join([*lines, END])
 
 
-def readme_table(text: str) -> str | None:
-    """The table as README.md has it (markers included), or None."""
-    if BEGIN not in text or END not in text:
+def _interval(budget: dict) -> str:
+    bound = f", {budget['bounded']} of {budget['seeds']} seeds a bound" if budget["bounded"] else ""
+    return f"**{budget['mean']:.2f}x** [{budget['low']:.2f}, {budget['high']:.2f}]{bound}"
+
+
+def map_table() -> str:
+    """The map's table, markers included: per regime, the shipped default at 0.5 and 0.75 given full backprop's
+    time (its equal-time budget), each arm at its own best learning rate."""
+    record = json.loads(MAP.read_text())
+    lines = [
+        MAP_BEGIN,
+        "| run length x tokens per step | DropBP 0.5: speedup at equal quality [95%] | DropBP 0.75 | "
+        "learning rate full / 0.5 / 0.75 | seeds |",
+        "|---|---|---|---|---|",
+    ]
+    for cell in record["cells"]:
+        figures = [next(b for b in cell[f"{r:g}"].values() if b["equal_time"]) for r in (0.5, 0.75)]
+        lrs = " / ".join(f"{cell['lr'][k]:g}" for k in ("full", "0.5", "0.75"))
+        lines.append(
+            f"| {cell['steps']} x {cell['tokens'] // 1024}k tokens | {_interval(figures[0])} | "
+            f"{_interval(figures[1])} | {lrs} | {figures[0]['seeds']} |"
+        )
+    return "\n".join([*lines, MAP_END])
+
+
+def between(text: str, begin: str, end: str) -> str | None:
+    """The part of ``text`` from ``begin`` to ``end`` (markers included), or None."""
+    if begin not in text or end not in text:
         return None
-    start = text.index(BEGIN)
-    return text[start : text.index(END, start) + len(END)]
+    start = text.index(begin)
+    return text[start : text.index(end, start) + len(end)]
+
+
+def readme_table(text: str) -> str | None:
+    """The SmolLM2 table as README.md has it (markers included), or None."""
+    return between(text, BEGIN, END)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--write", action="store_true", help="replace the table in README.md")
+    parser.add_argument("--write", action="store_true", help="replace the tables in README.md")
     args = parser.parse_args()
-    made = table()
+    made = {(MAP_BEGIN, MAP_END): map_table(), (BEGIN, END): table()}
     if args.write:
         text = README.read_text()
-        current = readme_table(text)
-        if current is None:
-            raise SystemExit(f"README.md has no {BEGIN} ... {END} markers to put the table between")
-        README.write_text(text.replace(current, made))
-    print(made)
+        for (begin, end), new in made.items():
+            current = between(text, begin, end)
+            if current is None:
+                raise SystemExit(f"README.md has no {begin} ... {end} markers to put the table between")
+            text = text.replace(current, new)
+        README.write_text(text)
+    print("\n\n".join(made.values()))
 
 
 if __name__ == "__main__":

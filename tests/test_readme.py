@@ -75,3 +75,12 @@ def test_the_readme_results_table_is_the_one_the_records_make():
     assert results.readme_table(text) == results.table()
     assert text.index(results.BEGIN) < text.index("## Quick start")  # on the first screen
     assert "full, Python help text" in results.table() and "LoRA, Python help text" in results.table()
+
+
+def test_the_readme_map_table_is_the_one_the_map_makes():
+    """The headline table (speedup at equal quality) is generated from the map's record, first on the screen."""
+    results = _readme_results()
+    text = README.read_text()
+    assert results.between(text, results.MAP_BEGIN, results.MAP_END) == results.map_table()
+    assert text.index(results.MAP_BEGIN) < text.index(results.BEGIN) < text.index("## Quick start")
+    assert "speedup at equal quality" in results.map_table() and "x 1k tokens" in results.map_table()
