@@ -52,6 +52,14 @@ MICRO_SEQUENCES = 4  # 512 tokens per micro-batch, as the cost record's step
 PROXY = {"hidden_size": 64, "intermediate_size": 168, "num_hidden_layers": 6, "num_attention_heads": 4}
 PRETRAIN = {"steps": 1500, "sequences": 16, "lr": 3e-3, "seed": 0, "max_bytes": 4_000_000}
 LR_GRID = (5e-4, 1e-3, 2e-3, 4e-3)
+MAX_WIDENING = 2  # grid points added at an edge where an arm's best lies
+DEFAULT = "default"
+#: DropBP's arms: the shipped default, and each lever of issue 40 on (its Run options, its key's suffix).
+VARIANTS = {
+    DEFAULT: {"suffix": "", "options": {}},
+    "importance-weights": {"suffix": "+iw", "options": {"unbiased": True}},
+    "stratified": {"suffix": "+st", "options": {"stratified": True}},
+}
 RATES = (0.5, 0.75)
 SEEDS = (0, 1, 2)
 BASELINE_BUDGETS = (0.5, 1.0, 2.0)  # full backprop's complete runs, as multiples of the cell's run length
@@ -191,11 +199,11 @@ class Job:
     steps: int
     seed: int
     phase: str  # "sweep" or "runs"
-    unbiased: bool = False  # DropBP with importance weights (apply's unbiased=True)
+    variant: str = DEFAULT  # DropBP's: the shipped default, or one lever on (:data:`VARIANTS`)
 
     @property
     def key(self) -> str:
-        arm = "full" if self.rate is None else f"dropbp{self.rate:g}" + ("+iw" if self.unbiased else "")
+        arm = "full" if self.rate is None else f"dropbp{self.rate:g}" + VARIANTS[self.variant]["suffix"]
         return f"{self.cell}/{arm}/lr{self.lr:g}/steps{self.steps}/seed{self.seed}"
 
 
@@ -204,34 +212,67 @@ def equal_time_steps(cost: StepCost, cell: Cell, rate: float) -> int:
     return round(cell.steps * cost.speedup(rate, cell.tokens))
 
 
-def sweep_jobs(cell: Cell, cost: StepCost, weighted: bool = False) -> list[Job]:
-    """The learning-rate grid: full backprop, then each DropBP rate (with importance weights if ``weighted``)."""
-    jobs = [Job(cell.name, cell.tokens, None, lr, cell.steps, 0, "sweep") for lr in LR_GRID]
+def variant_of(row: dict) -> str:
+    """A recorded run's variant (runs recorded before variants had names say ``unbiased``)."""
+    return row.get("variant") or ("importance-weights" if row.get("unbiased") else DEFAULT)
+
+
+def _sweep_rows(done: dict[str, dict], cell: Cell, rate: float | None, variant: str) -> dict[float, float]:
+    """An arm's sweep so far: learning rate -> final loss."""
+    return {
+        r["lr"]: r["final_loss"]
+        for r in done.values()
+        if r["cell"] == cell.name and r["rate"] == rate and r["phase"] == "sweep" and variant_of(r) == variant
+    }
+
+
+def lr_grid(done: dict[str, dict], cell: Cell) -> list[float]:
+    """The cell's learning-rate grid, the same for every arm: :data:`LR_GRID`, widened by a factor of 2 at an
+    edge where any arm's best lies (at most :data:`MAX_WIDENING` times), once every arm has run the grid so far."""
+    grid = list(LR_GRID)
+    arms = [(None, DEFAULT), *((rate, DEFAULT) for rate in RATES)]
+    arms += [(rate, v) for v in VARIANTS if v != DEFAULT for rate in RATES if _sweep_rows(done, cell, rate, v)]
+    while len(grid) < len(LR_GRID) + MAX_WIDENING:
+        sweeps = [_sweep_rows(done, cell, rate, variant) for rate, variant in arms]
+        if any(not set(grid) <= set(sweep) for sweep in sweeps):
+            break  # the grid so far is still running
+        bests = {min(grid, key=sweep.__getitem__) for sweep in sweeps}
+        if grid[-1] in bests:
+            grid.append(grid[-1] * 2)
+        elif grid[0] in bests:
+            grid.insert(0, grid[0] / 2)
+        else:
+            break
+    return grid
+
+
+def sweep_jobs(cell: Cell, cost: StepCost, done: dict[str, dict], variant: str = DEFAULT) -> list[Job]:
+    """The learning-rate grid: full backprop, then each DropBP rate (as ``variant``)."""
+    grid = lr_grid(done, cell)
+    jobs = [Job(cell.name, cell.tokens, None, lr, cell.steps, 0, "sweep") for lr in grid]
     for rate in RATES:
         steps = equal_time_steps(cost, cell, rate)
-        jobs += [Job(cell.name, cell.tokens, rate, lr, steps, 0, "sweep", weighted) for lr in LR_GRID]
+        jobs += [Job(cell.name, cell.tokens, rate, lr, steps, 0, "sweep", variant) for lr in grid]
     return jobs
 
 
-def best_lr(done: dict[str, dict], cell: Cell, rate: float | None, weighted: bool = False) -> float | None:
-    """The arm's learning rate with the lowest final loss on the sweep (None until every grid point ran)."""
-    rows = [
-        r
-        for r in done.values()
-        if r["cell"] == cell.name
-        and r["rate"] == rate
-        and r["phase"] == "sweep"
-        and r.get("unbiased", False) == weighted
-    ]
-    if len(rows) < len(LR_GRID):
+def best_lr(done: dict[str, dict], cell: Cell, rate: float | None, variant: str = DEFAULT) -> float | None:
+    """The arm's learning rate with the lowest final loss over the cell's grid (None until the grid is settled
+    and the arm ran every point of it)."""
+    grid = lr_grid(done, cell)
+    sweep = _sweep_rows(done, cell, rate, variant)
+    others = [_sweep_rows(done, cell, r, DEFAULT) for r in (None, *RATES)]
+    if not all(set(grid) <= set(rows) for rows in (sweep, *others)):
         return None
-    return min(rows, key=lambda r: r["final_loss"])["lr"]
+    best = min(grid, key=sweep.__getitem__)
+    edge = best in (grid[0], grid[-1]) and len(grid) < len(LR_GRID) + MAX_WIDENING
+    return None if edge else best
 
 
-def run_jobs(cell: Cell, cost: StepCost, done: dict[str, dict], weighted: bool = False) -> list[Job]:
+def run_jobs(cell: Cell, cost: StepCost, done: dict[str, dict], variant: str = DEFAULT) -> list[Job]:
     """The complete runs at each arm's best learning rate (empty until the cell's sweep finished)."""
     full_lr = best_lr(done, cell, None)
-    lrs = {rate: best_lr(done, cell, rate, weighted) for rate in RATES}
+    lrs = {rate: best_lr(done, cell, rate, variant) for rate in RATES}
     if full_lr is None or None in lrs.values():
         return []
     jobs = [
@@ -242,7 +283,7 @@ def run_jobs(cell: Cell, cost: StepCost, done: dict[str, dict], weighted: bool =
     for rate, lr in lrs.items():
         for seed in SEEDS:
             for steps in (cell.steps, equal_time_steps(cost, cell, rate)):
-                jobs.append(Job(cell.name, cell.tokens, rate, lr, steps, seed, "runs", weighted))
+                jobs.append(Job(cell.name, cell.tokens, rate, lr, steps, seed, "runs", variant))
     return jobs
 
 
@@ -266,7 +307,7 @@ def train(job: Job, proxy: str, cost: StepCost) -> dict:
     model.load_state_dict(torch.load(proxy, weights_only=True))
     data = pydoc_topics(ByteTokenizer(), SEQ_LEN, max_val_windows=VAL_WINDOWS)
     default = {"pattern": "cut", "schedule": "warmup", "drop_schedule": "constant"}  # the shipped default
-    arm = {**default, "unbiased": job.unbiased} if job.rate is not None else {}
+    arm = {**default, **VARIANTS[job.variant]["options"]} if job.rate is not None else {}
     run = Run(job.key, job.rate, lr=job.lr, steps=job.steps, **arm)
     sequences = job.tokens // SEQ_LEN
     started = time.perf_counter()
@@ -309,9 +350,9 @@ def load_done(path: Path) -> dict[str, dict]:
     return {row["key"]: row for row in rows}
 
 
-def run_map(cells: list[Cell], workers: int, out: Path, cost: StepCost, weighted: bool = False) -> None:
-    """Run every cell's sweep, then its complete runs, ``workers`` at a time, cells in the order given (with
-    ``weighted``, DropBP's arms use importance weights; full backprop's runs are shared)."""
+def run_map(cells: list[Cell], workers: int, out: Path, cost: StepCost, variant: str = DEFAULT) -> None:
+    """Run every cell's sweep, then its complete runs, ``workers`` at a time, cells in the order given (DropBP's arms
+    as ``variant``; full backprop's runs are the default runner's)."""
     out.mkdir(parents=True, exist_ok=True)
     log = out / "runs.jsonl"
     done = load_done(log)
@@ -323,10 +364,10 @@ def run_map(cells: list[Cell], workers: int, out: Path, cost: StepCost, weighted
             ready = [
                 job
                 for cell in cells
-                for job in [*sweep_jobs(cell, cost, weighted), *run_jobs(cell, cost, done, weighted)]
+                for job in [*sweep_jobs(cell, cost, done, variant), *run_jobs(cell, cost, done, variant)]
                 if same_run(done, job) is None
                 and job.key not in {j.key for j in running.values()}
-                and (job.unbiased or not weighted)  # the weighted runner leaves full backprop to the default one
+                and (variant == DEFAULT or job.variant == variant)  # full backprop is the default runner's
             ]
             ready = list(dict.fromkeys(ready))
             while ready and len(running) < workers:
@@ -364,15 +405,16 @@ def cell_figures(cell: Cell, done: dict[str, dict], cost: StepCost) -> dict | No
         str(n): [r["final_loss"] for r in full if r["steps"] == n] for n in sorted({r["steps"] for r in full})
     }
     baseline = {s: [(r["modelled_s"], r["final_loss"]) for r in full if r["seed"] == s] for s in SEEDS}
-    arms = [(r, False) for r in rows if r["rate"] is not None]
-    weighted = run_jobs(cell, cost, done, weighted=True)
-    if weighted and all(same_run(done, j) is not None for j in weighted):
-        arms += [(same_run(done, j), True) for j in weighted if j.rate is not None]
+    arms = [(r, DEFAULT) for r in rows if r["rate"] is not None]
+    for variant in VARIANTS:
+        jobs = run_jobs(cell, cost, done, variant) if variant != DEFAULT else []
+        if jobs and all(same_run(done, j) is not None for j in jobs):
+            arms += [(same_run(done, j), variant) for j in jobs if j.rate is not None]
     for rate in RATES:
-        for iw in (False, True):
-            arm = [r for r, w in arms if w == iw and r["rate"] == rate]
+        for variant in VARIANTS:
+            arm = [r for r, v in arms if v == variant and r["rate"] == rate]
             if arm:
-                name = f"{rate:g}" + ("+iw" if iw else "")
+                name = f"{rate:g}" + VARIANTS[variant]["suffix"]
                 figures["lr"][name] = arm[0]["lr"]
                 figures[name] = _budgets(arm, baseline, cost, cell, rate)
     return figures
@@ -461,13 +503,14 @@ def map_table(figures: list[dict], cost: StepCost) -> list[str]:
     ]
     for f in figures:
         for rate in RATES:
-            for name in (f"{rate:g}", f"{rate:g}+iw"):
+            for variant, settings in VARIANTS.items():
+                name = f"{rate:g}" + settings["suffix"]
                 if name not in f:
                     continue
                 budgets = f[name]
                 equal = next(b for b in budgets.values() if b["equal_time"])
                 same = budgets[str(f["steps"])]
-                label = name.replace("+iw", " + importance weights")
+                label = f"{rate:g}" + ("" if variant == DEFAULT else f" + {variant.replace('-', ' ')}")
                 lines.append(
                     f"| {f['steps']} x {f['tokens'] // 1024}k | {label} | {cost.speedup(rate, f['tokens']):.2f}x | "
                     f"{f['lr']['full']:g} / {f['lr'][name]:g} | {_speedup_cell(equal)} | {equal['step_worth']:.2f} | "
@@ -485,14 +528,16 @@ def plot_map(figures: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(RATES), figsize=(6 * len(RATES), 4.5), sharey=True)
     for ax, rate in zip(axes, RATES, strict=True):
         for i, tokens in enumerate(sorted({f["tokens"] for f in figures})):
-            for arm, style in ((f"{rate:g}", "-"), (f"{rate:g}+iw", "--")):
+            for (variant, settings), style, shift in zip(
+                VARIANTS.items(), ("-", "--", ":"), (1.0, 1.03, 0.97), strict=True
+            ):
+                arm = f"{rate:g}" + settings["suffix"]
                 row = sorted((f for f in figures if f["tokens"] == tokens and arm in f), key=lambda f: f["steps"])
                 if not row:
                     continue
                 eq = [next(b for b in f[arm].values() if b["equal_time"]) for f in row]
                 errors = [[b["mean"] - b["low"] for b in eq], [b["high"] - b["mean"] for b in eq]]
-                label = f"{tokens // 1024}k tokens/step" + (" + importance weights" if arm.endswith("iw") else "")
-                shift = 1.03 if arm.endswith("iw") else 1.0  # side by side, not on top of each other
+                label = f"{tokens // 1024}k tokens/step" + ("" if variant == DEFAULT else f", {variant}")
                 ax.errorbar(
                     [f["steps"] * shift for f in row],
                     [b["mean"] for b in eq],
@@ -525,7 +570,10 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--report", action="store_true", help="only write map.json, map.md and map.png")
     parser.add_argument(
-        "--importance-weights", action="store_true", help="DropBP's arms with importance weights (unbiased=True)"
+        "--variant",
+        choices=sorted(VARIANTS),
+        default=DEFAULT,
+        help="DropBP's arms: the shipped default, or with importance weights (unbiased=True) or stratified cuts",
     )
     parser.add_argument("--cost-record", type=Path, default=COST_RECORD)
     parser.add_argument("--out", type=Path, default=OUT)
@@ -536,7 +584,7 @@ def main() -> None:
         return
     if not args.cells:
         parser.error("give --cells (such as 100x1k 300x8k) or --report")
-    run_map(args.cells, args.workers, args.out, cost, args.importance_weights)
+    run_map(args.cells, args.workers, args.out, cost, args.variant)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,6 @@ __all__ = ["DropBPController", "controller_of"]
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[DropBPController]] = weakref.WeakKeyDictionary()
 
 
-
 def controller_of(module: nn.Module) -> DropBPController | None:
     """The controller attached to ``module`` (a model given to :func:`dropbp.apply`, unwrapped, or one of its
     branch modules), or None: how tools that take "the model" find its branches and patterns."""
@@ -214,6 +213,7 @@ class DropBPController:
         "pattern", 'The shape of the patterns, "uniform" or "cut"; setting it resets the rates to its own.'
     )
 
+    stratify = _setting("stratify", "Forwards per group of stratified cuts (1: an independent draw per forward).")
     unbiased = _setting(
         "unbiased",
         "Weight each kept branch's own parameter gradients by ``1 / (1 - rate in force)`` (:mod:`dropbp.scaling`).",

@@ -179,6 +179,17 @@ class DropBPOptions:
         default=DEFAULT_RAMP,
         metadata=_help("The share of the run, in (0, 1], over which a rising ``drop_schedule`` rises; ``ctl.ramp``."),
     )
+    stratify: int = field(
+        default=1,
+        metadata=_help(
+            """Stratified cuts over each group of this many consecutive training forwards (set it to the
+            gradient accumulation steps): the group's cut depths are one draw in each of ``stratify`` equal
+            slices of [0, 1), in a random order, with a fresh offset every group, so every branch keeps its
+            exact rate and a branch whose rate is at most ``1 - 1 / stratify`` is kept in at least one
+            micro-batch of every optimizer step. 1: an independent draw per forward. Cut patterns only, not
+            with a pattern pool (``max_patterns``, whose cycle is already stratified)."""
+        ),
+    )
 
     #: The value given to ``seed`` may be None (the Trainer integration: the run's own seed).
     _seed_may_be_none: ClassVar[bool] = False
@@ -218,6 +229,13 @@ class DropBPOptions:
             check_int(key("total_steps"), self.total_steps, 1)
         check_choice(key("drop_schedule"), self.drop_schedule, DROP_SCHEDULES)
         self._set("ramp", check_ramp(key("ramp"), self.ramp))
+        check_int(key("stratify"), self.stratify, 1)
+        if self.stratify > 1 and (self.pattern != "cut" or self.max_patterns is not None):
+            raise ValueError(
+                f"{key('stratify')}={self.stratify} stratifies cut patterns drawn afresh each step: it needs "
+                f"pattern='cut' (got {self.pattern!r}) and max_patterns=None (got {self.max_patterns!r}; a pattern "
+                "pool's cycle is already stratified). Set stratify=1 or change those."
+            )
 
     def _set(self, name: str, value: Any) -> None:
         """Store a checked value in its normal form (a float for a number given as an int, a tuple of names)."""

@@ -19,7 +19,7 @@ from .allocation import cut_rates, cut_reaches
 from .checks import RATE_CHECKS, check_drop_rate, check_int
 from .keep import SUM_TOLERANCE, fit_rates, keep_a_trainable_branch, max_total_rate
 from .options import DropBPOptions
-from .sampler import SAMPLERS, PatternSampler
+from .sampler import SAMPLERS, CutSampler, PatternSampler
 from .schedule import BOUNDED_WARMUP_LEVELS, DEFAULT_RAMP, SCHEDULE_LEVELS, TimeSchedule, warmup_factor
 
 #: Pattern samplers kept at once (one per factor on the rates). A warm-up without a time schedule has a
@@ -214,7 +214,10 @@ class DropPolicy:
         if sampler is None:
             rates = [min(1.0, r * factor) for r in self._rates]  # a peak's rounding must not pass 1
             options = self._options
-            sampler = SAMPLERS[options.pattern](rates, options.seed, options.max_patterns)
+            if options.stratify > 1:  # the options allow it with cut patterns and no pool only
+                sampler = CutSampler(rates, options.seed, stratify=options.stratify)
+            else:
+                sampler = SAMPLERS[options.pattern](rates, options.seed, options.max_patterns)
             if len(self._samplers) >= MAX_SAMPLERS:
                 del self._samplers[next(iter(self._samplers))]
             self._samplers[factor] = sampler
@@ -234,6 +237,7 @@ class DropPolicy:
             "total_steps": options.total_steps,
             "drop_schedule": options.drop_schedule,
             "ramp": options.ramp,
+            "stratify": options.stratify,
             "rates_follow_drop_rate": self._own_rates,
         }
 
@@ -249,6 +253,7 @@ class DropPolicy:
             drop_schedule=state.get("drop_schedule", "constant"),  # absent before time schedules existed: none
             ramp=state.get("ramp", DEFAULT_RAMP),
             total_steps=state.get("total_steps"),
+            stratify=state.get("stratify", 1),  # absent before stratified cuts existed: independent draws
         )
         trial = DropPolicy(self._flops, _replace(options, total_steps=None))
         trial.set_rates(state["rates"])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-__all__ = ["CutSampler", "PatternSampler", "SAMPLERS"]
+__all__ = ["CutSampler", "PatternSampler", "SAMPLERS", "stratified_depth"]
 
 # Swap attempts per pool cell: enough for the pool to look random (the chain mixes in O(cells) swaps).
 _SWAPS_PER_CELL = 8
@@ -109,16 +109,36 @@ class CutSampler(PatternSampler):
 
     _STREAM = ("cut",)
 
+    def __init__(self, rates: Sequence[float], seed: int, max_patterns: int | None = None, stratify: int = 1) -> None:
+        super().__init__(rates, seed, max_patterns)
+        if stratify > 1 and max_patterns is not None:
+            raise ValueError("stratified cuts are drawn afresh each step: they take no pattern pool (max_patterns)")
+        #: Forwards per stratified group (1: independent draws).
+        self.stratify = stratify
+
     def _build_pool(self) -> tuple[frozenset[int], ...]:
         k = self.max_patterns
         v = self._rng("pool").random()
         return tuple(self._below((j + v) / k) for j in range(k))
 
     def _draw(self, step: int) -> frozenset[int]:
-        return self._below(self._rng("step", step).random())
+        if self.stratify == 1:
+            return self._below(self._rng("step", step).random())
+        return self._below(stratified_depth(self.seed, self.stratify, step))
 
     def _below(self, u: float) -> frozenset[int]:
         return frozenset(i for i, r in enumerate(self.rates) if u < r)
+
+
+def stratified_depth(seed: int, group: int, step: int) -> float:
+    """The cut depth ``u`` of forward ``step`` in groups of ``group`` forwards: the group's forwards take one point
+    in each slice ``[k / group, (k + 1) / group)``, slices in a random order, at one random offset in the slice.
+    Each ``u`` is uniform on [0, 1); it depends on (seed, step) only, not on the rates, so a warm-up that changes
+    the rates inside a group keeps the group's slices."""
+    rng = random.Random(f"stratified:{seed}:{group}:{step // group}")
+    order = list(range(group))
+    rng.shuffle(order)
+    return (order[step % group] + rng.random()) / group
 
 
 #: Pattern shapes by name: cuts that drop every branch below a random depth (``dropbp.apply``'s

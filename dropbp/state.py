@@ -21,7 +21,7 @@ STATE_VERSION = 1
 
 #: Keys every state has, and keys that states saved by older versions may lack.
 REQUIRED = ("version", "branches", "rates", "drop_rate", "seed", "step", "max_patterns")
-OPTIONAL = ("warmup_steps", "pattern", "total_steps", "drop_schedule", "ramp", "rates_follow_drop_rate")
+OPTIONAL = ("warmup_steps", "pattern", "total_steps", "drop_schedule", "ramp", "stratify", "rates_follow_drop_rate")
 
 
 def _field(name: str) -> str:
@@ -69,5 +69,6 @@ def check_state(state: object) -> dict[str, Any]:
     _optional_int("total_steps", state.get("total_steps"), 1)
     check_choice(_field("drop_schedule"), state.get("drop_schedule", "constant"), DROP_SCHEDULES)
     check_ramp(_field("ramp"), state.get("ramp", 0.5))
+    check_int(_field("stratify"), state.get("stratify", 1), 1)
     check_bool(_field("rates_follow_drop_rate"), state.get("rates_follow_drop_rate", False))
     return state

@@ -98,6 +98,7 @@ class Run:
     lr_schedule: str | None = None
     steps: int | None = None  # overrides the run's number of optimizer steps
     max_patterns: int | None = None  # apply()'s pattern bound (a lazy-graph device's pool, on the CPU)
+    stratified: bool = False  # apply()'s stratify= the run's micro-batches per optimizer step (stratified cuts)
 
 
 @dataclass
@@ -181,6 +182,7 @@ def run_options(run: Run, baseline_steps: int, own_steps: int, accumulation: int
         "drop_schedule": run.drop_schedule or "constant",
         "ramp": run.ramp,
         "max_patterns": run.max_patterns,
+        "stratify": accumulation if run.stratified else 1,
     }
 
 

@@ -1,0 +1,77 @@
+"""Stratified cuts (``stratify=N``): each group of N forwards draws one cut depth in each of N equal slices."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from conftest import batch, tiny_model
+
+import dropbp
+from dropbp.sampler import CutSampler, stratified_depth
+
+
+@pytest.mark.parametrize("group", [2, 3, 8])
+def test_a_group_takes_one_depth_in_each_slice(group):
+    for start in range(0, 40 * group, group):
+        depths = [stratified_depth(7, group, start + j) for j in range(group)]
+        assert sorted(math.floor(u * group) for u in depths) == list(range(group))
+        assert all(0.0 <= u < 1.0 for u in depths)
+    # the slices come in a different order from group to group, and the offsets differ
+    firsts = {math.floor(stratified_depth(7, group, start) * group) for start in range(0, 40 * group, group)}
+    assert len(firsts) == group
+
+
+def test_every_branch_drops_in_floor_or_ceil_of_its_share_of_each_group():
+    """Exact per group: a branch at rate r drops in floor(N r) or ceil(N r) of the N forwards (so at rate at most
+    1 - 1/N it is kept in at least one), and it never drops more often than that."""
+    rates = [0.75, 0.75, 0.6, 0.45, 0.3, 0.1, 0.0]
+    group = 4
+    sampler = CutSampler(rates, seed=3, stratify=group)
+    for start in range(0, 200, group):
+        patterns = [sampler.pattern(step) for step in range(start, start + group)]
+        for i, r in enumerate(rates):
+            drops = sum(i in p for p in patterns)
+            assert math.floor(group * r) <= drops <= math.ceil(group * r), (start, i, drops)
+            if r <= 1 - 1 / group:
+                assert drops < group
+        assert all(p == frozenset(range(len(p))) for p in patterns)  # cuts: the branches below a depth
+
+
+def test_independent_draws_can_drop_a_branch_in_every_forward_of_a_step():
+    """The control: without stratification the bottom branch (rate 0.75) is dropped in all 4 micro-batches of some
+    steps, and never trains there."""
+    sampler = CutSampler([0.75, 0.5, 0.0], seed=3)
+    groups = [[sampler.pattern(step) for step in range(s, s + 4)] for s in range(0, 400, 4)]
+    assert any(all(0 in p for p in g) for g in groups)
+
+
+def test_apply_stratifies_and_the_setting_is_saved():
+    model = tiny_model("llama", layers=3).train()
+    ctl = dropbp.apply(model, 0.5, seed=1, stratify=4)
+    assert ctl.stratify == 4 and ctl.state_dict()["stratify"] == 4
+    rates, names = ctl.rates, [b.name for b in ctl.branches]
+    for _ in range(3):
+        counts = dict.fromkeys(names, 0)
+        for _ in range(4):
+            model(input_ids=batch(0))
+            for name in ctl.last_dropped:
+                counts[name] += 1
+        for name, r in zip(names, rates, strict=True):
+            assert math.floor(4 * r) <= counts[name] <= math.ceil(4 * r)
+    again = dropbp.apply(tiny_model("llama", layers=3), 0.5, seed=1)
+    again.load_state_dict(ctl.state_dict())
+    assert again.stratify == 4
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"stratify": 0}, "stratify must be"),
+        ({"stratify": 4, "pattern": "uniform"}, "needs pattern='cut'"),
+        ({"stratify": 4, "max_patterns": 16}, "max_patterns=None"),
+    ],
+)
+def test_bad_stratification_is_refused_with_the_reason(options, message):
+    with pytest.raises(ValueError, match=message):
+        dropbp.apply(tiny_model("llama", layers=3), 0.5, **options)
