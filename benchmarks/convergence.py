@@ -21,6 +21,13 @@ linear warm-up and cosine decay over each run's own steps, AdamW weight decay as
     python benchmarks/convergence.py --grid time-schedules --regime accumulate --lr 2e-3 --dropbp-steps 120
     python benchmarks/convergence.py --grid default --regime accumulate --method full --lr 1e-4 --dropbp-steps 135
     python benchmarks/convergence.py --learning-rates A.json B.json C.json  # the grid at each lr: each run's best
+
+The speedup at equal quality (issue 40, docs/where-it-pays.md): DropBP's own learning rate from the same grid, then
+full backprop complete at half, once and twice --steps and DropBP complete at --steps and --dropbp-steps:
+
+    python benchmarks/convergence.py --grid lr-dropbp --regime accumulate --method lora --dropbp-steps 135
+    python benchmarks/convergence.py --grid equal-quality --regime accumulate --method lora --lr 2e-3 \\
+        --dropbp-lr 2e-3 --dropbp-steps 135
 Writes benchmarks/results/convergence_<grid>_<method>_<corpus>.json, .md and .png.
 """
 
@@ -40,7 +47,7 @@ import torch
 import transformers
 
 from dropbp import backends
-from dropbp.tools.compare import TAIL_WINDOW, Run, RunResult, compare, summarise, with_timed_tails
+from dropbp.tools.compare import TAIL_WINDOW, Run, RunResult, compare, equal_quality, summarise, with_timed_tails
 from dropbp.tools.pretrained import DEFAULT_MODEL, load_causal_lm
 from dropbp.tools.qlora import quantize_4bit
 from dropbp.tools.report import learning_rates_table, plot_curves, seeds_table, steps_and_time_table
@@ -149,6 +156,16 @@ GRIDS["controls"] = [
     Run("DropBP 0.5, old regime, equal time", 0.5, accumulation=1, lr_schedule="constant", **_CUT_WARMUP),
 ]
 
+
+def equal_quality_runs(steps: int, dropbp_steps: int, dropbp_lr: float) -> list[Run]:
+    """The speedup at equal quality (issue 40): full backprop complete at half, once and twice ``steps`` (at the
+    comparison's lr, its own best), the shipped default at 0.5 complete at ``steps`` and ``dropbp_steps`` (at
+    ``dropbp_lr``, its own best from the same grid: ``--grid lr-dropbp``)."""
+    full = [Run("full backprop")] + [Run(f"full backprop, {n} steps", steps=n) for n in (steps // 2, 2 * steps)]
+    dropbp = [Run(f"DropBP 0.5, {n} steps", 0.5, steps=n, lr=dropbp_lr, **_CUT_WARMUP) for n in (steps, dropbp_steps)]
+    return full + dropbp
+
+
 # Regimes (--regime): "step" is the one every run before issue 23 used (one pattern per optimizer step,
 # a constant learning rate, no weight decay); "accumulate" is the research code's shape on a CPU budget.
 REGIMES = {
@@ -192,7 +209,10 @@ def with_lora(model: torch.nn.Module) -> torch.nn.Module:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--grid", choices=[*sorted(GRIDS), "lr"], default="levers")
+    parser.add_argument("--grid", choices=[*sorted(GRIDS), "lr", "lr-dropbp", "equal-quality"], default="levers")
+    parser.add_argument(
+        "--dropbp-lr", type=float, help="--grid equal-quality: DropBP's own best learning rate (--grid lr-dropbp)"
+    )
     parser.add_argument("--lrs", type=float, nargs="+", help="--grid lr: these learning rates instead")
     parser.add_argument("--corpus", choices=sorted(CORPORA), default="pydoc")
     parser.add_argument(
@@ -247,6 +267,13 @@ def main() -> None:
         return
     if args.grid == "lr":
         runs = [Run(f"full backprop, lr {x:g}", lr=x) for x in args.lrs or LR_CANDIDATES[args.method]]
+    elif args.grid == "lr-dropbp":  # the shipped default at 0.5 over the same grid, at its own budget
+        lrs = args.lrs or LR_CANDIDATES[args.method]
+        runs = [Run(f"DropBP 0.5, lr {x:g}", 0.5, lr=x, steps=args.dropbp_steps, **_CUT_WARMUP) for x in lrs]
+    elif args.grid == "equal-quality":
+        if args.dropbp_lr is None:
+            raise SystemExit("--grid equal-quality needs --dropbp-lr: DropBP's best from --grid lr-dropbp")
+        runs = equal_quality_runs(args.steps, args.dropbp_steps, args.dropbp_lr)
     else:  # steps=-1 in a grid: the baseline's number of steps
         runs = [replace(r, steps=args.steps) if r.steps == -1 else r for r in GRIDS[args.grid]]
         if args.only:
@@ -275,7 +302,7 @@ def main() -> None:
         print(f"step {step} ({time.perf_counter() - started:.0f} s)  val {losses}", file=sys.stderr, flush=True)
 
     stem = f"convergence_{args.grid}_{args.method}_{args.corpus}"
-    if args.grid == "lr" and args.lrs:
+    if args.grid.startswith("lr") and args.lrs:
         stem += "_" + "_".join(f"{x:g}" for x in args.lrs)
     if args.regime != "step":
         stem += f"_{args.regime}"
@@ -299,6 +326,7 @@ def main() -> None:
         "batch_size": batch_size,
         "seq_len": args.seq_len,
         "regime": args.regime,
+        "dropbp_lr": args.dropbp_lr,
         "checkpointing": args.checkpointing,
         "accumulation": regime["accumulation"],
         "lr_schedule": regime["lr_schedule"],
@@ -344,7 +372,15 @@ def write(record: dict, results: list[RunResult], out: Path) -> None:
     stem = record["benchmark"]
     (out / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
     grid = record.get("grid") or stem.split("_")[1]  # records before "grid" was stored
-    lines = _lr_sweep_table(record) if grid == "lr" else _comparison_table(record)
+    if grid == "equal-quality":
+        record["equal_quality"] = equal_quality(results)
+    lines = (
+        _lr_sweep_table(record)
+        if grid.startswith("lr")
+        else _equal_quality_table(record)
+        if grid == "equal-quality"
+        else _comparison_table(record)
+    )
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     title = f"{record['model']} {record['method']} on {record.get('corpus', 'pydoc')}"
     plot_curves(with_timed_tails(results), out / f"{stem}.png", title=title)
@@ -418,6 +454,25 @@ def _lr_sweep_table(record: dict) -> list[str]:
         "|---|---|---|",
     ]
     return lines + [f"| {r['run']} | {r['step_s']:.2f} | {r['final_val_loss']:.3f} |" for r in record["summary"]]
+
+
+def _equal_quality_table(record: dict) -> list[str]:
+    """Each DropBP run's speedup at equal quality against full backprop's complete runs at three budgets."""
+    full = [r for r in record["summary"] if not r["run"].startswith("DropBP")]
+    lines = [
+        f"{_setting(record)}, full backprop at lr {record['lr']:g}, DropBP at its own {record['dropbp_lr']:g}, seed "
+        f"{record.get('seed', 0)}, {record['device']} ({record['date']}). Command: `{record['command']}`",
+        "",
+        "Full backprop's frontier (complete runs): "
+        + ", ".join(f"{r['steps']} steps {r['train_s']:.0f} s -> {r['final_val_loss']:.3f}" for r in full),
+        "",
+        "| run | steps | training time (s) | final val loss | speedup at equal quality |",
+        "|---|---|---|---|---|",
+    ]
+    for r in record["equal_quality"]:
+        speedup = {"exact": "", "at least": ">= ", "at most": "<= "}[r["bound"]] + f"{r['speedup']:.2f}x"
+        lines.append(f"| {r['run']} | {r['steps']} | {r['train_s']:.0f} | {r['final_val_loss']:.3f} | {speedup} |")
+    return lines
 
 
 def _comparison_table(record: dict) -> list[str]:

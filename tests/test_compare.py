@@ -12,6 +12,7 @@ from dropbp.tools.compare import (
     Run,
     RunResult,
     compare,
+    equal_quality,
     lockstep_timed,
     loss_at_time,
     summarise,
@@ -159,6 +160,28 @@ def test_each_step_records_the_mean_fraction_of_branch_flops_its_micro_batches_d
     assert dropped.dropped_fractions == pytest.approx(expected)
     assert len(set(per_forward)) > 1  # the draws differ, so the test tells steps apart
     assert RunResult.from_dict(dropped.to_dict()).dropped_fractions == dropped.dropped_fractions
+
+
+def test_equal_quality_reads_each_dropbp_run_off_full_backprops_complete_runs():
+    """Full backprop at 5, 10 and 20 steps of 1 s (final losses 3.0, 2.5, 2.2); DropBP at 20 steps of 0.4 s ending
+    at 2.5 reached in 8 s what full backprop needed 10 s for: 1.25x; one ending below every budget is a bound."""
+
+    def ended(run: Run, steps: int, seconds: float, loss: float) -> RunResult:
+        r = _timed_run(run, [seconds] * steps)
+        r.val_loss = [*r.val_loss[:-1], loss]
+        return r
+
+    results = [
+        ended(Run("full backprop"), 10, 1.0, 2.5),
+        ended(Run("full, 5 steps"), 5, 1.0, 3.0),
+        ended(Run("full, 20 steps"), 20, 1.0, 2.2),
+        ended(Run("DropBP", 0.5), 20, 0.4, 2.5),
+        ended(Run("DropBP, better", 0.5), 20, 0.5, 2.0),
+    ]
+    rows = equal_quality(results)
+    assert [r["run"] for r in rows] == ["DropBP", "DropBP, better"]
+    assert rows[0]["speedup"] == pytest.approx(1.25) and rows[0]["bound"] == "exact"
+    assert rows[1]["speedup"] == pytest.approx(20 / 10) and rows[1]["bound"] == "at least"
 
 
 def test_bad_schedule_is_named():

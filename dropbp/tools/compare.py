@@ -29,6 +29,7 @@ from ..dropped_grads import DEFAULT_DROPPED_GRADS
 from ..options import AUTO_WARMUP
 from ..schedule import anneal_factor
 from .device_services import services
+from .frontier import equal_quality_speedup
 from .textdata import TokenData
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "loss_at_time",
     "summarise",
     "time_to_target",
+    "equal_quality",
 ]
 
 
@@ -531,6 +533,30 @@ def summarise(results: list[RunResult], steps: int) -> list[dict]:
                 "time_to_target_s": reached,
                 "time_to_target_speedup": None if not reached else base_reached / reached,  # 0: started below
                 "tail_timed": 0 if r is measured else len(r.step_seconds) - len(base.step_seconds),
+            }
+        )
+    return rows
+
+
+def equal_quality(results: Sequence[RunResult]) -> list[dict]:
+    """Per DropBP run, its speedup at equal quality (:mod:`dropbp.tools.frontier`) against the frontier of the
+    full-backprop runs among ``results`` (complete runs at 2 or more budgets, ``results[0]`` one of them), each run
+    read at its own end, tails timed as in :func:`with_timed_tails`."""
+    timed = with_timed_tails(results)
+    baseline = [(r.eval_seconds[-1], r.val_loss[-1]) for r in timed if r.run.drop_rate is None]
+    rows = []
+    for r in timed:
+        if r.run.drop_rate is None:
+            continue
+        reading = equal_quality_speedup(baseline, r.eval_seconds[-1], r.val_loss[-1])
+        rows.append(
+            {
+                "run": r.run.name,
+                "steps": len(r.step_seconds),
+                "train_s": r.eval_seconds[-1],
+                "final_val_loss": r.val_loss[-1],
+                "speedup": reading.value,
+                "bound": reading.bound,
             }
         )
     return rows
