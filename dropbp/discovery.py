@@ -288,7 +288,9 @@ def _check_not_whole_layers(names: list[str], modules: dict[str, nn.Module]) -> 
                 f"branches names {name!r} and {inner!r}, which is inside it: branches must not nest. Name only the "
                 "innermost modules whose output is added to the residual stream"
             )
-        layer = next(((sub_name, sub) for sub_name, sub in modules[name].named_modules() if _is_whole_layer(sub)), None)
+        layer = next(
+            ((sub_name, sub) for sub_name, sub in modules[name].named_modules() if _is_whole_layer(sub)), None
+        )
         if layer is None:
             continue
         path = name if not layer[0] else f"{name}.{layer[0]}"

@@ -370,6 +370,7 @@ class DeepSpeed:
         """A DeepSpeed engine cannot take calibration's passes: :func:`calibration_closure`."""
         return calibration_closure(closure) if "deepspeed" in sys.modules and callable(closure) else closure
 
+
     def calibration_method(self, params: Sequence[nn.Parameter], method: str) -> str:
         """Exact-recompute under ZeRO-3: :func:`calibration_method`."""
         return calibration_method(params, method) if "deepspeed" in sys.modules else method

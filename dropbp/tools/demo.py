@@ -65,15 +65,8 @@ class DemoSettings:
     @classmethod
     def quick(cls) -> DemoSettings:
         return cls(
-            steps=10,
-            seq_len=64,
-            batch_size=4,
-            accumulation=4,
-            eval_every=5,
-            val_windows=4,
-            speed_rounds=4,
-            speed_seq_len=256,
-            memory_seq_len=512,
+            steps=10, seq_len=64, batch_size=4, accumulation=4, eval_every=5, val_windows=4, speed_rounds=4,
+            speed_seq_len=256, memory_seq_len=512,
         )
 
 
