@@ -266,6 +266,17 @@ def _raising_rank(rank: int) -> None:
         raise RuntimeError("rank 1 failed on purpose")
 
 
+def _aborting_rank(rank: int) -> None:
+    if rank == 0:
+        os.abort()  # a native crash: SIGABRT
+
+
+def test_a_rank_killed_by_a_signal_runs_once_more_then_fails():
+    """conftest.run_ranks runs a group once more after a native crash (exit by signal), and fails when it recurs."""
+    with pytest.raises(AssertionError, match=r"\[-6, 0\]"):
+        run_ranks(_aborting_rank, world=2, timeout=60)
+
+
 def test_a_rank_that_raises_fails_the_run():
     """Ranks leave through ``os._exit`` (conftest.run_ranks): an exception must still be a non-zero exit."""
     with pytest.raises(AssertionError, match=r"\[0, 1\]"):
