@@ -5,13 +5,18 @@ most) runs the layers of its lowest kept branches checkpointed (non-re-entrant `
 more than ``keep`` store activations, counting the inputs the checkpointed layers keep (:data:`INPUTS_PER_BRANCH`).
 Gradients are the pattern's exactly, and a dropped branch inside such a layer is still not recomputed
 (:mod:`dropbp.recompute`). Layers already inside a checkpointed region (Hugging Face ``gradient_checkpointing``) are
-left alone; a layer checkpointed here gets no key/value cache. Why, the unit checkpointed, and the measured peaks:
-docs/memory.md ("Stored activations bounded at every step").
+left alone. A layer checkpointed here gets no key/value cache (keyword or positional, as GPT-2 passes it): exact when
+the forward starts from an empty cache, since a layer then attends to its own keys only, and the recomputation must not
+append to the cache again. A layer whose cache already holds tokens for it (a cached prefix: ``past_key_values`` /
+``cache`` given to the model, PEFT prefix tuning) needs that cache, so it runs plainly, outside the bound, with a
+warning the first time. Why, the unit checkpointed, and the measured peaks: docs/memory.md ("Stored activations
+bounded at every step").
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,8 +34,33 @@ __all__ = ["INPUTS_PER_BRANCH", "MemoryBound", "kept_bound"]
 #: branch's activations (a branch stores about 8 hidden states with LoRA, more in full fine-tuning: docs/memory.md).
 INPUTS_PER_BRANCH = 8
 
-#: Keyword arguments that carry a key/value cache into a layer (Hugging Face names), set to None when checkpointed.
+#: Keyword arguments that carry a key/value cache into a model or a layer (Hugging Face names); in a checkpointed layer
+#: they are set to None, as is any positional argument that is a cache object.
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def _is_cache(value: object) -> bool:
+    """A Hugging Face cache object (``transformers.cache_utils.Cache`` or a subclass); transformers not imported."""
+    return any(cls.__name__ == "Cache" for cls in type(value).__mro__)
+
+
+def _layer_index(unit: nn.Module) -> int | None:
+    """The decoder-layer index Hugging Face attention modules keep (``layer_idx``) inside ``unit``, if any."""
+    for module in unit.modules():
+        index = getattr(module, "layer_idx", None)
+        if isinstance(index, int):
+            return index
+    return None
+
+
+def _tokens_held(cache: object, layer: int | None) -> int:
+    """The tokens ``cache`` already holds for layer ``layer`` (a cache object's ``get_seq_length``; a ``(key,
+    value)`` pair's key length; anything else not None counts as holding some)."""
+    if _is_cache(cache):
+        return int(cache.get_seq_length(layer or 0))
+    if isinstance(cache, (tuple, list)) and cache and isinstance(cache[0], torch.Tensor):
+        return int(cache[0].shape[-2])
+    return 1
 
 
 def kept_bound(drop_rate: float, num_branches: int) -> int:
@@ -55,13 +85,23 @@ def _units(model: nn.Module, names: Sequence[str], modules: Sequence[nn.Module])
     return units, unit_of
 
 
-def _checkpointed(unit: nn.Module, underneath: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
-    """A ``forward`` of ``unit`` that runs ``underneath()`` (the forward it patches) checkpointed."""
+def _checkpointed(
+    unit: nn.Module, underneath: Callable[[], Callable[..., Any]], on_prefix: Callable[[int], None]
+) -> Callable[..., Any]:
+    """A ``forward`` of ``unit`` that runs ``underneath()`` (the forward it patches) checkpointed, with no cache; or
+    plainly, after ``on_prefix(tokens)``, when its cache already holds tokens for this layer (a cached prefix)."""
+    layer = _layer_index(unit)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         original = underneath()
         if not torch.is_grad_enabled() or checkpoint_hook() is not None or _checkpoints_itself(unit):
             return original(*args, **kwargs)  # no graph, or checkpointed anyway: nothing stored
+        caches = [v for v in args if _is_cache(v)] + [kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None]
+        prefix = max((_tokens_held(cache, layer) for cache in caches), default=0)
+        if prefix:  # recomputing would append to the cache again, and without it the layer loses the prefix
+            on_prefix(prefix)
+            return original(*args, **kwargs)
+        args = tuple(None if _is_cache(value) else value for value in args)
         for key in _CACHE_KWARGS:
             if kwargs.get(key) is not None:
                 kwargs[key] = None
@@ -91,10 +131,11 @@ class MemoryBound:
         self._patches: list[ForwardPatch] = []
         for unit in self.units:
             holder: list[ForwardPatch] = []
-            holder.append(ForwardPatch(unit, _checkpointed(unit, lambda h=holder: h[0].original())))
+            holder.append(ForwardPatch(unit, _checkpointed(unit, lambda h=holder: h[0].original(), self._warn_prefix)))
             self._patches += holder
         #: The units checkpointed in the forward under way.
         self.active: tuple[int, ...] = ()
+        self._warned_prefix = False
 
     def select(self, dropped: frozenset[int], keep: int) -> tuple[int, ...]:
         """The units to checkpoint, those of the lowest kept branches first, until the kept branches that store
@@ -120,6 +161,17 @@ class MemoryBound:
         self.active = self.select(dropped, keep)
         for unit in self.active:
             self._patches[unit].install()
+
+    def _warn_prefix(self, prefix: int) -> None:
+        if not self._warned_prefix:
+            self._warned_prefix = True
+            warnings.warn(
+                f"dropbp memory_bound: a training forward continues a cached prefix ({prefix} tokens in a layer's "
+                "key/value cache: past_key_values / cache, or PEFT prefix tuning); layers given such a cache run "
+                "without the bound (gradients stay exact, their activations are stored), since recomputing one "
+                "would append to the cache again. Forwards without a cached prefix keep the bound. Said once.",
+                stacklevel=2,
+            )
 
     def end(self) -> None:
         """The forward is over: no unit is checkpointed (a recomputation already holds what it runs)."""
