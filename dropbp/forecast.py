@@ -9,11 +9,12 @@ training begins. A forecast, not a measurement: the map's model, data and hardwa
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+
+from .files import read_json
 
 __all__ = ["Forecast", "forecast", "measured_map"]
 
@@ -37,7 +38,7 @@ class Forecast:
 @cache
 def measured_map(path: Path = MAP_FILE) -> dict:
     """The shipped map: ``{"conditions": str, "cells": [{"steps", "tokens", "rate", "mean", "low", "high"}, ...]}``."""
-    return json.loads(path.read_text())
+    return read_json(path, "reinstall dropbp: this file ships with it")
 
 
 def forecast(

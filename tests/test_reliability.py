@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import gc
 import logging
+import re
 import weakref
 
 import pytest
@@ -248,3 +249,47 @@ def test_a_tampered_trainer_checkpoint_is_refused_naming_the_file_and_the_field(
     attach(again, drop_rate=0.5)
     with pytest.raises(ValueError, match="is not a state dropbp wrote"):
         again.train(resume_from_checkpoint=str(path.parent))
+
+
+def test_a_truncated_trainer_state_file_is_refused_naming_the_path(tmp_path):
+    from test_hf_integration import _trainer
+
+    from dropbp.integrations.hf import STATE_FILE, attach
+
+    kw = dict(save_strategy="steps", save_steps=10, output_dir=str(tmp_path / "run"))
+    first = _trainer(tmp_path, **kw)
+    attach(first, drop_rate=0.5)
+    first.train()
+    path = tmp_path / "run" / "checkpoint-10" / STATE_FILE
+    assert [p.name for p in path.parent.iterdir() if p.name.startswith(STATE_FILE)] == [STATE_FILE]  # no temporary
+    path.write_text(path.read_text()[:40])  # a crash mid-write, as an in-place writer would leave it
+    resumed = _trainer(tmp_path, **kw)
+    attach(resumed, drop_rate=0.5)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))} is not valid JSON .*delete it"):
+        resumed.train(resume_from_checkpoint=str(path.parent))
+
+
+def test_a_file_dropbp_writes_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    from dropbp import files
+
+    path = tmp_path / "dropbp_state.json"
+    files.write_atomically(path, '{"old": 1}')
+    assert path.read_text() == '{"old": 1}'
+
+    def crash(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(files.os, "fsync", crash)
+    with pytest.raises(OSError, match="disk full"):
+        files.write_atomically(path, '{"new": 2}')
+    assert path.read_text() == '{"old": 1}'
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # the temporary file is gone too
+
+
+def test_a_damaged_forecast_map_is_refused_naming_the_path(tmp_path):
+    from dropbp.forecast import measured_map
+
+    path = tmp_path / "where_it_pays.json"
+    path.write_text('{"conditions": "cut sh')
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))} is not valid JSON .*reinstall dropbp"):
+        measured_map(path)

@@ -22,6 +22,7 @@ from transformers.trainer_callback import CallbackHandler
 
 from ..api import apply_options
 from ..controller import DropBPController
+from ..files import read_json, write_atomically
 from ..forecast import forecast
 from ..internals import prepared_inputs
 from ..options import AUTO_WARMUP, TrainerOptions, takes_options
@@ -164,8 +165,9 @@ class DropBPCallback(TrainerCallback):
                 " or ".join(folders),
             )
             return
-        with open(path) as f:
-            saved = json.load(f)
+        saved = read_json(
+            path, "delete it to restart the drop patterns from this controller's state, or resume from an earlier one"
+        )
         if (
             not isinstance(saved, dict)
             or set(saved) != {"controller", "calibrated"}
@@ -277,8 +279,8 @@ class DropBPCallback(TrainerCallback):
             return
         folder = _checkpoint_folder(args, state.global_step)
         os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, STATE_FILE), "w") as f:
-            json.dump({"controller": self.controller.state_dict(), "calibrated": self.calibrated}, f)
+        state_json = json.dumps({"controller": self.controller.state_dict(), "calibrated": self.calibrated})
+        write_atomically(os.path.join(folder, STATE_FILE), state_json)
 
     def _log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: dict) -> None:
         """What ``Trainer.log`` does, without the trainer: an entry in ``log_history``, then every ``on_log``.

@@ -26,6 +26,7 @@ from torch import nn
 
 from .. import apply
 from ..backends import Backend
+from ..files import write_atomically
 from ..imports import require
 from ..no_grad import attach_no_grad_hooks
 from .compare import timing_verdict
@@ -414,8 +415,8 @@ def write_outputs(results: dict, out: Path) -> list[Path]:
     """JSON, a markdown table and a PNG (speedup against drop rate) into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "bench.json", out / "bench.md", out / "bench.png"]
-    paths[0].write_text(json.dumps(results, indent=2) + "\n")
-    paths[1].write_text(markdown_table(results))
+    write_atomically(paths[0], json.dumps(results, indent=2) + "\n")
+    write_atomically(paths[1], markdown_table(results))
     _plot(results, paths[2])
     return paths
 

@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..files import write_atomically
+
 __all__ = ["PASS", "FAIL", "SKIP", "CheckResult", "Outcome", "render", "write"]
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
@@ -154,6 +156,6 @@ def write(result: CheckResult, out: Path) -> list[Path]:
     """``check.json`` and ``check.md`` (the terminal text) into ``out``; returns their paths."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "check.json", out / "check.md"]
-    paths[0].write_text(json.dumps(result.to_dict(), indent=2, default=str) + "\n")
-    paths[1].write_text("```\n" + render(result) + "```\n")
+    write_atomically(paths[0], json.dumps(result.to_dict(), indent=2, default=str) + "\n")
+    write_atomically(paths[1], "```\n" + render(result) + "```\n")
     return paths

@@ -24,6 +24,7 @@ import torch
 
 from .. import __version__, apply
 from ..backends import Backend
+from ..files import write_atomically
 from ..imports import require
 from .bench import Point, measure_model
 from .compare import Run, compare, run_options, summarise, timing_check
@@ -149,7 +150,7 @@ def run_demo(
         "runs": [r.to_dict() for r in results],
     }
     out.mkdir(parents=True, exist_ok=True)
-    (out / "demo.json").write_text(json.dumps(record, indent=2) + "\n")
+    write_atomically(out / "demo.json", json.dumps(record, indent=2) + "\n")
     plot_curves(results, out / "demo.png", title=f"{record['model']} LoRA on Python's help text ({backend.device})")
     return record
 

@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..files import write_atomically
+
 __all__ = ["grid_length", "longest_sequence", "memory_table", "parse_size", "run_probe", "worst_case_seed"]
 
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -264,7 +266,7 @@ def write(results: dict[str, Any], out: Path) -> list[Path]:
     """memory.json, memory.md and memory.png into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "memory.json", out / "memory.md", out / "memory.png"]
-    paths[0].write_text(json.dumps(results, indent=2) + "\n")
-    paths[1].write_text(markdown(results))
+    write_atomically(paths[0], json.dumps(results, indent=2) + "\n")
+    write_atomically(paths[1], markdown(results))
     plot(results, paths[2])
     return paths
