@@ -6,8 +6,9 @@ exist at once; the loss and every gradient are the plain path's. It is independe
 It patches the model instance's ``forward`` (the class, ``isinstance``, state-dict keys and ``save_pretrained`` are
 unchanged); :meth:`ChunkedLoss.remove` restores it, and copies and pickles of the model leave it out
 (:mod:`dropbp.copies`). Only training forwards (``model.training`` and grad mode on) with ``labels`` take the
-chunked path, and they return ``logits=None``; evaluation keeps the plain path. Why and what it saves:
-docs/memory.md, section 2.
+chunked path, and they return ``logits=None``; evaluation keeps the plain path. Another library's forward already on
+the instance (Accelerate's mixed-precision wrapper) stays underneath and runs the body; the head and loss then run in
+the dtype autocast gave the head there, forward and backward alike. Why and what it saves: docs/memory.md, section 2.
 """
 
 from __future__ import annotations
@@ -88,12 +89,14 @@ def linear_cross_entropy(
     num_items_in_batch: torch.Tensor | int | None = None,
     shift_labels: torch.Tensor | None = None,
     ignore_index: int = -100,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Hugging Face's causal-LM loss (``ForCausalLMLoss``) of ``head(hidden)``, computed in chunks.
 
     Labels are shifted as there (the last position predicts nothing) unless ``shift_labels`` is
     given; the mean is over non-ignored tokens, or the sum divided by ``num_items_in_batch`` (what
-    the Trainer passes under gradient accumulation).
+    the Trainer passes under gradient accumulation). ``dtype``: the head's matmul in that dtype (what autocast
+    would run it in), its inputs cast differentiably as autocast casts them; autocast itself is off inside.
     """
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
@@ -104,7 +107,12 @@ def linear_cross_entropy(
             f"labels have {flat_labels.shape[0]} tokens but the model produced {flat_hidden.shape[0]} positions; "
             "pass labels of the input's shape (and no logits_to_keep)"
         )
-    total = _LinearCrossEntropy.apply(flat_hidden, head.weight, head.bias, flat_labels, chunk_tokens, ignore_index)
+    weight, bias = head.weight, head.bias
+    if dtype is not None:
+        flat_hidden, weight = flat_hidden.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    with torch.autocast(flat_hidden.device.type, enabled=False):  # backward recomputes in the same dtype
+        total = _LinearCrossEntropy.apply(flat_hidden, weight, bias, flat_labels, chunk_tokens, ignore_index)
     if num_items_in_batch is None:
         return total / (flat_labels != ignore_index).sum()
     if torch.is_tensor(num_items_in_batch):
@@ -149,9 +157,26 @@ def _check_head(lm: nn.Module) -> nn.Linear:
     return head
 
 
-def _head_returns_input(head: nn.Module) -> ForwardPatch:
-    """The model's own forward then hands back the hidden states where it would compute the logits."""
-    return ForwardPatch(head, lambda x: x)
+def _head_returns_input(head: nn.Module, autocast_dtype: list[torch.dtype | None]) -> ForwardPatch:
+    """The model's own forward then hands back the hidden states where it would compute the logits, appending to
+    ``autocast_dtype`` the dtype autocast would have run the head in there (None: autocast off)."""
+
+    def hidden_states(x: torch.Tensor) -> torch.Tensor:
+        device = x.device.type
+        autocast_dtype.append(torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None)
+        return x
+
+    return ForwardPatch(head, hidden_states)
+
+
+def _is_chunked(forward: Any) -> bool:
+    """Whether ``forward``, or a forward it wraps, is a :class:`ChunkedLoss` patch."""
+    seen = 0
+    while forward is not None and seen < 100:
+        if getattr(forward, "_dropbp_chunked_loss", False):
+            return True
+        forward, seen = getattr(forward, "__wrapped__", None), seen + 1
+    return False
 
 
 class ChunkedLoss:
@@ -169,10 +194,10 @@ class ChunkedLoss:
             chunk_tokens = max(1, DEFAULT_CHUNK_BYTES // (4 * head.weight.shape[0]))
         if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be a positive int (tokens per chunk), got {chunk_tokens!r}")
-        if "forward" in vars(self.lm):
+        if _is_chunked(vars(self.lm).get("forward")):
             raise RuntimeError(
-                f"{type(self.lm).__name__}.forward is already patched on this instance (chunked_loss applied twice, "
-                "or another library's patch); remove that first"
+                f"chunked_loss is already on this {type(self.lm).__name__} (applied twice); remove the first "
+                "(its controller's remove()) before applying it again"
             )
         self.chunk_tokens = chunk_tokens
         self._labels_at = list(inspect.signature(type(self.lm).forward).parameters).index("labels") - 1  # no self
@@ -182,6 +207,7 @@ class ChunkedLoss:
         def forward(*args: Any, **kwargs: Any) -> Any:
             return self._forward(*args, **kwargs)
 
+        forward._dropbp_chunked_loss = True  # type: ignore[attr-defined]
         self._patch = ForwardPatch(self.lm, forward).install()
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -194,7 +220,8 @@ class ChunkedLoss:
         else:
             kwargs["labels"] = None
         head = _check_head(self.lm)
-        with _head_returns_input(head):
+        autocast_dtype: list[torch.dtype | None] = []
+        with _head_returns_input(head, autocast_dtype):
             out = self._plain(*args, **kwargs)  # no labels: no loss; "logits" are the hidden states
         hidden = out[0] if isinstance(out, tuple) else out.logits
         loss = linear_cross_entropy(
@@ -204,6 +231,7 @@ class ChunkedLoss:
             chunk_tokens=self.chunk_tokens,
             num_items_in_batch=kwargs.get("num_items_in_batch"),
             shift_labels=kwargs.get("shift_labels"),
+            dtype=autocast_dtype[-1] if autocast_dtype else None,
         )
         if isinstance(out, tuple):
             return (loss, *out[1:])

@@ -7,11 +7,14 @@ them once.
 Patches of ``forward`` are instance attributes, as Liger-Kernel binds its replacements on a loaded
 model: the class, other instances, state dict keys and ``isinstance`` are untouched. Removal puts back
 exactly what the instance had (its own earlier ``forward`` attribute, or none), so patches that
-stack on one module, or a remove() called twice, leave nothing behind.
+stack on one module, or a remove() called twice, leave nothing behind. A patch another library has
+wrapped since (Accelerate's mixed-precision forward holds the forward it found) is not unwound from
+under that wrapper: it stays in the chain and passes every call straight through.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +40,8 @@ class ForwardPatch:
 
     ``install()`` (or entering the ``with`` block) sets the attribute and keeps what was there;
     ``remove()`` (or leaving the block) restores it; both do nothing when already done, so the owner of
-    a patch need not track whether it is on.
+    a patch need not track whether it is on. When another wrapper was set on top since ``install()``,
+    ``remove()`` leaves that wrapper in place and this patch passes calls through to what it replaced.
     """
 
     def __init__(self, module: nn.Module, forward: Callable[..., Any]) -> None:
@@ -45,7 +49,14 @@ class ForwardPatch:
         self._forward = forward
         self._previous: Any = _ABSENT  # the instance's own ``forward`` before install(), if it had one
         self.installed = False
-        mark_patch(forward, self.replaced)  # a copy of the module gets what the patch replaced
+        self._covered = False  # removed while another wrapper held it: still in the chain, passing through
+
+        def entry(*args: Any, **kwargs: Any) -> Any:
+            return (self._forward if self.installed else self.original())(*args, **kwargs)
+
+        functools.update_wrapper(entry, forward, updated=())  # signatures read through it: the Trainer's columns
+        self.entry = entry  # what the instance's ``forward`` attribute holds while this patch is in the chain
+        mark_patch(entry, self.replaced)  # a copy of the module gets what the patch replaced
 
     def replaced(self) -> Callable[..., Any] | None:
         """The instance's own ``forward`` attribute the installed patch replaced, or None."""
@@ -53,8 +64,9 @@ class ForwardPatch:
 
     def install(self) -> ForwardPatch:
         if not self.installed:
-            self._previous = vars(self.module).get("forward", _ABSENT)
-            self.module.forward = self._forward
+            if not self._covered:  # still in the chain under another wrapper: active again in place
+                self._previous = vars(self.module).get("forward", _ABSENT)
+                self.module.forward = self.entry
             self.installed = True
         return self
 
@@ -62,6 +74,9 @@ class ForwardPatch:
         if not self.installed:
             return
         self.installed = False
+        if vars(self.module).get("forward") is not self.entry:
+            self._covered = True  # another wrapper holds ``entry``: it passes through from now on
+            return
         if self._previous is _ABSENT:
             vars(self.module).pop("forward", None)
         else:
