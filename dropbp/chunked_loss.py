@@ -223,6 +223,13 @@ class ChunkedLoss:
         autocast_dtype: list[torch.dtype | None] = []
         with _head_returns_input(head, autocast_dtype):
             out = self._plain(*args, **kwargs)  # no labels: no loss; "logits" are the hidden states
+        if isinstance(out, tuple) and kwargs.get(
+            "output_router_logits", getattr(self.lm.config, "output_router_logits", False)
+        ):
+            raise UnsupportedModel(
+                "chunked_loss cannot find the router's auxiliary loss in a tuple output (return_dict=False with "
+                "output_router_logits); call the model with return_dict=True or use chunked_loss=False"
+            )
         hidden = out[0] if isinstance(out, tuple) else out.logits
         loss = linear_cross_entropy(
             hidden,
@@ -235,8 +242,23 @@ class ChunkedLoss:
         )
         if isinstance(out, tuple):
             return (loss, *out[1:])
+        loss = loss + self._auxiliary_loss(out, loss)
         fields = {k: v for k, v in out.items() if k != "logits"}
         return type(out)(**fields, loss=loss)  # logits=None: they were never computed whole
+
+    def _auxiliary_loss(self, out: Any, loss: torch.Tensor) -> torch.Tensor | float:
+        """What the model adds to its loss beside cross-entropy when given labels: a mixture of experts' router
+        load-balancing loss (``aux_loss``, returned with ``output_router_logits``) times ``router_aux_loss_coef``."""
+        aux = out.get("aux_loss")
+        if aux is None:
+            return 0.0
+        coef = getattr(self.lm, "router_aux_loss_coef", None)
+        if coef is None:
+            raise UnsupportedModel(
+                f"{type(self.lm).__name__} returns a router auxiliary loss (aux_loss) but no router_aux_loss_coef "
+                "to weigh it by, so chunked_loss cannot add it as the model would; use chunked_loss=False"
+            )
+        return coef * aux.to(loss.device)
 
     def remove(self) -> None:
         """Restore the model's own forward."""

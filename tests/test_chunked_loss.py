@@ -137,3 +137,26 @@ def test_refuses_what_it_cannot_handle():
     for bad in (0, -3, 1.5, "yes"):
         with pytest.raises(ValueError, match="chunked_loss must be"):
             dropbp.apply(tiny_model("llama", layers=2), 0.0, pattern="uniform", chunked_loss=bad)
+
+
+_MOE = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=8),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(_MOE))
+def test_a_mixture_of_experts_keeps_its_router_loss(arch):
+    """The model adds router_aux_loss_coef x its load-balancing loss when given labels: so must the chunked path."""
+    common = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    model = tiny_model(arch, layers=2, output_router_logits=True, **common, **_MOE[arch])
+    reference = copy.deepcopy(model)
+    ctl = dropbp.apply(model, 0.0, pattern="uniform", chunked_loss=CHUNK)
+    ids = batch(length=20)
+    out, grads = _run(model, ids, _labels(ids))
+    ref, ref_grads = _run(reference, ids, _labels(ids))
+    assert ref.aux_loss is not None and ref.aux_loss.item() > 0
+    _assert_close(out.loss, grads, ref.loss, ref_grads)
+    with pytest.raises(UnsupportedModel, match="return_dict=True or use chunked_loss=False"):
+        model(input_ids=ids, labels=_labels(ids), return_dict=False)
+    ctl.remove()
