@@ -11,9 +11,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
+import torch
 from torch import nn
 
-__all__ = ["BERT_BRANCHES", "Branch", "POST_NORMS", "SUPPORTED_ARCHITECTURES", "find_branches", "branch_flops"]
+__all__ = [
+    "BERT_BRANCHES",
+    "Branch",
+    "POST_NORMS",
+    "SUPPORTED_ARCHITECTURES",
+    "ResidualProbe",
+    "branch_flops",
+    "find_branches",
+]
 
 log = logging.getLogger("dropbp")
 
@@ -337,3 +346,65 @@ def _detect(model: nn.Module) -> list[Found]:
             f"x = x + f(x), not modules that add the residual themselves; for a BERT-style encoder: {BERT_BRANCHES}"
         )
     return found
+
+
+#: Autograd nodes of an addition: a branch whose output comes out of one of these, with one of the branch's own
+#: inputs feeding it directly, added the residual itself.
+_ADD_NODES = ("AddBackward0", "AddBackward1")
+
+
+def _adds_an_input(output: torch.Tensor, inputs: Sequence[torch.Tensor]) -> bool:
+    """Whether ``output`` is one of ``inputs`` plus something: the sums it comes out of (a chain of additions)
+    take one of those input tensors directly."""
+    nodes = {t.grad_fn for t in inputs if t.grad_fn is not None}
+    leaves = {id(t) for t in inputs if t.grad_fn is None}
+    pending, seen = [output.grad_fn], 0
+    while pending and seen < 8:
+        node, seen = pending.pop(), seen + 1
+        if node is None or node.name() not in _ADD_NODES:
+            continue
+        for parent, _ in node.next_functions:
+            if parent in nodes or id(getattr(parent, "variable", None)) in leaves:
+                return True
+            pending.append(parent)
+    return False
+
+
+class ResidualProbe:
+    """Checks, on each branch's first call that builds a graph, that the branch does not add the residual itself.
+
+    A branch must be the ``f`` in ``x = x + f(x)``. Some architectures pass the residual into the module and add it
+    there (BLOOM's attention and MLP, MPT's MLP): dropped, such a branch cuts the residual stream and every layer
+    below it gets no gradient, silently. Found, the first training forward raises ``ValueError`` naming the branch and
+    what to do. The hooks go once every branch has been checked.
+    """
+
+    def __init__(self, names: Sequence[str], modules: Sequence[nn.Module]) -> None:
+        self._pending = {id(module): name for name, module in zip(names, modules, strict=True)}
+        self.handles = [m.register_forward_hook(self._check, with_kwargs=True) for m in modules]
+
+    def _check(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        out = output[0] if isinstance(output, tuple) and output else output
+        if not isinstance(out, torch.Tensor) or out.grad_fn is None:
+            return  # no graph (a dropped call, eval): nothing to see yet
+        name = self._pending.get(id(module))
+        if name is None:
+            return
+        inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not _adds_an_input(out, inputs):
+            del self._pending[id(module)]
+            if not self._pending:
+                self.remove()
+            return
+        raise ValueError(
+                f"dropbp: branch {name!r} ({type(module).__name__}) adds the residual itself: its output is one of its "
+                "inputs plus what it computes, so dropping it would cut the residual stream and every layer below "
+                "it would get no gradient. A branch is the f in x = x + f(x), a module whose output is added to the "
+                "residual outside it. Pass branches=[...] naming such modules (for this architecture, the "
+                "projections inside it whose sum with the residual happens in the layer), or train it without "
+                "dropbp (README: 'Which modules are branches')"
+            )
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()

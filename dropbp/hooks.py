@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .bound import MemoryBound
-from .discovery import BERT_BRANCHES, Branch, holder
+from .discovery import BERT_BRANCHES, Branch, ResidualProbe, holder
 from .distributed import check_running_ddp_checkpointing
 from .eager import outside_graphs
 from .intercept import ForwardPatch
@@ -98,12 +98,14 @@ class StepHooks:
         self.bound = MemoryBound(model, self._names, self._modules)
         self._listeners: list[StepListener] = []
         self._recompute = RecomputeCache(self._modules)
+        self._probe = ResidualProbe(self._names, self._modules)
         #: Per checkpointed region of a training forward (as checkpointing keeps it), that forward's pattern and
         #: rate factor.
         self._regions: weakref.WeakKeyDictionary[object, tuple[frozenset[int], float]] = weakref.WeakKeyDictionary()
         self._handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(self._on_model_forward),
             model.register_forward_hook(self._after_model_forward, always_call=True),
+            *self._probe.handles,
         ]
         for index, (module, *tail) in enumerate(parts):
             dropped, cache = self._dropped_test(index), self._recompute.branches[index]

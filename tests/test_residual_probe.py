@@ -1,0 +1,64 @@
+"""Branches that add the residual themselves are refused (issue 41, item 3): BLOOM's attention and MLP and MPT's MLP
+take the residual as an argument and return it plus their output. Dropped, such a branch cuts the residual stream
+and the layers below it get no gradient, so the first training forward refuses it, naming it; the supported
+architectures pass the same probe, which then leaves the model."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from conftest import assert_same_grads, batch, detach_outputs, loss_and_grads, tiny_model, with_lora
+
+import dropbp
+
+OWN_RESIDUAL = {
+    "bloom": (dict(hidden_size=32, n_head=4), "BloomAttention|BloomMLP"),
+    "mpt": (dict(d_model=32, n_heads=4), "MptMLP"),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(OWN_RESIDUAL))
+def test_a_branch_that_adds_the_residual_itself_is_refused_every_time(arch):
+    config, kind = OWN_RESIDUAL[arch]
+    model = tiny_model(arch, layers=3, **config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "not among the tested architectures"
+        dropbp.apply(model, 0.5, seed=0, warmup_steps=0)
+    for step in range(2):  # refused again, not only once
+        with pytest.raises(ValueError, match=rf"branch '.+' \(({kind})\) adds the residual itself.*branches=\[") as e:
+            model(input_ids=batch(step), labels=batch(step))
+        assert "x = x + f(x)" in str(e.value)
+    assert torch.is_grad_enabled()
+
+
+def _own_reference_grads(model, names, ids):
+    """Full backprop with the named modules' outputs detached: what a branch outside the residual add gives."""
+    handles = detach_outputs(model, names)
+    try:
+        return loss_and_grads(model, ids)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gpt_neox", "phi3", "qwen3_moe"])
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_supported_architectures_pass_the_probe_and_it_leaves(arch, method):
+    extra = {}
+    if arch == "qwen3_moe":
+        extra = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+        extra.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    model = tiny_model(arch, layers=3, **extra)
+    model = with_lora(model) if method == "lora" else model
+    reference = copy.deepcopy(model)
+    ctl = dropbp.apply(model, 0.5, seed=0, warmup_steps=0)
+    probes = sum(len(b.module._forward_hooks) for b in ctl.branches)
+    for step in range(12):  # every branch kept at least once (the bottom one at rate 0.75)
+        loss, grads = loss_and_grads(model, batch(step))
+        ref_loss, ref_grads = _own_reference_grads(reference, ctl.last_dropped, batch(step))
+        assert_same_grads(grads, ref_grads)
+    # once every branch was seen kept, the probe's hooks are gone
+    assert sum(len(b.module._forward_hooks) for b in ctl.branches) == probes - len(ctl.branches)
