@@ -90,6 +90,7 @@ class StepHooks:
         #: The model's forward under way: None (none), False (eval or no-grad: drops nothing) or True (training).
         self._forward: bool | None = None
         self._warned_outside = False
+        self._warned_region = False
         self._trainable_key: tuple[tuple[int, bool], ...] | None = None  # what _trainable was worked out for
         self._trainable: list[bool] | None = None
         #: Whatever must live as long as the model's hooks (the controller: the model keeps it, no registry does).
@@ -149,7 +150,12 @@ class StepHooks:
         decision = (self.dropped, self.factor)
         if in_backward():
             region = recomputed_region()
-            return decision if region is None else self._regions.get(region, decision)
+            if region is None:
+                return decision
+            if region not in self._regions:  # a region no training forward of the model recorded: drop nothing
+                self._warn_unknown_region()
+                return frozenset(), 1.0
+            return self._regions[region]
         if not self._forward:
             if self._forward is None:
                 self._warn_outside()
@@ -159,6 +165,20 @@ class StepHooks:
             if region is not None:
                 self._regions[region] = decision
         return decision
+
+    def _warn_unknown_region(self) -> None:
+        """Once: a re-entrant checkpointed region no training forward recorded is recomputed (full backprop there)."""
+        if self._warned_region:
+            return
+        self._warned_region = True
+        warnings.warn(
+            "dropbp: a re-entrant checkpointed region that no training forward of the model recorded is being "
+            "recomputed (torch.utils.checkpoint(..., use_reentrant=True) around the whole model, whose forward then "
+            "ran without a graph, or a region behind an output dropbp could not search): its branches get full "
+            "backprop, nothing drops there. Use use_reentrant=False, or checkpoint inside the model "
+            "(gradient_checkpointing_enable()). Said once.",
+            stacklevel=2,
+        )
 
     def _warn_outside(self) -> None:
         """Once: a branch runs in training mode outside every forward of the model (nothing drops there)."""

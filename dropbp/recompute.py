@@ -65,15 +65,21 @@ def reentrant_regions(output: object, known: Container[object]) -> list[object]:
     return found
 
 
-def _tensors(output: object) -> list[torch.Tensor]:
+def _tensors(output: object, depth: int = 0) -> list[torch.Tensor]:
+    """The tensors in a model's output: itself, or inside sequences, mappings, dataclasses and plain objects'
+    attributes (a wrapper's own output type), a few levels deep."""
     if isinstance(output, torch.Tensor):
         return [output]
-    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+    if depth > 4 or isinstance(output, (str, bytes, type, nn.Module)):
+        return []
+    if dataclasses.is_dataclass(output):
         output = [getattr(output, f.name) for f in dataclasses.fields(output)]
+    elif not isinstance(output, (Mapping, list, tuple)) and hasattr(output, "__dict__"):
+        output = list(vars(output).values())
     if isinstance(output, Mapping):
         output = list(output.values())
     if isinstance(output, (list, tuple)):
-        return [t for item in output for t in _tensors(item)]
+        return [t for item in output for t in _tensors(item, depth + 1)]
     return []
 
 
