@@ -173,7 +173,7 @@ def _is_chunked(forward: Any) -> bool:
     """Whether ``forward``, or a forward it wraps, is a :class:`ChunkedLoss` patch."""
     seen = 0
     while forward is not None and seen < 100:
-        if getattr(forward, "_dropbp_chunked_loss", False):
+        if getattr(forward, "dropbp_chunked_loss", False):
             return True
         forward, seen = getattr(forward, "__wrapped__", None), seen + 1
     return False
@@ -207,7 +207,7 @@ class ChunkedLoss:
         def forward(*args: Any, **kwargs: Any) -> Any:
             return self._forward(*args, **kwargs)
 
-        forward._dropbp_chunked_loss = True  # type: ignore[attr-defined]
+        forward.dropbp_chunked_loss = True  # type: ignore[attr-defined]
         self._patch = ForwardPatch(self.lm, forward).install()
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
