@@ -12,6 +12,7 @@ controller. :meth:`CleanCopies.remove` takes the ``__getstate__`` attributes awa
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -28,6 +29,25 @@ def mark_patch(forward: Callable[..., Any], previous: Callable[[], Callable[...,
     """Mark ``forward``, which dropbp sets as a module instance's ``forward``: a copy gets ``previous()``
     (the instance ``forward`` it replaced) instead, or no instance ``forward`` when that is None."""
     setattr(forward, _PREVIOUS, previous)
+
+
+def _over_dropbp(forward: Any) -> Any:
+    """``forward``, or, when it is another library's wrapper around a forward dropbp set (Accelerate's
+    mixed-precision forward, put on after ``apply``), that forward of dropbp's: the wrapper calls the original
+    model's forward, so a copy cannot keep it (said with a warning)."""
+    link, depth = getattr(forward, "__wrapped__", None), 0
+    while link is not None and depth < 16:
+        if hasattr(link, _PREVIOUS):
+            warnings.warn(
+                f"dropbp: this copy of the model leaves out the forward another library wrapped around dropbp's "
+                f"({getattr(forward, '__qualname__', type(forward).__name__)}, e.g. Accelerate's mixed precision), "
+                "since that wrapper calls the original model; the copy runs its class's own forward. Wrap the copy "
+                "again if it needs it (accelerator.prepare).",
+                stacklevel=4,
+            )
+            return link
+        link, depth = getattr(link, "__wrapped__", None), depth + 1
+    return forward
 
 
 def _entries(handles: Iterable[RemovableHandle]) -> set[tuple[int, int]]:
@@ -73,7 +93,7 @@ class CleanCopies:
         for key, value in state.items():
             if isinstance(value, dict) and any((id(value), k) in ours for k in value):
                 state[key] = type(value)((k, v) for k, v in value.items() if (id(value), k) not in ours)
-        forward = state.get("forward")
+        forward = _over_dropbp(state.get("forward"))
         while hasattr(forward, _PREVIOUS):
             forward = getattr(forward, _PREVIOUS)()
         if forward is None:

@@ -12,6 +12,7 @@ pattern (:meth:`DropPolicy.draw`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,6 +26,8 @@ from .schedule import BOUNDED_WARMUP_LEVELS, DEFAULT_RAMP, SCHEDULE_LEVELS, Time
 #: Pattern samplers kept at once (one per factor on the rates). A warm-up without a time schedule has a
 #: factor per step; the oldest sampler goes first (samplers are pure functions: rebuilt alike when needed).
 MAX_SAMPLERS = 32
+#: Under a pattern bound, forwards per block that drops nothing or follows the pool while the rates move.
+THINNING_BLOCK = 8
 #: How far a peak's rounding may lift a rate past 1 before it counts as past 1.
 _ROUNDING = 1e-9
 
@@ -82,6 +85,12 @@ class DropPolicy:
         if options.pattern == "uniform":
             check_drop_rate(options.drop_rate, self._num_branches)
         time = _time_schedule(options)
+        if options.max_patterns == 1 and (options.warmup_steps > 0 or (time is not None and time.peak != 1.0)):
+            raise ValueError(
+                "max_patterns=1 leaves no room for rates that move (a warm-up or a rising drop_schedule): under a "
+                "pattern bound they need the empty pattern beside the pool. Use max_patterns >= 2, or warmup_steps=0 "
+                "and drop_schedule='constant'"
+            )
         if own:
             rates = self._shape_rates(options, time)
         else:
@@ -206,8 +215,35 @@ class DropPolicy:
             trainable: per branch, whether it holds a trainable parameter, or ``None`` when something
                 outside the branches is trainable (see :func:`dropbp.keep.keep_a_trainable_branch`).
         """
-        sampler = self._sampler(self.factor(step))
-        return keep_a_trainable_branch(sampler.pattern(step), self._rates, trainable)
+        if self._options.max_patterns is None or self._options.stratify > 1:
+            pattern = self._sampler(self.factor(step)).pattern(step)
+        else:
+            pattern = self._bounded(step)
+        return keep_a_trainable_branch(pattern, self._rates, trainable)
+
+    def _bounded(self, step: int) -> frozenset[int]:
+        """The pattern at ``step`` under a pattern bound ``K``: a pool of ``K`` patterns, cycled. When the rates move
+        (a warm-up, a rising time schedule), one of the ``K`` slots is the empty pattern and the other ``K - 1`` are
+        drawn at ``K / (K - 1)`` times the peak rates (capped at 1), and the forwards go in blocks of
+        :data:`THINNING_BLOCK`: a block whose factor (at its first forward) is below the peak follows the pool in a
+        share ``factor / peak`` of such blocks, spread evenly, and drops nothing in the others. Each branch drops at
+        its rate times the factor (within the pool's ``1 / K``), a whole run never sees more than ``K`` patterns
+        (each a compiled graph on a lazy device), and optimizer steps of 1, 2, 4 or 8 micro-batches see only the
+        pool's own sequences of patterns, or none dropped."""
+        bound = self._options.max_patterns
+        if not self._rates_move():
+            return self._sampler(self.peak).pattern(step)
+        block = step // THINNING_BLOCK
+        share = self.factor(block * THINNING_BLOCK) / self.peak
+        off = share < 1 - _ROUNDING and math.floor((block + 1) * share) == math.floor(block * share)
+        slot = step % bound
+        if share <= _ROUNDING or off or slot == 0:
+            return frozenset()
+        return self._sampler(self.peak * bound / (bound - 1)).pattern(slot - 1)
+
+    def _rates_move(self) -> bool:
+        """Whether the factor on the rates changes over the run: a warm-up, or a time schedule that rises."""
+        return self._options.warmup_steps > 0 or self.peak != 1.0
 
     def _sampler(self, factor: float) -> PatternSampler:
         sampler = self._samplers.get(factor)
@@ -217,11 +253,16 @@ class DropPolicy:
             if options.stratify > 1:  # the options allow it with cut patterns and no pool only
                 sampler = CutSampler(rates, options.seed, stratify=options.stratify)
             else:
-                sampler = SAMPLERS[options.pattern](rates, options.seed, options.max_patterns)
+                sampler = SAMPLERS[options.pattern](rates, options.seed, self._pool_size())
             if len(self._samplers) >= MAX_SAMPLERS:
                 del self._samplers[next(iter(self._samplers))]
             self._samplers[factor] = sampler
         return sampler
+
+    def _pool_size(self) -> int | None:
+        """Patterns in a sampler's pool: ``max_patterns``, less the empty pattern's slot when the rates move."""
+        bound = self._options.max_patterns
+        return bound - 1 if bound is not None and self._rates_move() else bound
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -265,3 +265,31 @@ def test_setting_the_drop_rate_or_pattern_to_its_value_resets_given_rates(settin
     ctl.set_rates([0.1, 0.2, 0.3, 0.4])
     setattr(ctl, setting, getattr(ctl, setting))
     assert ctl.rates == [0.5] * 4
+
+
+@pytest.mark.parametrize("pattern", ["cut", "uniform"])
+@pytest.mark.parametrize("rate", [0.25, 0.5, 0.75, 0.875])
+@pytest.mark.parametrize("drop_schedule", ["constant", "linear", "cosine", "step"])
+@pytest.mark.parametrize("max_patterns", [4, 16])
+def test_a_pattern_bound_holds_over_the_whole_run(pattern, rate, drop_schedule, max_patterns):
+    """Every shape under a bound (a lazy device's graphs), warm-up and time schedule included: at most
+    ``max_patterns`` distinct patterns over the run, and the run's mean drop rate kept."""
+    import math
+
+    from dropbp.integrations.hf import fit_auto_warmup
+
+    steps = 400
+    model = tiny_model("llama", layers=6)
+    ctl = dropbp.apply(model, rate, seed=0, backend="cpu", max_patterns=max_patterns, pattern=pattern)
+    try:
+        ctl.replace_options(drop_schedule=drop_schedule, total_steps=steps)
+    except ValueError as refused:  # a rising schedule's peak past what the shape takes: refused, said elsewhere
+        assert "peaking at" in str(refused)
+        pytest.skip(f"{drop_schedule} at {rate} peaks past what {pattern} patterns take")
+    fit_auto_warmup(ctl, steps)
+    patterns = [ctl.dropped_at(s) for s in range(steps)]
+    assert len(set(patterns)) <= max_patterns
+    # each branch's share of drops follows its scheduled rate, within the pool's 1/K per branch
+    scheduled = sum(ctl.drop_rate_at(s) for s in range(steps)) / steps
+    dropped = sum(len(p) for p in patterns) / (steps * len(ctl.branches))
+    assert math.isclose(dropped, scheduled, abs_tol=1 / (max_patterns - 1) + 0.02)

@@ -27,8 +27,12 @@ def test_bounded_patterns_warm_up_in_quarters():
         tiny_model("llama", layers=4), 0.5, seed=1, backend="cpu", warmup_steps=20, max_patterns=4, pattern="uniform"
     )
     seen = {ctl.dropped_at(s) for s in range(200)}
-    assert len(seen) <= 1 + 3 * 4 + 4  # nothing dropped, three warm-up pools, the pool itself
+    assert len(seen) <= 4  # the bound holds over the warm-up too: 3 drawn and the empty pattern, one pool
     assert ctl.dropped_at(4) == ()  # factor floor(4 * 4 / 20) / 4 = 0
+    after = [ctl.dropped_at(s) for s in range(24, 200)]  # past the warm-up: the pool, cycled
+    assert set(after) == seen and after[:4] * 44 == after
+    with pytest.raises(ValueError, match="max_patterns=1 leaves no room for rates that move"):
+        dropbp.apply(tiny_model("llama", layers=2), 0.5, backend="cpu", warmup_steps=20, max_patterns=1)
 
 
 def test_warmup_is_saved_and_old_states_still_load():

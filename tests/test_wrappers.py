@@ -91,3 +91,20 @@ def test_chunked_loss_applied_twice_is_refused():
         ChunkedLoss(model)
     first.remove()
     ChunkedLoss(model).remove()
+
+
+def test_a_copy_leaves_out_accelerates_forward_over_dropbps_and_runs_itself():
+    import copy
+
+    model = tiny_model("llama", layers=2)
+    ctl = dropbp.apply(model, 0.5, seed=0)
+    model = _accelerate_mixed_precision(model)
+    with pytest.warns(UserWarning, match="leaves out the forward another library wrapped around dropbp's"):
+        twin = copy.deepcopy(model)
+    assert "forward" not in vars(twin)
+    with torch.no_grad():
+        twin.model.embed_tokens.weight.zero_()  # the copy runs its own weights, not the original's
+        twin.eval(), model.eval()
+        ids = batch(0)
+        assert not torch.equal(twin(input_ids=ids).logits, model(input_ids=ids).logits)
+    ctl.remove()
