@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_same_grads, batch, count_forwards, detach_outputs, tiny_model
+from conftest import TINY_CONFIGS, assert_same_grads, batch, count_forwards, detach_outputs, tiny_model
 
 import dropbp
 
@@ -94,3 +94,21 @@ def test_peft_prefix_tuning_under_the_bound_keeps_the_prefix_and_the_gradients()
                 h.remove()
             torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=0)
             assert_same_grads(grads, ref_grads)
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))
+def test_every_architecture_with_its_cache_on_keeps_the_patterns_gradients_under_the_bound(model_type):
+    """Each tested architecture's own layer signature (keyword or positional cache, position ids, parallel residual)
+    with ``use_cache=True`` in training, the bound checkpointing some of its layers."""
+    model = tiny_model(model_type, layers=4, use_cache=True)
+    reference = copy.deepcopy(model)
+    ctl = dropbp.apply(model, 0.75, seed=0, memory_bound=True, warmup_steps=100)
+    for step in range(4):  # early in a long warm-up: more kept than the bound's 2 branches
+        loss, grads = _step(model, batch(step), _plain_loss)
+        assert len(ctl.branches) - len(ctl.last_dropped) > ctl.max_kept_branches
+        handles = detach_outputs(reference, ctl.last_dropped)
+        ref_loss, ref_grads = _step(reference, batch(step), _plain_loss)
+        for h in handles:
+            h.remove()
+        torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=0)
+        assert_same_grads(grads, ref_grads)
