@@ -4,7 +4,8 @@
     python benchmarks/readme_results.py --write   # put them between README.md's markers
 
 The first, the headline, is the map of the speedup at equal quality (benchmarks/where_it_pays.py,
-docs/where-it-pays.md); the second is SmolLM2-135M at equal steps and equal time.
+docs/where-it-pays.md); the second is that figure on SmolLM2-135M (benchmarks/smollm2_equal_quality.py); the third
+is SmolLM2-135M at equal steps and equal time.
 
 Each row is one setting of the accumulation regime (docs/regime.md: SmolLM2-135M-Instruct, 100 optimizer steps of
 8 micro-batches of 128 tokens, lr warm-up and cosine decay, 2 CPU cores), the shipped default at drop rate 0.5
@@ -24,6 +25,9 @@ README = ROOT / "README.md"
 BEGIN, END = "<!-- results-table: made by benchmarks/readme_results.py -->", "<!-- end of results-table -->"
 MAP_BEGIN, MAP_END = "<!-- map-table: made by benchmarks/readme_results.py -->", "<!-- end of map-table -->"
 MAP = RESULTS / "where_it_pays" / "map.json"
+EQ_BEGIN = "<!-- smollm2-equal-quality: made by benchmarks/readme_results.py -->"
+EQ_END = "<!-- end of smollm2-equal-quality -->"
+SMOLLM2_EQUAL_QUALITY = RESULTS / "smollm2_equal_quality.json"
 
 #: (setting, the records of its seeds: stems under benchmarks/results)
 SETTINGS = [
@@ -167,6 +171,26 @@ def map_table() -> str:
     return "\n".join([*lines, MAP_END])
 
 
+def smollm2_table() -> str:
+    """SmolLM2-135M's speedup at equal quality (benchmarks/smollm2_equal_quality.py), markers included: the
+    shipped default at 0.5 at full backprop's time and at full backprop's steps, each arm at its own learning rate."""
+    record = json.loads(SMOLLM2_EQUAL_QUALITY.read_text())
+    lr = record["lr"]
+    lines = [
+        EQ_BEGIN,
+        "| model, fine-tuning, run length x tokens per step | DropBP 0.5 at equal time: speedup at equal quality "
+        "[95%] | DropBP 0.5 at equal steps | learning rate full / 0.5 | seeds |",
+        "|---|---|---|---|---|",
+    ]
+    rows = {row["run"]: row["speedup"] for row in record["rows"]}
+    lines.append(
+        f"| {record['model']}, LoRA, 100 x 1k tokens | {_interval(rows['DropBP 0.5, equal time'])} | "
+        f"{_interval(rows['DropBP 0.5, L steps'])} | {lr['full backprop']:g} / {lr['DropBP 0.5']:g} | "
+        f"{len(record['seeds'])} |"
+    )
+    return "\n".join([*lines, EQ_END])
+
+
 def between(text: str, begin: str, end: str) -> str | None:
     """The part of ``text`` from ``begin`` to ``end`` (markers included), or None."""
     if begin not in text or end not in text:
@@ -184,7 +208,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--write", action="store_true", help="replace the tables in README.md")
     args = parser.parse_args()
-    made = {(MAP_BEGIN, MAP_END): map_table(), (BEGIN, END): table()}
+    made = {(MAP_BEGIN, MAP_END): map_table(), (EQ_BEGIN, EQ_END): smollm2_table(), (BEGIN, END): table()}
     if args.write:
         text = README.read_text()
         for (begin, end), new in made.items():

@@ -84,3 +84,12 @@ def test_the_readme_map_table_is_the_one_the_map_makes():
     assert results.between(text, results.MAP_BEGIN, results.MAP_END) == results.map_table()
     assert text.index(results.MAP_BEGIN) < text.index(results.BEGIN) < text.index("## Quick start")
     assert "speedup at equal quality" in results.map_table() and "x 1k tokens" in results.map_table()
+
+
+def test_the_readme_smollm2_equal_quality_table_is_the_one_the_records_make():
+    """SmolLM2-135M's speedup at equal quality, generated from its record, between the map and the step table."""
+    results = _readme_results()
+    text = README.read_text()
+    assert results.between(text, results.EQ_BEGIN, results.EQ_END) == results.smollm2_table()
+    assert text.index(results.MAP_BEGIN) < text.index(results.EQ_BEGIN) < text.index(results.BEGIN)
+    assert "SmolLM2-135M" in results.smollm2_table() and "speedup at equal quality" in results.smollm2_table()
