@@ -17,9 +17,10 @@ DropBP's final loss (``dropbp.tools.frontier``) over DropBP's time in those step
     python benchmarks/smollm2_equal_quality.py            # reads the records below, writes the table
 
 Records: ``convergence_default_lora_pydoc_accumulate[_seedN].json`` (full at 100, DropBP at 100 and 135, one
-lockstep run per seed), ``convergence_lr_lora_pydoc_0.002_accumulate[_seedN]_budget{50,200}.json`` (full backprop
-alone at 50 and 200 steps) and ``convergence_equal-quality_lora_pydoc_accumulate_seedN.json`` (all five in one
-lockstep run: ``convergence.py --grid equal-quality``). Writes ``smollm2_equal_quality.{json,md}``.
+lockstep run per seed), ``convergence_budget_lora_pydoc_0.002_accumulate[_seedN]_budget{50,200}.json`` (full backprop
+alone at 50 and 200 steps: ``convergence.py --grid lr`` records, renamed so that ``swept_lr`` does not read them)
+and ``convergence_equal-quality_lora_pydoc_accumulate_seedN.json`` (all five in one lockstep run:
+``convergence.py --grid equal-quality``). Writes ``smollm2_equal_quality.{json,md}``.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def seed_runs(results: Path, seed: int) -> tuple[list[tuple[float, float]], dict
     runs = _in_full_steps(_summary(results / f"convergence_default_{STEM}{_suffix(seed)}.json"))
     full = [runs["full backprop"]]
     for budget in (50, 200):
-        path = results / f"convergence_lr_lora_pydoc_0.002_accumulate{_suffix(seed)}_budget{budget}.json"
+        path = results / f"convergence_budget_lora_pydoc_0.002_accumulate{_suffix(seed)}_budget{budget}.json"
         (row,) = _summary(path)
         full.append((float(row["steps"]), row["final_val_loss"]))
     return full, {label: runs[name] for name, label in DROPBP_RUNS.items()}
@@ -119,7 +120,8 @@ def markdown(record: dict) -> str:
             f"{' / '.join(f'{x:.4f}' for x in row['final_loss'])} | {per} | **{s['mean']:.2f}x** "
             f"[{s['low']:.2f}, {s['high']:.2f}]{bounded} |"
         )
-    lines += ["", "Full backprop's complete runs at 50, 100 and 200 steps (time in full-backprop steps: final val loss):", ""]
+    head = "Full backprop's complete runs at 50, 100 and 200 steps (time in full-backprop steps: final val loss):"
+    lines += ["", head, ""]
     for seed, points in record["full_backprop"].items():
         lines.append(f"- seed {seed}: " + ", ".join(f"time {t:.0f}: {loss:.4f}" for t, loss in points))
     return "\n".join(lines) + "\n"
