@@ -68,6 +68,20 @@ def test_the_bound_with_a_cache_keeps_the_patterns_gradients(model_type, loss_of
     assert (recomputed > 0) == (loss_of is _plain_loss)
 
 
+def _bounded_steps_are_exact(model, reference, ctl, steps: int) -> None:
+    """``steps`` training steps early in a long warm-up (more kept than the bound lets store), each exact against
+    ``reference`` with the step's pattern detached."""
+    for step in range(steps):
+        loss, grads = _step(model, batch(step), _plain_loss)
+        assert len(ctl.branches) - len(ctl.last_dropped) > ctl.max_kept_branches
+        handles = detach_outputs(reference, ctl.last_dropped)
+        ref_loss, ref_grads = _step(reference, batch(step), _plain_loss)
+        for h in handles:
+            h.remove()
+        torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=0)
+        assert_same_grads(grads, ref_grads)
+
+
 class _nothing:
     def __enter__(self):
         return self
@@ -85,15 +99,7 @@ def test_peft_prefix_tuning_under_the_bound_keeps_the_prefix_and_the_gradients()
     # rates warm up from 0: every branch kept, more than the bound's 2, in the first steps
     ctl = dropbp.apply(model, 0.75, seed=0, memory_bound=True, warmup_steps=100)
     with pytest.warns(UserWarning, match="continues a cached prefix"):
-        for step in range(3):
-            loss, grads = _step(model, batch(step), _plain_loss)
-            assert len(ctl.branches) - len(ctl.last_dropped) > ctl.max_kept_branches
-            handles = detach_outputs(reference, ctl.last_dropped)
-            ref_loss, ref_grads = _step(reference, batch(step), _plain_loss)
-            for h in handles:
-                h.remove()
-            torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=0)
-            assert_same_grads(grads, ref_grads)
+        _bounded_steps_are_exact(model, reference, ctl, 3)
 
 
 @pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))
@@ -103,12 +109,4 @@ def test_every_architecture_with_its_cache_on_keeps_the_patterns_gradients_under
     model = tiny_model(model_type, layers=4, use_cache=True)
     reference = copy.deepcopy(model)
     ctl = dropbp.apply(model, 0.75, seed=0, memory_bound=True, warmup_steps=100)
-    for step in range(4):  # early in a long warm-up: more kept than the bound's 2 branches
-        loss, grads = _step(model, batch(step), _plain_loss)
-        assert len(ctl.branches) - len(ctl.last_dropped) > ctl.max_kept_branches
-        handles = detach_outputs(reference, ctl.last_dropped)
-        ref_loss, ref_grads = _step(reference, batch(step), _plain_loss)
-        for h in handles:
-            h.remove()
-        torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=0)
-        assert_same_grads(grads, ref_grads)
+    _bounded_steps_are_exact(model, reference, ctl, 4)
