@@ -230,3 +230,20 @@ def _run_group(target, args: tuple, world: int, timeout: float) -> list[int]:
             p.join()
     assert not any(hung), f"ranks {hung} did not finish within {timeout} s (a hang)"
     return [p.exitcode for p in procs]
+
+
+def accelerate_bf16_forward(model: nn.Module) -> nn.Module:
+    """What ``Accelerator(mixed_precision="bf16").prepare_model`` does to ``model.forward`` on the CPU (accelerator.py,
+    native AMP), with Accelerate's own ``convert_outputs_to_fp32``, without its process-wide ``AcceleratorState``
+    (a singleton other tests' Trainers set to another precision)."""
+    from types import MethodType
+
+    from accelerate.utils import convert_outputs_to_fp32
+
+    autocast = torch.autocast(device_type="cpu", dtype=torch.bfloat16)
+    if hasattr(model.forward, "__func__"):
+        model.forward = MethodType(autocast(model.forward.__func__), model)
+        model.forward = MethodType(convert_outputs_to_fp32(model.forward.__func__), model)
+    else:
+        model.forward = convert_outputs_to_fp32(autocast(model.forward))
+    return model

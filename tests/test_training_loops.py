@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import assert_same_grads, batch, detach_outputs, tiny_model, with_lora
+from conftest import accelerate_bf16_forward, assert_same_grads, batch, detach_outputs, tiny_model, with_lora
 
 import dropbp
 
@@ -68,7 +68,7 @@ class TrainingLoop(RuleBasedStateMachine):
         self.wrapper = None
         if mixed_precision:  # what Trainer(bf16=True) puts on the model: Accelerate's autocast forward, on top
             for m in (self.model, self.plain):
-                accelerate.Accelerator(mixed_precision="bf16", cpu=True).prepare_model(m)
+                accelerate_bf16_forward(m)
             self.wrapper = vars(self.model)["forward"]
         self.pending: list[tuple[torch.Tensor, tuple[str, ...], bool]] = []
         self.total = None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import batch, tiny_model, with_lora
+from conftest import accelerate_bf16_forward, batch, tiny_model, with_lora
 from test_hf_integration import _args, _dataset
 
 import dropbp
@@ -46,7 +46,7 @@ def test_trainer_bf16_with_the_chunked_loss_callback_trains_as_without_it(tmp_pa
 
 def _accelerate_mixed_precision(model: torch.nn.Module) -> torch.nn.Module:
     """What ``Trainer(bf16=True)`` does to the model's forward: Accelerate's autocast wrapper on the instance."""
-    return accelerate.Accelerator(mixed_precision="bf16", cpu=True).prepare_model(model)
+    return accelerate_bf16_forward(model)
 
 
 @pytest.mark.parametrize("chunked_loss", [False, True])
