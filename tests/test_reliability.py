@@ -225,48 +225,44 @@ def test_trainer_resumed_with_another_length_says_what_happens(tmp_path, caplog)
     assert f"mean drop rate is {mean:.3f}" in said[0]
 
 
+def _saved_trainer_state(tmp_path):
+    """A Trainer run under ``attach`` that saved a checkpoint at step 10; returns a function making a fresh attached
+    trainer over the same output folder, and the path of that checkpoint's dropbp state file."""
+    from test_hf_integration import _trainer
+
+    from dropbp.integrations.hf import STATE_FILE, attach
+
+    kw = dict(save_strategy="steps", save_steps=10, output_dir=str(tmp_path / "run"))
+
+    def attached():
+        trainer = _trainer(tmp_path, **kw)
+        attach(trainer, drop_rate=0.5)
+        return trainer
+
+    attached().train()
+    return attached, tmp_path / "run" / "checkpoint-10" / STATE_FILE
+
+
 def test_a_tampered_trainer_checkpoint_is_refused_naming_the_file_and_the_field(tmp_path):
     import json
 
-    from test_hf_integration import _trainer
-
-    from dropbp.integrations.hf import STATE_FILE, attach
-
-    kw = dict(save_strategy="steps", save_steps=10, output_dir=str(tmp_path / "run"))
-    first = _trainer(tmp_path, **kw)
-    attach(first, drop_rate=0.5)
-    first.train()
-    path = tmp_path / "run" / "checkpoint-10" / STATE_FILE
+    attached, path = _saved_trainer_state(tmp_path)
     saved = json.loads(path.read_text())
     saved["controller"]["seed"] = "0"
     path.write_text(json.dumps(saved))
-    resumed = _trainer(tmp_path, **kw)
-    attach(resumed, drop_rate=0.5)
     with pytest.raises(TypeError, match=r"dropbp_state.json was refused: state\['seed'\]"):
-        resumed.train(resume_from_checkpoint=str(path.parent))
+        attached().train(resume_from_checkpoint=str(path.parent))
     path.write_text(json.dumps({"controller": saved["controller"]}))
-    again = _trainer(tmp_path, **kw)
-    attach(again, drop_rate=0.5)
     with pytest.raises(ValueError, match="is not a state dropbp wrote"):
-        again.train(resume_from_checkpoint=str(path.parent))
+        attached().train(resume_from_checkpoint=str(path.parent))
 
 
 def test_a_truncated_trainer_state_file_is_refused_naming_the_path(tmp_path):
-    from test_hf_integration import _trainer
-
-    from dropbp.integrations.hf import STATE_FILE, attach
-
-    kw = dict(save_strategy="steps", save_steps=10, output_dir=str(tmp_path / "run"))
-    first = _trainer(tmp_path, **kw)
-    attach(first, drop_rate=0.5)
-    first.train()
-    path = tmp_path / "run" / "checkpoint-10" / STATE_FILE
-    assert [p.name for p in path.parent.iterdir() if p.name.startswith(STATE_FILE)] == [STATE_FILE]  # no temporary
+    attached, path = _saved_trainer_state(tmp_path)
+    assert [p.name for p in path.parent.iterdir() if p.name.startswith(path.name)] == [path.name]  # no temporary
     path.write_text(path.read_text()[:40])  # a crash mid-write, as an in-place writer would leave it
-    resumed = _trainer(tmp_path, **kw)
-    attach(resumed, drop_rate=0.5)
     with pytest.raises(ValueError, match=rf"{re.escape(str(path))} is not valid JSON .*delete it"):
-        resumed.train(resume_from_checkpoint=str(path.parent))
+        attached().train(resume_from_checkpoint=str(path.parent))
 
 
 def test_a_file_dropbp_writes_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
