@@ -18,11 +18,12 @@ from __future__ import annotations
 import os
 from importlib.metadata import EntryPoint, entry_points
 
-from .base import Backend, BackendUnavailable, UnknownBackend, describe
-from .cpu import CPUBackend
-from .cuda import CUDABackend
-from .hpu import HPUBackend
-from .xpu import XPUBackend
+from dropbp.backends.base import Backend, BackendUnavailable, UnknownBackend, describe
+from dropbp.backends.cpu import CPUBackend
+from dropbp.backends.cuda import CUDABackend
+from dropbp.backends.hpu import HPUBackend
+from dropbp.backends.lazy import LazyEngineBackend
+from dropbp.backends.xpu import XPUBackend
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -43,6 +44,7 @@ BUILTIN: dict[str, type[Backend]] = {
     "cpu": CPUBackend,
     "cuda": CUDABackend,
     "hpu": HPUBackend,
+    "lazy": LazyEngineBackend,
     "xpu": XPUBackend,
 }
 #: Auto-detection order: accelerators first (Gaudi, then NVIDIA, then Intel GPU), the CPU last.

@@ -1,25 +1,30 @@
 """The device interface: what a training loop needs from a device, and nothing about drop policy.
 
-Dropped branches need no per-device code: the core (``dropbp/no_grad.py``) runs them under
+Dropped branches need no per-device code: the core (``dropbp/execution/branch_forward.py``) runs them under
 ``torch.no_grad()``, so they record no autograd graph and their intermediate tensors are freed as soon
 as the branch returns, on every device. What differs per device is listed here: where tensors live,
 how to wait for queued work, memory figures, autocast, the collective library, and the step
 boundaries a lazily compiled device needs (graph breaks) together with a bound on distinct drop
 patterns where every pattern is its own compiled graph. What only the measurement tools ask (timers,
-environment reports, the dtype benchmarks train in, graph counts) is in ``dropbp/tools/device_services.py``.
+environment reports, the dtype benchmarks train in, graph counts) is in ``backends/<device>.py``.
 Adding a device (its steps, built in or as a plugin): docs/backends.md, "Adding a device".
 """
 
 from __future__ import annotations
 
 import os
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-__all__ = ["Backend", "BackendUnavailable", "UnknownBackend", "describe"]
+__all__ = ["Backend", "BackendUnavailable", "EventTimer", "HostTimer", "UnknownBackend", "describe"]
 
 
 def describe(exc: BaseException) -> str:
@@ -136,5 +141,102 @@ class Backend(ABC):
         """Step boundary after ``optimizer.step()``: the update graph ends here on lazy devices."""
         self.graph_break()
 
+    # -- the device's part of a dropped backward ---------------------------------------------------
+    def checkpoint(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``function(*args, **kwargs)`` with its activations recomputed in backward (the memory bound's layers):
+        non-re-entrant ``torch.utils.checkpoint``, which restores this device's random-number state."""
+        return checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+    def rng_state(self, device: torch.device) -> list[torch.Tensor]:
+        """The generator states a branch on ``device`` draws from: the CPU's and, on an accelerator, that device's.
+        A dropped branch's recomputation is skipped only where it would draw the same numbers again."""
+        states = [torch.get_rng_state()]
+        if device.type not in ("cpu", "meta"):
+            states.append(torch.get_device_module(device).get_rng_state(device))
+        return states
+
+    def set_rng_state(self, device: torch.device, states: list[torch.Tensor]) -> None:
+        """Put back what :meth:`rng_state` returned for ``device``."""
+        torch.set_rng_state(states[0])
+        if len(states) > 1:
+            torch.get_device_module(device).set_rng_state(states[1], device)
+
+    def collective_device(self, device: torch.device) -> torch.device:
+        """Where a tensor for a collective goes (calibration averages over ranks): the CPU under ``gloo``,
+        else ``device``."""
+        return torch.device("cpu") if torch.distributed.get_backend() == "gloo" else device
+
+    # -- what the tools ask (dropbp check, bench, membench, demo) ----------------------------------
+    @property
+    def training_dtype(self) -> torch.dtype:
+        """The dtype benchmarks train in by default: the autocast dtype on accelerators."""
+        return self.autocast_dtype
+
+    def training_autocast(self) -> AbstractContextManager:
+        """The context benchmarks run a training forward in: :meth:`autocast` on accelerators."""
+        return self.autocast()
+
+    def timer(self) -> HostTimer | EventTimer:
+        """A context manager whose ``.seconds`` is the time the block took on this device."""
+        return HostTimer(self.synchronize)
+
+    def environment(self) -> dict[str, object]:
+        """Device name, device count and the device stack's versions, for reports (``dropbp check``).
+
+        Bug reports from hardware this project cannot run on are only useful with these facts, so each device
+        states them in its own terms; nothing here may raise on a working device.
+        """
+        return {"device_name": self.device.type, "device_count": None}
+
+    def graph_compilations(self) -> int | None:
+        """Graphs compiled so far where the device compiles graphs and reports it; None otherwise."""
+        return None
+
     def __repr__(self) -> str:
         return f"<dropbp backend {self.name!r} on {self.device}>"
+
+
+class HostTimer:
+    """Wall-clock timing of a block: waits for the device on entry and exit, then reads the host clock."""
+
+    def __init__(self, synchronize: Callable[[], None]) -> None:
+        self._synchronize = synchronize
+        self._start = self._end = 0.0
+
+    def __enter__(self) -> HostTimer:
+        self._synchronize()
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._synchronize()
+        self._end = time.perf_counter()
+
+    @property
+    def seconds(self) -> float:
+        return self._end - self._start
+
+
+class EventTimer:
+    """Device-side timing with the device's events (``torch.cuda.Event``, ``torch.xpu.Event``).
+
+    Events are recorded in the device's stream, so the block is not serialised with the host; only
+    reading :attr:`seconds` waits for the end event.
+    """
+
+    def __init__(self, device_module: Any) -> None:
+        self._start = device_module.Event(enable_timing=True)
+        self._end = device_module.Event(enable_timing=True)
+
+    def __enter__(self) -> EventTimer:
+        self._start.record()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._end.record()
+
+    @property
+    def seconds(self) -> float:
+        self._end.synchronize()
+        return self._start.elapsed_time(self._end) / 1000.0
+

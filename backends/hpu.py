@@ -10,11 +10,11 @@ from ``habana_frameworks.torch.utils.internal.is_lazy()`` where the stack has it
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import os
 
 import torch
-
-from .base import Backend, describe
+from dropbp.backends.base import Backend, describe
 
 #: Pattern bound in lazy mode (see the module docstring for why 16).
 LAZY_MAX_PATTERNS = 16
@@ -57,10 +57,18 @@ class HPUBackend(Backend):
         return None
 
     def __init__(self) -> None:
-        self._htcore = importlib.import_module("habana_frameworks.torch.core")
-        #: True in lazy mode (graphs cut by mark_step), False in eager/compile mode.
-        self.lazy = _lazy_mode()
+        #: True in lazy mode (graphs cut by :meth:`mark_step`), False in eager/compile mode.
+        self.lazy = self.lazy_mode()
         self.default_max_patterns = LAZY_MAX_PATTERNS if self.lazy else None
+
+    @classmethod
+    def lazy_mode(cls) -> bool:
+        """Whether the bridge runs in lazy mode (see the module docstring for how it is read)."""
+        return _lazy_mode()
+
+    def mark_step(self) -> None:
+        """Cut the pending lazy graph: ``habana_frameworks.torch.core.mark_step()``."""
+        importlib.import_module("habana_frameworks.torch.core").mark_step()
 
     @property
     def device(self) -> torch.device:
@@ -77,7 +85,35 @@ class HPUBackend(Backend):
 
     def graph_break(self) -> None:
         if self.lazy:
-            self._htcore.mark_step()
+            self.mark_step()
+
+    def environment(self) -> dict[str, object]:
+        """Gaudi name and count, the bridge's version, lazy or eager mode and ``PT_HPU_LAZY_MODE``."""
+        hpu = importlib.import_module("habana_frameworks.torch.hpu")
+        name = getattr(hpu, "get_device_name", None)
+        return {
+            "device_name": name() if callable(name) else "Gaudi",
+            "device_count": int(hpu.device_count()),
+            "habana_frameworks": _bridge_version(),
+            "mode": "lazy" if self.lazy else "eager",
+            "PT_HPU_LAZY_MODE": os.environ.get("PT_HPU_LAZY_MODE"),
+        }
+
+    def graph_compilations(self) -> int | None:
+        """``metric_global("graph_compilation")``'s TotalNumber, where the metrics API exists."""
+        try:
+            metrics = importlib.import_module("habana_frameworks.torch.hpu.metrics")
+        except ImportError:
+            return None
+        return int(dict(metrics.metric_global("graph_compilation").stats())["TotalNumber"])
 
     def __repr__(self) -> str:
         return f"<dropbp backend 'hpu' ({'lazy' if self.lazy else 'eager'} mode) on {self.device}>"
+
+
+def _bridge_version() -> str | None:
+    """The Gaudi PyTorch bridge's version: its distribution's metadata, else the module's attribute."""
+    try:
+        return importlib.metadata.version("habana-torch-plugin")
+    except importlib.metadata.PackageNotFoundError:
+        return getattr(importlib.import_module("habana_frameworks.torch"), "__version__", None)

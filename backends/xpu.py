@@ -8,9 +8,9 @@ Collectives use ``xccl`` (upstream since PyTorch 2.7).
 from __future__ import annotations
 
 import torch
+from dropbp.backends.base import Backend, EventTimer
 
-from ..internals import built_with
-from .base import Backend
+from dropbp.internals import built_with
 
 _INSTALL = (
     "install the XPU build of PyTorch (pip install torch --index-url https://download.pytorch.org/whl/xpu) "
@@ -48,3 +48,15 @@ class XPUBackend(Backend):
     @property
     def autocast_dtype(self) -> torch.dtype:
         return torch.bfloat16
+
+    def timer(self) -> EventTimer:
+        """XPU events: timed on the device's queue."""
+        return EventTimer(torch.xpu)
+
+    def environment(self) -> dict[str, object]:
+        """Intel GPU name and count, and the SYCL/oneAPI version this PyTorch was built with."""
+        return {
+            "device_name": torch.xpu.get_device_name(),
+            "device_count": torch.xpu.device_count(),
+            "xpu": getattr(torch.version, "xpu", None),
+        }

@@ -1,6 +1,6 @@
 """Graphs Gaudi's lazy mode compiles for the shipped default, measured on PyTorch's own lazy-tensor engine.
 
-The HPU backend runs in lazy mode on ``torch._lazy`` (TorchScript backend, CPU; :mod:`dropbp.tools.lazy_engine`):
+The HPU backend runs in lazy mode on ``torch._lazy`` (TorchScript backend, CPU; :mod:`dropbp.backends.lazy`):
 a graph break after each backward and after each optimizer step, and its pattern bound (16). The model has
 SmolLM2-135M's layout (30 Llama layers: 60 branches) at a tiny width: the count of graphs depends on the patterns,
 not on the width. A hand loop with ``ctl.backward`` / ``ctl.optimizer_step`` and SGD with momentum (one update
@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 import transformers
+from dropbp.backends.lazy import LazyEngineBackend, compiled_graphs, start
 
 import dropbp
 from dropbp.integrations.hf import fit_auto_warmup
-from dropbp.tools.lazy_engine import LazyEngineBackend, compiled_graphs, start
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

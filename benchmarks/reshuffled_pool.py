@@ -11,7 +11,7 @@ import runpy
 import sys
 from pathlib import Path
 
-from dropbp.sampler import PatternSampler
+from dropbp.policy.sampler import PatternSampler
 
 
 def reshuffled_pattern(self: PatternSampler, step: int) -> frozenset[int]:

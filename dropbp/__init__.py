@@ -1,17 +1,48 @@
 """dropbp: faster, lighter fine-tuning by dropping the backward pass of random residual branches.
 
-``dropbp.apply(model, drop_rate)`` attaches DropBP to a Hugging Face or custom model;
-``dropbp.allocate_rates`` is the sensitivity-based rate allocation. Device backends live in
-``dropbp.backends``; the core never imports a device library. Here the layers meet: the core names no
-training framework, and the DeepSpeed integration registers itself with it (:mod:`dropbp.frameworks`).
+What users call: ``dropbp.apply(model, drop_rate)`` (attaches DropBP to a Hugging Face or custom model and returns the
+:class:`DropBPController`), its options (:class:`DropBPOptions`; the Trainer's, :class:`TrainerOptions`),
+``dropbp.allocate_rates`` (sensitivity-based rates), the device backends (``dropbp.backends``) and, for the Hugging
+Face Trainer, ``dropbp.attach`` / ``dropbp.DropBPCallback`` (imported from :mod:`dropbp.integrations.hf` when first
+used: ``import dropbp`` imports no integration and no optional package). The tree: the drop policy
+(:mod:`dropbp.policy`), the execution of a dropped backward (:mod:`dropbp.execution`), one file per device
+(:mod:`dropbp.backends`), integrations and tools on top.
 """
 
-from .allocation import allocate_rates
-from .api import apply
-from .controller import DropBPController
-from .discovery import SUPPORTED_ARCHITECTURES, Branch
-from .integrations import deepspeed as _deepspeed  # noqa: F401  (registers DeepSpeed with dropbp.frameworks)
+from __future__ import annotations
+
+from typing import Any
+
+from dropbp import backends
+from dropbp.api import apply
+from dropbp.controller import DropBPController
+from dropbp.execution.discovery import SUPPORTED_ARCHITECTURES, Branch
+from dropbp.options import DropBPOptions, TrainerOptions
+from dropbp.policy.allocation import allocate_rates
 
 __version__ = "0.1.0"
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "Branch", "DropBPController", "allocate_rates", "apply", "__version__"]
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "Branch",
+    "DropBPCallback",
+    "DropBPController",
+    "DropBPOptions",
+    "TrainerOptions",
+    "__version__",
+    "allocate_rates",
+    "apply",
+    "attach",
+    "backends",
+]
+
+#: Names served by the Hugging Face integration, imported on first use (it needs transformers).
+_HF_NAMES = ("attach", "DropBPCallback")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HF_NAMES:
+        from dropbp.integrations import hf
+
+        return getattr(hf, name)
+    raise AttributeError(f"module 'dropbp' has no attribute {name!r}")

@@ -2,7 +2,7 @@
 
 Its keyword options, their defaults, help and checks are :class:`dropbp.options.DropBPOptions`'s
 (declared once there; ``help(dropbp.apply)`` lists them). It resolves the backend, finds the branches
-(:mod:`dropbp.discovery`), builds the drop policy (:mod:`dropbp.policy`, which checks the rates
+(:mod:`dropbp.execution.discovery`), builds the drop policy (:mod:`dropbp.policy.drop_policy`, which checks the rates
 against the model's branches) and hands them to :class:`~dropbp.controller.DropBPController`.
 """
 
@@ -13,12 +13,12 @@ from typing import Any
 
 from torch import nn
 
-from .backends import get as get_backend
-from .controller import DropBPController
-from .discovery import find_branches
-from .frameworks import unwrap
-from .options import DropBPOptions, takes_options
-from .policy import DropPolicy
+from dropbp.backends import get as get_backend
+from dropbp.controller import DropBPController
+from dropbp.execution.discovery import find_branches
+from dropbp.execution.frameworks import unwrap
+from dropbp.options import DropBPOptions, takes_options
+from dropbp.policy.drop_policy import DropPolicy
 
 __all__ = ["apply", "apply_options"]
 

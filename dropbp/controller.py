@@ -1,16 +1,15 @@
 """The controller :func:`dropbp.apply` returns: a thin facade over the core's parts.
 
-It owns nothing but the wiring: the per-step decision and its hooks (:mod:`dropbp.hooks`), the
-policy whose settings it exposes (:mod:`dropbp.policy`), calibration (:mod:`dropbp.sensitivity`,
-:mod:`dropbp.allocation`), learning-rate compensation (:mod:`dropbp.optimizer`), checkpoint state,
+It owns nothing but the wiring: the per-step decision and its hooks (:mod:`dropbp.execution.hooks`), the
+policy whose settings it exposes (:mod:`dropbp.policy.drop_policy`), calibration (:mod:`dropbp.execution.sensitivity`,
+:mod:`dropbp.policy.allocation`), learning-rate compensation (:mod:`dropbp.policy.lr_compensation`), checkpoint state,
 and the device's step boundaries (the backend's). Every setting validates and takes effect from the
-next step; the :class:`~dropbp.discovery.Branch` objects it hands out are read-only views.
+next step; the :class:`~dropbp.execution.discovery.Branch` objects it hands out are read-only views.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -20,25 +19,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import optimizer as lr_compensation
-from . import sensitivity
-from .allocation import allocate_rates
-from .backends import Backend
-from .bound import kept_bound
-from .checks import check_bool, check_choice, check_int
-from .chunked_loss import ChunkedLoss
-from .compile import EnclosingCompileWarning
-from .copies import CleanCopies
-from .discovery import Branch
-from .distributed import RunningDDPCheck, check_ddp
-from .dropped_grads import DroppedGrads
-from .frameworks import FrameworkWatch, calibration_closure, calibration_method, check_wrapper, unwrap
-from .hooks import StepHooks
-from .options import DropBPOptions
-from .plan import PatternPlan, plan_patterns
-from .policy import DropPolicy
-from .state import STATE_VERSION, check_state
-from .stats import DropTally
+from dropbp.backends import Backend
+from dropbp.checks import check_bool, check_choice, check_int
+from dropbp.execution import sensitivity
+from dropbp.execution.bound import kept_bound
+from dropbp.execution.chunked_loss import ChunkedLoss
+from dropbp.execution.discovery import Branch
+from dropbp.execution.distributed import RunningDDPCheck, check_ddp
+from dropbp.execution.dropped_grads import DroppedGrads
+from dropbp.execution.frameworks import FrameworkWatch, calibration_closure, calibration_method, check_wrapper, unwrap
+from dropbp.execution.graphs import EnclosingCompileWarning
+from dropbp.execution.hooks import StepHooks
+from dropbp.execution.patching import CleanCopies
+from dropbp.options import DropBPOptions
+from dropbp.policy import lr_compensation
+from dropbp.policy.allocation import allocate_rates
+from dropbp.policy.drop_policy import DropPolicy
+from dropbp.policy.plan import DropTally, PatternPlan, plan_patterns
+from dropbp.state import STATE_VERSION, check_state
 
 __all__ = ["DropBPController", "controller_of"]
 
@@ -83,7 +81,9 @@ class DropBPController:
         if ddp is not None:
             check_ddp(ddp)
         if not branches or not all(isinstance(b, Branch) for b in branches):
-            raise TypeError("branches must be a non-empty list of dropbp.Branch (from dropbp.discovery.find_branches)")
+            raise TypeError(
+                "branches must be a non-empty list of dropbp.Branch (from dropbp.execution.discovery.find_branches)"
+            )
         if not isinstance(policy, DropPolicy) or policy.num_branches != len(branches):
             raise TypeError(f"policy must be a DropPolicy for {len(branches)} branches")
         if not isinstance(backend, Backend):
@@ -106,7 +106,7 @@ class DropBPController:
         # first: a model it cannot handle leaves no hooks
         chunked = options.chunked_loss
         self._chunked = None if chunked is False else ChunkedLoss(model, None if chunked is True else chunked)
-        self._hooks = StepHooks(model, self._found, policy, self._is_unbiased, self._kept_bound)
+        self._hooks = StepHooks(model, self._found, policy, self._is_unbiased, backend, self._kept_bound)
         self._hooks.owner = self
         self._fill = DroppedGrads(options.dropped_grads, self._hooks.holders)
         self._tally = DropTally(self._flops)
@@ -163,7 +163,7 @@ class DropBPController:
         return self._policy.longest_warmup(total_steps, check_int("up_to", up_to, 0))
 
     memory_bound = _setting(
-        "memory_bound", "Whether the activation memory is bounded at every step (:mod:`dropbp.bound`)."
+        "memory_bound", "Whether the activation memory is bounded at every step (:mod:`dropbp.execution.bound`)."
     )
 
     @property
@@ -216,12 +216,13 @@ class DropBPController:
     stratify = _setting("stratify", "Forwards per group of stratified cuts (1: an independent draw per forward).")
     unbiased = _setting(
         "unbiased",
-        "Weight each kept branch's own parameter gradients by ``1 / (1 - rate in force)`` (:mod:`dropbp.scaling`).",
+        "Weight each kept branch's own parameter gradients by ``1 / (1 - rate in force)`` "
+        "(:mod:`dropbp.execution.branch_forward`).",
     )
 
     @property
     def chunked_loss(self) -> int | None:
-        """Tokens per chunk of the memory-lean head and loss (:mod:`dropbp.chunked_loss`); None when off."""
+        """Tokens per chunk of the memory-lean head and loss (:mod:`dropbp.execution.chunked_loss`); None when off."""
         return None if self._chunked is None else self._chunked.chunk_tokens
 
     @property
@@ -285,7 +286,7 @@ class DropBPController:
     def pattern_plan(self, optimizer_steps: int | None = None, micro_batches: int = 1) -> PatternPlan:
         """The distinct patterns, step sequences and (on a lazy-graph device) training graphs of a run of
         ``optimizer_steps`` steps of ``micro_batches`` training forwards each, from forward 0
-        (:mod:`dropbp.plan`). ``optimizer_steps`` defaults to the run's length when ``total_steps`` is set."""
+        (:mod:`dropbp.policy.plan`). ``optimizer_steps`` defaults to the run's length when ``total_steps`` is set."""
         check_int("micro_batches", micro_batches, 1)
         if optimizer_steps is None:
             total = self._policy.total_steps
@@ -351,7 +352,6 @@ class DropBPController:
                 "realise (a cut's rates must fall with depth); set ctl.pattern = 'uniform' (the paper's patterns) "
                 "before calibrating, or keep the cut's rates"
             )
-        boundary = self.backend.graph_break  # lazy devices: one graph per pass, not one for all
         closure = calibration_closure(closure)  # e.g. a DeepSpeed engine cannot take calibration passes
         method = calibration_method(self._model.parameters(), method)  # e.g. ZeRO-3: exact-recompute
         sens = sensitivity.measure(
@@ -361,7 +361,7 @@ class DropBPController:
             self._hooks.force,
             gradnorm=gradnorm,
             method=method,
-            boundary=boundary,
+            backend=self.backend,
         )
         # Under a time schedule the rates are allocated for its peak, where they must stay within the rule,
         # and scaled back by the policy: the run's mean is then still the drop rate.
@@ -371,7 +371,7 @@ class DropBPController:
         return sens
 
     def param_groups(self, lr: float, **options: Any) -> list[dict[str, Any]]:
-        """Optimizer parameter groups with learning-rate compensation (:mod:`dropbp.optimizer`): a
+        """Optimizer parameter groups with learning-rate compensation (:mod:`dropbp.policy.lr_compensation`): a
         branch dropped with rate ``r`` gets ``lr / (1 - r)``. After the rates change (``calibrate``,
         ``set_rates``) call :meth:`update_param_groups` on the optimizer."""
         return lr_compensation.param_groups(self._model, self._hooks.holders, self.rates, lr, **options)
@@ -453,11 +453,6 @@ class DropBPController:
         """Run ``undo`` when :meth:`remove` runs (the last given first): for integrations that hooked this
         controller into something else (a Trainer's callback), so that removing the controller removes them too."""
         self._undo.append(undo)
-
-    def on_remove(self, undo: Callable[[], None]) -> None:
-        """The old name of :meth:`at_remove`: still accepted, with a ``FutureWarning``."""
-        warnings.warn("ctl.on_remove(undo) is now ctl.at_remove(undo)", FutureWarning, stacklevel=2)
-        self.at_remove(undo)
 
     def check_attached(self) -> None:
         """Raise ``RuntimeError``, saying what to do, if this controller was removed (:meth:`remove`)."""

@@ -103,6 +103,12 @@ def torch_lazy() -> ModuleType:
     return torch._lazy
 
 
+def register_device_module(device_type: str, module: ModuleType) -> None:
+    """``torch.<device_type>`` becomes ``module`` (as out-of-tree devices register theirs), once."""
+    if not hasattr(torch, device_type):
+        torch._register_device_module(device_type, module)
+
+
 # -- transformers --------------------------------------------------------------------------------------------------
 def prepared_inputs(trainer: Any, batch: Any) -> Any:
     """``batch`` as ``trainer`` feeds it to its model (``Trainer._prepare_inputs``: on the device, and so on)."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .controller import DropBPController, controller_of
+from dropbp.controller import DropBPController, controller_of
 
 __all__ = ["SavedBytes", "branch_bytes", "saved_bytes"]
 

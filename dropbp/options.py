@@ -21,12 +21,12 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar, get_type_hints
 
-from .backends import Backend
-from .checks import check_bool, check_choice, check_fraction, check_int, check_ramp
-from .discovery import BERT_BRANCHES
-from .dropped_grads import DEFAULT_DROPPED_GRADS, DROPPED_GRADS
-from .sampler import SAMPLERS
-from .schedule import DEFAULT_RAMP, DROP_SCHEDULES
+from dropbp.backends import Backend
+from dropbp.checks import check_bool, check_choice, check_fraction, check_int, check_ramp
+from dropbp.execution.discovery import BERT_BRANCHES
+from dropbp.execution.dropped_grads import DEFAULT_DROPPED_GRADS, DROPPED_GRADS
+from dropbp.policy.sampler import SAMPLERS
+from dropbp.policy.schedule import DEFAULT_RAMP, DROP_SCHEDULES
 
 #: ``memory_bound="auto"`` turns the bound on from this drop rate (or with ``chunked_loss``).
 AUTO_BOUND_RATE = 0.75
@@ -96,7 +96,7 @@ class DropBPOptions:
         metadata=_help(
             """Importance weights: a kept branch's own parameters get their gradient times ``1 / (1 - rate)``
             for its rate in force at that forward (the residual stream is left alone), so with cut patterns
-            every branch's expected gradient is exactly full backprop's (:mod:`dropbp.scaling`);
+            every branch's expected gradient is exactly full backprop's (:mod:`dropbp.execution.branch_forward`);
             ``ctl.unbiased``, settable."""
         ),
     )
@@ -105,7 +105,7 @@ class DropBPOptions:
         metadata=_help(
             """What the optimizer sees for a dropped branch's parameters: ``"skip"`` (no gradient, so no
             update: the paper), ``"zero"`` (a zero gradient: momentum optimizers keep moving them) or
-            ``"reuse"`` (their last computed gradient); see :mod:`dropbp.dropped_grads`. The fill runs in an
+            ``"reuse"`` (their last computed gradient); see :mod:`dropbp.execution.dropped_grads`. The fill runs in an
             optimizer pre-step hook, after a Trainer's gradient clipping."""
         ),
     )
@@ -123,7 +123,7 @@ class DropBPOptions:
         metadata=_help(
             """The shape of the drop patterns. ``"cut"`` (the default): each step draws a depth and drops every
             branch below it, so a kept branch's gradient misses no path through a dropped branch above it;
-            the rates fall with depth (:func:`dropbp.allocation.cut_rates`, capped at ``(1 + drop_rate) / 2``
+            the rates fall with depth (:func:`dropbp.policy.allocation.cut_rates`, capped at ``(1 + drop_rate) / 2``
             so the bottom still trains), their FLOP-weighted mean is ``drop_rate``, and the top branch is
             always kept (how it compares with the paper's patterns: ``docs/patterns.md``). The number
             dropped varies from step to step, down to none (``memory_bound`` bounds what a step stores).
@@ -136,7 +136,7 @@ class DropBPOptions:
         default=False,
         metadata=_help(
             """For a Hugging Face causal LM called with ``labels`` in training, compute the LM head and
-            cross-entropy in chunks recomputed in backward (:mod:`dropbp.chunked_loss`): same loss and
+            cross-entropy in chunks recomputed in backward (:mod:`dropbp.execution.chunked_loss`): same loss and
             gradients, but the full logits and their gradient never exist at once, so they no longer cap
             the memory dropping saves. ``True``: chunks of 64 MiB of float32 logits; an int: tokens per
             chunk. Such forwards return ``logits=None``. Works at any rate, 0 included; ``ctl.remove()``
@@ -146,7 +146,8 @@ class DropBPOptions:
     memory_bound: bool | str = field(
         default="auto",
         metadata=_help(
-            """Bound the activation memory at every step (:mod:`dropbp.bound`): a step that keeps more branches
+            """Bound the activation memory at every step (:mod:`dropbp.execution.bound`): a step that keeps more
+            branches
             than the uniform shape keeps at most at ``drop_rate`` (``N - floor(drop_rate x N)``) runs the layers
             of its lowest kept branches checkpointed, so the activations stored for backward are bounded in every
             step, with exact gradients (docs/memory.md: what it does to the measured peak).
@@ -168,7 +169,7 @@ class DropBPOptions:
     drop_schedule: str = field(
         default="constant",
         metadata=_help(
-            """How the rates move over a run of known length (:mod:`dropbp.schedule`): ``"constant"`` (only
+            """How the rates move over a run of known length (:mod:`dropbp.policy.schedule`): ``"constant"`` (only
             the warm-up), or rising from 0 over the first ``ramp`` of the run, ``"linear"``, ``"cosine"`` or
             ``"step"``, then held at the peak that keeps the mean: with the cut shape, a randomised
             progressive freezing from the bottom. A peak the pattern shape cannot take (a rate above 1) is

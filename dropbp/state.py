@@ -11,17 +11,31 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from .checks import check_bool, check_choice, check_fraction, check_int, check_number, check_ramp, check_sequence
-from .sampler import SAMPLERS
-from .schedule import DROP_SCHEDULES
+from dropbp.checks import check_bool, check_choice, check_fraction, check_int, check_number, check_ramp, check_sequence
+from dropbp.policy.sampler import SAMPLERS
+from dropbp.policy.schedule import DROP_SCHEDULES
 
 __all__ = ["STATE_VERSION", "check_state"]
 
 STATE_VERSION = 1
 
-#: Keys every state has, and keys that states saved by older versions may lack.
-REQUIRED = ("version", "branches", "rates", "drop_rate", "seed", "step", "max_patterns")
-OPTIONAL = ("warmup_steps", "pattern", "total_steps", "drop_schedule", "ramp", "stratify", "rates_follow_drop_rate")
+#: The keys of a state (every one required: no release wrote states with fewer).
+REQUIRED = (
+    "version",
+    "branches",
+    "rates",
+    "drop_rate",
+    "seed",
+    "step",
+    "max_patterns",
+    "warmup_steps",
+    "pattern",
+    "total_steps",
+    "drop_schedule",
+    "ramp",
+    "stratify",
+    "rates_follow_drop_rate",
+)
 
 
 def _field(name: str) -> str:
@@ -34,7 +48,7 @@ def _optional_int(name: str, value: object, minimum: int) -> None:
 
 
 def _with_hint(key: object) -> str:
-    close = difflib.get_close_matches(str(key), (*REQUIRED, *OPTIONAL), 1)
+    close = difflib.get_close_matches(str(key), REQUIRED, 1)
     return f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
 
 
@@ -46,7 +60,7 @@ def check_state(state: object) -> dict[str, Any]:
     missing = set(REQUIRED) - set(state)
     if missing:
         raise ValueError(f"state is missing keys {sorted(missing)}; pass the dict from state_dict()")
-    unknown = sorted(set(state) - set(REQUIRED) - set(OPTIONAL), key=str)
+    unknown = sorted(set(state) - set(REQUIRED), key=str)
     if unknown:
         hints = [_with_hint(key) for key in unknown]
         raise ValueError(
@@ -54,7 +68,10 @@ def check_state(state: object) -> dict[str, Any]:
         )
     version = check_int(_field("version"), state["version"], 0)
     if version != STATE_VERSION:
-        raise ValueError(f"state version {version} is not supported (expected {STATE_VERSION})")
+        raise ValueError(
+            f"state version {version} is not this dropbp's ({STATE_VERSION}): it was written by another version; "
+            "resume with the dropbp that saved it"
+        )
     branches = state["branches"]
     if not isinstance(branches, (list, tuple)) or not all(isinstance(b, str) for b in branches):
         raise TypeError(f"{_field('branches')} must be a list of branch names, got {branches!r:.80}")
@@ -64,11 +81,11 @@ def check_state(state: object) -> dict[str, Any]:
     check_int(_field("seed"), state["seed"], 0)
     check_int(_field("step"), state["step"], 0)
     _optional_int("max_patterns", state["max_patterns"], 1)
-    check_int(_field("warmup_steps"), state.get("warmup_steps", 0), 0)
-    check_choice(_field("pattern"), state.get("pattern", "uniform"), tuple(SAMPLERS))
-    _optional_int("total_steps", state.get("total_steps"), 1)
-    check_choice(_field("drop_schedule"), state.get("drop_schedule", "constant"), DROP_SCHEDULES)
-    check_ramp(_field("ramp"), state.get("ramp", 0.5))
-    check_int(_field("stratify"), state.get("stratify", 1), 1)
-    check_bool(_field("rates_follow_drop_rate"), state.get("rates_follow_drop_rate", False))
+    check_int(_field("warmup_steps"), state["warmup_steps"], 0)
+    check_choice(_field("pattern"), state["pattern"], tuple(SAMPLERS))
+    _optional_int("total_steps", state["total_steps"], 1)
+    check_choice(_field("drop_schedule"), state["drop_schedule"], DROP_SCHEDULES)
+    check_ramp(_field("ramp"), state["ramp"])
+    check_int(_field("stratify"), state["stratify"], 1)
+    check_bool(_field("rates_follow_drop_rate"), state["rates_follow_drop_rate"])
     return state

@@ -6,7 +6,7 @@
     DROPBP_BACKEND=xpu  python examples/finetune.py
 
 There is no device code here: the backend gives the device, the autocast context and the memory
-figures, the tools' device services the timer and the graph-compilation count, and
+figures, the timer and the graph-compilation count, and
 ``ctl.backward`` / ``ctl.optimizer_step`` place the step boundaries (the graph breaks a lazy-mode
 Gaudi needs). The model is built from a config with random weights, so nothing is downloaded, and it
 learns Python's own help text (``pydoc_data.topics``) one byte per token: the loss
@@ -25,7 +25,6 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import dropbp
 from dropbp import backends
-from dropbp.tools.device_services import services
 
 
 def byte_corpus() -> torch.Tensor:
@@ -105,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     patterns: set[tuple[str, ...]] = set()
     skipped = 0
     backend.reset_peak_memory()
-    with services(backend).timer() as timer:
+    with backend.timer() as timer:
         for step in range(1, args.steps + 1):
             ids = sample(train, args.batch, args.seq_len, generator).to(backend.device)
             with backend.autocast():
@@ -129,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         f"(target {args.drop_rate}), {len(patterns)} distinct patterns, {skipped} backward(s) skipped"
     )
     peak = backend.max_memory_allocated()
-    compilations = services(backend).graph_compilations()
+    compilations = backend.graph_compilations()
     print(
         f"device figures: {timer.seconds / args.steps * 1000:.1f} ms/step, "
         f"peak memory {f'{peak / 2**20:.1f} MiB' if peak else 'n/a'}, "

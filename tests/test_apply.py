@@ -12,9 +12,9 @@ import torch
 from conftest import TINY_CONFIGS, batch, loss_and_grads, tiny_model, with_lora
 
 import dropbp
-from dropbp.allocation import cut_rates
 from dropbp.options import DropBPOptions
-from dropbp.policy import DropPolicy
+from dropbp.policy.allocation import cut_rates
+from dropbp.policy.drop_policy import DropPolicy
 
 EXPECTED_BRANCHES = {
     "llama": ("model.layers.{}.self_attn", "model.layers.{}.mlp"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from conftest import tiny_model
 import dropbp
 from dropbp.controller import DropBPController
 from dropbp.options import DropBPOptions
-from dropbp.policy import DropPolicy
+from dropbp.policy.drop_policy import DropPolicy
 
 PACKAGE = Path(dropbp.__file__).parent
 
@@ -103,7 +104,8 @@ def test_a_controller_built_directly_validates_its_parts():
 
 def _imports(path: Path) -> set[str]:
     """Modules of the package that ``path`` imports, type-only imports included."""
-    module = "dropbp." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+    inside = path.relative_to(PACKAGE) if path.is_relative_to(PACKAGE) else Path("backends", path.name)
+    module = "dropbp." + ".".join(inside.with_suffix("").parts)
     package = module.rsplit(".", 1)[0] if path.name != "__init__.py" else module.removesuffix(".__init__")
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -125,6 +127,7 @@ _MODULES = {
     for p in PACKAGE.rglob("*.py")
 }
 _MODULES = {k.rstrip("/"): v for k, v in _MODULES.items()}
+_MODULES |= {f"dropbp/backends/{p.stem}".removesuffix("/__init__"): p for p in PACKAGE.parent.glob("backends/*.py")}
 
 
 def test_no_import_cycle_inside_the_package():
@@ -193,16 +196,15 @@ def test_the_cli_reports_a_missing_package_in_one_line(monkeypatch, capsys, tmp_
     assert err.count("\n") == 0 and "pip install 'dropbp[demo]'" in err
 
 
-def test_device_questions_are_asked_of_the_backend_or_its_tool_services():
+def test_device_questions_are_asked_of_the_backend():
     from contextlib import nullcontext
 
     import torch
 
     from dropbp import backends
-    from dropbp.tools.device_services import services
 
     cpu = backends.get("cpu")
-    tools = services(cpu)
+    tools = cpu
     assert tools.training_dtype == torch.float32 and isinstance(tools.training_autocast(), nullcontext)
     assert cpu.has_allocator_stats is False
     for name in ("cuda", "hpu", "xpu"):
@@ -225,7 +227,7 @@ def test_forward_patches_restore_exactly():
     """One helper patches ``forward`` on an instance (chunked loss, recompute); removal puts back what was there."""
     from torch import nn
 
-    from dropbp.intercept import ForwardPatch, map_output
+    from dropbp.execution.patching import ForwardPatch, map_output
 
     layer, other = nn.Identity(), nn.Identity()
     own = layer.forward = lambda x: "own"  # an earlier instance patch (another library's)
@@ -274,16 +276,84 @@ def test_an_option_is_declared_once_and_reaches_apply_attach_the_callback_and_ax
     assert list(DropBPArgs.model_fields) == [f"dropbp_{n}" for n in run]
 
 
+#: The layers, bottom first: a module imports from its own layer or those below, never above (function-level
+#: imports included). ``dropbp/__init__.py`` and ``__main__.py`` are the package's faces, where the layers meet.
+LAYERS = {
+    "support": ("dropbp.checks", "dropbp.files", "dropbp.imports", "dropbp.internals", "dropbp.backends"),
+    "policy": ("dropbp.policy",),
+    "execution": ("dropbp.execution",),
+    "api": (
+        "dropbp.options",
+        "dropbp.state",
+        "dropbp.controller",
+        "dropbp.api",
+        "dropbp.memory",
+        "dropbp.research",
+        "dropbp.layer",
+        "dropbp.handler",
+    ),
+    "integrations": ("dropbp.integrations",),
+    "tools": ("dropbp.tools",),
+}
+
+
+def _layer(module: str) -> int:
+    found = [i for i, within in enumerate(LAYERS.values()) for p in within if module == p or module.startswith(p + ".")]
+    assert len(found) == 1, f"{module} is in no layer (or in several): add it to LAYERS"
+    return found[0]
+
+
+def _backend_modules() -> dict[str, Path]:
+    folder = PACKAGE.parent / "backends"
+    return {f"dropbp.backends.{p.stem}".removesuffix(".__init__"): p for p in folder.glob("*.py")}
+
+
 def test_the_core_imports_nothing_above_it():
-    """The core (``dropbp/*.py``) reaches integrations and tools only through interfaces they register into
-    (:mod:`dropbp.frameworks`), function-level imports included. ``__init__.py`` is exempt: the package's face,
-    where the layers meet (it imports the DeepSpeed integration so that it registers); so is ``__main__.py``,
-    the command's entry point into the tools."""
-    core = {n: p for n, p in _MODULES.items() if n.count("/") == 1 and n not in ("dropbp/__main__",)}
-    core = {n: p for n, p in core.items() if p.name != "__init__.py"}
+    """Every module sits in one layer of :data:`LAYERS` and imports nothing from a layer above it: the policy knows
+    neither the execution nor a device, the execution no controller, nothing below the tools imports a tool."""
+    faces = ("dropbp/__init__", "dropbp/__main__", "dropbp")
+    modules = {n.replace("/", "."): p for n, p in _MODULES.items() if n not in faces and not n.endswith("/__init__")}
+    modules |= {n.replace("/", "."): p for n, p in _MODULES.items() if p.name == "__init__.py" and n not in faces}
+    modules |= _backend_modules()
+    offenders = {
+        name: sorted(d for d in _imports(path) if d != "dropbp" and _layer(d) > _layer(name))
+        for name, path in modules.items()
+    }
+    assert len(modules) > 40 and not {n: d for n, d in offenders.items() if d}
+
+
+def test_the_policy_touches_no_module_and_no_device():
+    """The drop policy is arithmetic on numbers: no hooks on modules, no device, no autograd."""
+    words = ("register_forward", "register_full_backward", "register_hook", ".device", "torch.autograd", "no_grad")
+    found = {
+        str(p.relative_to(PACKAGE)): [w for w in words if w in p.read_text()]
+        for p in (PACKAGE / "policy").glob("*.py")
+    }
+    assert not {n: w for n, w in found.items() if w}
+
+
+def test_importing_dropbp_imports_no_integration_nor_tool():
     above = ("dropbp.integrations", "dropbp.tools")
-    offenders = {n: sorted(d for d in _imports(p) if d.startswith(above)) for n, p in core.items()}
-    assert len(core) > 20 and not {n: d for n, d in offenders.items() if d}
+    probe = f"import dropbp, sys; print(sorted(m for m in sys.modules if m.startswith({above!r})))"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout == "[]\n"
+
+
+def test_each_device_is_one_file_of_the_backends_and_the_core_tests_no_device():
+    """One registry (``dropbp.backends.BUILTIN``), one file per device; outside ``backends/`` no module compares a
+    device type or imports a device's torch module."""
+    from dropbp import backends
+
+    files = {p.stem for p in (PACKAGE.parent / "backends").glob("*.py")} - {"__init__", "base"}
+    assert files == set(backends.BUILTIN)
+    assert all(cls.__module__ == f"dropbp.backends.{name}" for name, cls in backends.BUILTIN.items())
+    device_test = re.compile(r"device\.type\s*(==|!=|in\b|not in\b)|\.type\s*==\s*[\"'](cpu|cuda|hpu|xpu|lazy)[\"']")
+    device_import = re.compile(r"^\s*(import|from)\s+torch\.(cuda|hpu|xpu|mps)\b|habana_frameworks|intel_ext", re.M)
+    offenders = [
+        str(p.relative_to(PACKAGE))
+        for p in PACKAGE.rglob("*.py")
+        if device_test.search(p.read_text()) or device_import.search(p.read_text())
+    ]
+    assert not offenders
 
 
 def test_only_the_deepspeed_module_asks_whether_deepspeed_was_imported():
@@ -305,6 +375,7 @@ _FOREIGN_PRIVATES = {
     "_prepare_inputs": "transformers.Trainer: the batch as the trainer feeds it",
     "_attn_implementation": "transformers: the attention a model was loaded with",
     "_active_ddp_module": "torch DDP: the wrapper whose forward runs now",
+    "_register_device_module": "torch: the lazy engine's stand-in device module (dropbp.backends.lazy)",
     "_is_compiled": "torch.xpu._is_compiled, which a test stands in for on a machine without XPU",
     "_hp_mapping": "DeepSpeed ZeRO 1-2's mark on the parameters it holds",
     "_z3_optimizer": "DeepSpeed ZeRO-3's mark on the parameters it holds",
@@ -450,9 +521,8 @@ def test_the_controller_answers_what_other_modules_asked_its_parts():
     undone = []
     ctl.at_remove(lambda: undone.append("first"))
     ctl.at_remove(lambda: undone.append("second"))
-    with pytest.warns(FutureWarning, match=r"ctl.on_remove\(undo\) is now ctl.at_remove\(undo\)"):
-        ctl.on_remove(lambda: undone.append("old name"))  # renamed: still accepted, with a warning
+    assert not hasattr(ctl, "on_remove")  # the pre-release name is gone (StepListener.on_remove is another thing)
     ctl.remove()
-    assert undone == ["old name", "second", "first"] and controller_of(model) is None
+    assert undone == ["second", "first"] and controller_of(model) is None
     with pytest.raises(RuntimeError, match="was removed"), ctl.forcing(()):
         pass

@@ -18,11 +18,10 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import torch
 from conftest import batch, tiny_model
+from dropbp.backends.base import EventTimer, HostTimer
 
 import dropbp
 from dropbp import backends
-from dropbp.tools import timing
-from dropbp.tools.device_services import services
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "finetune.py"
@@ -62,13 +61,13 @@ def test_cpu_backend_facts():
     assert cpu.device == torch.device("cpu")
     assert cpu.autocast_dtype == torch.bfloat16
     assert cpu.distributed_backend == "gloo" and cpu.default_max_patterns is None
-    assert cpu.memory_allocated() == cpu.max_memory_allocated() == 0 and services(cpu).graph_compilations() is None
+    assert cpu.memory_allocated() == cpu.max_memory_allocated() == 0 and cpu.graph_compilations() is None
     with cpu.autocast():
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
 
 
 def test_registry_names_every_device():
-    assert backends.available() == ["cpu", "cuda", "hpu", "xpu"]
+    assert backends.available() == ["cpu", "cuda", "hpu", "lazy", "xpu"]
 
 
 def test_environment_variable_and_auto(monkeypatch):
@@ -124,7 +123,7 @@ def test_unknown_name_lists_valid_ones(monkeypatch):
         backends.get("tpu")
     message = _one_line_error(info)
     assert isinstance(info.value, backends.BackendUnavailable)
-    assert message.startswith("unknown dropbp backend 'tpu'; valid names: cpu, cuda, hpu, xpu, auto ")
+    assert message.startswith("unknown dropbp backend 'tpu'; valid names: cpu, cuda, hpu, lazy, xpu, auto ")
     assert "entry-point group 'dropbp.backends'" in message
     monkeypatch.setenv("DROPBP_BACKEND", "nope")
     with pytest.raises(backends.UnknownBackend) as info:
@@ -241,7 +240,7 @@ def plugin_dist(tmp_path, monkeypatch):
 
 
 def test_entry_point_backends_register_by_name(plugin_dist, monkeypatch):
-    assert backends.available() == ["broken", "cpu", "cuda", "hpu", "npu", "odd", "xpu"]
+    assert backends.available() == ["broken", "cpu", "cuda", "hpu", "lazy", "npu", "odd", "xpu"]
     npu = backends.get("npu")
     assert type(npu).__name__ == "NPUBackend" and npu.autocast_dtype == torch.float16
     monkeypatch.setenv("DROPBP_BACKEND", "NPU")
@@ -250,21 +249,17 @@ def test_entry_point_backends_register_by_name(plugin_dist, monkeypatch):
     assert ctl.backend.name == "npu" and ctl.max_patterns == 8  # the plugin's default bound
 
 
-def test_a_device_registers_its_tools_side_beside_its_backend():
-    from dropbp.tools import device_services
-
+def test_a_device_answers_the_tools_in_its_own_file():
     class NPUBackend(backends.cpu.CPUBackend):
         name = "npu"
 
-    class NPUServices(device_services.DeviceServices):
+    assert NPUBackend().graph_compilations() is None  # its base's answer until it gives its own
+
+    class CountingNPU(NPUBackend):
         def graph_compilations(self):
             return 7
 
-    assert type(services(NPUBackend())).__name__ == "_CPUServices"  # its base's until it registers its own
-    device_services.register(NPUBackend, NPUServices)
-    assert type(services(NPUBackend())) is NPUServices and services(NPUBackend()).graph_compilations() == 7
-    with pytest.raises(TypeError, match="takes a DeviceServices subclass for NPUBackend"):
-        device_services.register(NPUBackend, object)
+    assert CountingNPU().graph_compilations() == 7 and CountingNPU().training_dtype == torch.float32
 
 
 def test_plugins_never_replace_built_ins_nor_join_auto_detection(plugin_dist):
@@ -389,7 +384,7 @@ def test_ipex_that_fails_to_import_falls_back(monkeypatch, caplog, fresh_ipex):
 # -- timers ------------------------------------------------------------------------------------------
 def test_host_timer_waits_for_the_device_on_both_ends():
     calls = []
-    with timing.HostTimer(lambda: calls.append("sync")) as timer:
+    with HostTimer(lambda: calls.append("sync")) as timer:
         calls.append("work")
     assert calls == ["sync", "work", "sync"] and timer.seconds >= 0
 
@@ -411,7 +406,7 @@ def test_event_timer_records_around_the_block_and_reads_milliseconds():
         def elapsed_time(self, end):
             return 1500.0
 
-    with timing.EventTimer(SimpleNamespace(Event=Event)) as timer:
+    with EventTimer(SimpleNamespace(Event=Event)) as timer:
         log.append("work")
     assert log == ["record", "work", "record"]
     assert timer.seconds == 1.5 and log[-1] == "synchronize"
@@ -422,10 +417,10 @@ def test_event_timer_records_around_the_block_and_reads_milliseconds():
 def test_cuda_backend_on_a_gpu():
     cuda = backends.get("cuda")
     assert cuda.device.type == "cuda" and cuda.distributed_backend == "nccl"
-    assert cuda.default_max_patterns is None and services(cuda).graph_compilations() is None
+    assert cuda.default_max_patterns is None and cuda.graph_compilations() is None
     cuda.reset_peak_memory()
     before = cuda.memory_allocated()
-    with services(cuda).timer() as timer:
+    with cuda.timer() as timer:
         x = torch.ones(1024, 1024, device=cuda.device)
         y = x @ x
     assert cuda.memory_allocated() > before and cuda.max_memory_allocated() >= cuda.memory_allocated()
@@ -518,3 +513,69 @@ def test_example_on_a_missing_device_fails_in_one_line():
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
     assert done.stderr.startswith("finetune.py: dropbp backend 'hpu' (from DROPBP_BACKEND) is unavailable: ")
+
+
+_NPU_FILE = '''
+"""A made-up device, written as docs/backends.md "Adding a device" says: the CPU under another name, with lazy
+graphs (a graph break it counts) and a memory bound it runs itself."""
+
+from __future__ import annotations
+
+import torch
+
+from dropbp.backends.base import Backend
+
+
+class NPUBackend(Backend):
+    name = "npu"
+    default_max_patterns = 4
+    breaks = 0
+    checkpoints = 0
+
+    @classmethod
+    def unavailable_reason(cls):
+        return None
+
+    @property
+    def device(self):
+        return torch.device("cpu")
+
+    @property
+    def autocast_dtype(self):
+        return torch.bfloat16
+
+    def graph_break(self):
+        type(self).breaks += 1
+
+    def checkpoint(self, function, *args, **kwargs):
+        type(self).checkpoints += 1
+        return super().checkpoint(function, *args, **kwargs)
+
+    def environment(self):
+        return {"device_name": "NPU stand-in", "device_count": 1}
+'''
+
+
+def test_adding_a_device_as_the_docs_say(tmp_path, monkeypatch):
+    """Step 1, one file; step 2, one line in ``BUILTIN``; step 3, what ``dropbp check`` reports of it. The core then
+    places the device's graph breaks, bounds its patterns and runs the memory bound through its ``checkpoint``."""
+    from dropbp.tools.check_env import environment
+
+    path = tmp_path / "npu.py"
+    path.write_text(_NPU_FILE)  # 1. the file (built in, it would be backends/npu.py: dropbp.backends.npu)
+    spec = importlib.util.spec_from_file_location("dropbp.backends.npu", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "dropbp.backends.npu", module)
+    spec.loader.exec_module(module)
+    monkeypatch.setitem(backends.BUILTIN, "npu", module.NPUBackend)  # 2. the line in BUILTIN
+    monkeypatch.setenv("DROPBP_BACKEND", "npu")
+
+    model = tiny_model("llama", layers=4)
+    ctl = dropbp.apply(model, 0.875)
+    assert ctl.backend.name == "npu" and "npu" in backends.available()
+    assert ctl.max_patterns == 4 and ctl.memory_bound
+    for step in range(8):
+        ids = batch(step)
+        assert ctl.backward(model(input_ids=ids, labels=ids).loss)
+    assert module.NPUBackend.breaks == 8 and module.NPUBackend.checkpoints > 0
+    assert environment(ctl.backend, "npu")["device_name"] == "NPU stand-in"  # 3. dropbp check's report

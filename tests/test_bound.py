@@ -1,5 +1,5 @@
-"""The memory bound (dropbp.bound): at most ``N - floor(drop_rate x N)`` kept branches store activations in any
-step, gradients exactly the pattern's. References are clean copies of the model (no dropbp, no checkpointing)
+"""The memory bound (dropbp.execution.bound): at most ``N - floor(drop_rate x N)`` kept branches store activations in
+any step, gradients exactly the pattern's. References are clean copies of the model (no dropbp, no checkpointing)
 with the pattern's branch outputs detached by plain hooks; the accounting is the test's own pack hook."""
 
 from __future__ import annotations
@@ -156,11 +156,11 @@ def test_trainer_with_gradient_checkpointing_trains_as_without(tmp_path, drop_ra
 
 
 def test_inputs_of_checkpointed_layers_count_against_the_bound():
-    from dropbp.bound import INPUTS_PER_BRANCH, MemoryBound
+    from dropbp.execution.bound import INPUTS_PER_BRANCH, MemoryBound
 
     model = tiny_model("llama", layers=30)
     ctl = dropbp.apply(model, 0.875, memory_bound=False)
-    bound = MemoryBound(model, [b.name for b in ctl.branches], [b.module for b in ctl.branches])
+    bound = MemoryBound(model, [b.name for b in ctl.branches], [b.module for b in ctl.branches], ctl.backend)
     ctl.remove()
     assert INPUTS_PER_BRANCH == 8
     # every branch kept, bound 8: 28 layers checkpointed, so 4 branches store theirs and 28 inputs count as 4

@@ -15,7 +15,7 @@ import torch
 from conftest import tiny_model
 from test_hpu_standin import LAZY_MAX_PATTERNS, HabanaStandIn
 
-import dropbp.hooks
+import dropbp.execution.hooks
 from dropbp import backends
 from dropbp.tools import cli
 from dropbp.tools.check import CheckSettings, CheckSetupError, run_check
@@ -104,7 +104,7 @@ def test_run_check_function_for_notebooks(model_dir):
 
 def test_a_drop_that_does_nothing_fails_the_gradient_check(model_dir, monkeypatch):
     """A broken library (branches never run without autograd, outputs never cut) must be caught."""
-    monkeypatch.setattr(dropbp.hooks, "attach_no_grad_hooks", lambda module, dropped, *scales, **named: [])
+    monkeypatch.setattr(dropbp.execution.hooks, "attach_no_grad_hooks", lambda module, dropped, *scales, **named: [])
     result = run_check("cpu", model=model_dir, settings=TINY)
     statuses = _statuses(result)
     assert not result.passed and result.exit_code == 1
@@ -127,7 +127,7 @@ def test_detach_without_no_grad_passes_gradients_but_fails_the_graph_check(model
 
         return [module.register_forward_hook(after)]
 
-    monkeypatch.setattr(dropbp.hooks, "attach_no_grad_hooks", detach_only)
+    monkeypatch.setattr(dropbp.execution.hooks, "attach_no_grad_hooks", detach_only)
     result = run_check("cpu", model=model_dir, settings=TINY)
     statuses = _statuses(result)
     assert statuses["gradients-equal-reference-uniform"] == "PASS"

@@ -16,7 +16,7 @@ import torch
 from conftest import batch, detach_outputs, loss_and_grads, tiny_model, weight_branch_grads
 
 import dropbp
-from dropbp.schedule import SCHEDULE_LEVELS
+from dropbp.policy.schedule import SCHEDULE_LEVELS
 
 
 def _warmup(step: int) -> float:  # warmup_steps=4: 0, 1/4, 2/4, 3/4, then 1

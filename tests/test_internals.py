@@ -7,7 +7,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from dropbp import internals
-from dropbp.recompute import reentrant_regions
+from dropbp.execution.recompute import reentrant_regions
 
 
 class _Probe(torch.autograd.Function):

@@ -24,7 +24,7 @@ from conftest import (
 )
 
 import dropbp
-from dropbp.discovery import branch_flops
+from dropbp.execution.discovery import branch_flops
 
 _SHAPE = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
 LAYOUTS = {

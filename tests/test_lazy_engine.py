@@ -1,7 +1,7 @@
 """The HPU backend's lazy mode on PyTorch's own lazy-tensor engine (``torch._lazy``, TorchScript backend, CPU).
 
 Graphs here are real: the engine records ops until ``mark_step``, then compiles the graph or fetches it from its
-cache (:mod:`dropbp.tools.lazy_engine`). The backend is the HPU backend with only ``mark_step`` and the device moved
+cache (:mod:`dropbp.backends.lazy`). The backend is the HPU backend with only ``mark_step`` and the device moved
 onto the engine. The engine's cache lives as long as the process, so each test trains a model with a vocabulary size
 of its own: every graph holds the embedding's shape, so no graph of another test is met. The optimizer is SGD with
 momentum (one update graph per step, as Habana's FusedAdamW; torch's AdamW reads its step counter with ``.item()``,
@@ -18,10 +18,19 @@ import pytest
 import torch
 import torch._lazy
 import transformers
-from conftest import VOCAB, assert_same_grads, batch, detach_outputs, loss_and_grads, tiny_model, with_lora
+from conftest import (
+    VOCAB,
+    assert_same_grads,
+    batch,
+    count_forwards,
+    detach_outputs,
+    loss_and_grads,
+    tiny_model,
+    with_lora,
+)
+from dropbp.backends.lazy import LazyEngineBackend, compiled_graphs, graph_runs
 
 import dropbp
-from dropbp.tools.lazy_engine import LazyEngineBackend, compiled_graphs, graph_runs
 
 _vocab_sizes = itertools.count(VOCAB)
 
@@ -148,6 +157,54 @@ def test_gradients_on_the_engine_equal_the_reference(pattern, method):
         assert_same_grads(grads, ref_grads, atol=1e-5)
         seen.add(ctl.last_dropped)
     assert len(seen) > 1 and any(seen)  # several patterns, some dropping
+
+
+@pytest.mark.parametrize("rate", [0.75, 0.875])
+def test_the_memory_bound_on_the_engine_is_exact_and_its_graphs_are_the_plans(rate, monkeypatch):
+    """The bound (on from 0.75) checkpoints layers through the backend: on the engine, whose device has no module for
+    ``torch.utils.checkpoint`` to look up, it crashed before. Gradients equal the pattern's, every kept branch above
+    the bound is recomputed, and a run's graphs stay within the plan and stop once its rates settle."""
+    backend = LazyEngineBackend()  # starts the engine
+    model = own_model(layers=8)
+    reference = copy.deepcopy(model)
+    model = model.to("lazy")
+    ctl = dropbp.apply(model, rate, seed=2, backend=backend)
+    assert ctl.memory_bound and ctl.pattern == "cut"
+    keep = ctl.max_kept_branches
+    counts = count_forwards(monkeypatch, {b.name: b.module for b in ctl.branches})
+    bounded_steps = 0
+    for step in range(20):  # the weights stay put: each step against the same reference
+        counts.clear()
+        ids = batch(step)
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids.to("lazy"), labels=ids.to("lazy")).loss
+        assert ctl.backward(loss)
+        grads = {n: None if p.grad is None else p.grad.cpu() for n, p in model.named_parameters()}
+        handles = detach_outputs(reference, ctl.last_dropped)
+        ref_loss, ref_grads = loss_and_grads(reference, ids)
+        for h in handles:
+            h.remove()
+        torch.testing.assert_close(loss.cpu(), ref_loss, atol=1e-5, rtol=0)
+        assert_same_grads(grads, ref_grads, atol=1e-5)
+        kept = [b.name for b in ctl.branches if b.name not in set(ctl.last_dropped)]
+        stored = [name for name in kept if counts[name] == 1]
+        assert len(stored) <= keep and all(counts[name] == 2 for name in kept if name not in stored)
+        bounded_steps += len(kept) > keep
+    assert bounded_steps > 0
+
+    steps, micro_batches = 40, 2  # a run of its own (a new vocabulary: no graph of the steps above)
+    model = own_model(layers=8).to("lazy")
+    ctl = dropbp.apply(model, rate, seed=0, warmup_steps=8, total_steps=steps * micro_batches, backend=backend)
+    assert ctl.memory_bound
+    torch._lazy.mark_step()
+    plan = ctl.pattern_plan(micro_batches=micro_batches)
+    breaks = Breaks(backend)
+    totals = train(model, ctl, breaks, steps, micro_batches)
+    at_backward = sum(n for label, n, _ in breaks.events if label == "backward")
+    at_update = sum(n for label, n, _ in breaks.events if label == "optimizer step")
+    assert 1 < at_backward <= plan.prefixes + micro_batches and 1 < at_update <= plan.sequences + 1
+    assert at_backward + at_update <= plan.graphs
+    assert totals[plan.settled_at - 1 :] == [totals[-1]] * (steps - plan.settled_at + 1), totals
 
 
 def test_the_plan_needs_the_runs_length():

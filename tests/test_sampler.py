@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
-from dropbp.checks import check_rates
-from dropbp.sampler import PatternSampler
+from dropbp.policy.never_drop_all import check_rates
+from dropbp.policy.sampler import PatternSampler
 
 STEPS = 20000
 
@@ -97,9 +97,9 @@ def test_pattern_pool_is_diverse():
 
 
 # -- the cut shape ---------------------------------------------------------------------------------
-from dropbp.allocation import cut_rates  # noqa: E402
-from dropbp.checks import check_cut_rates  # noqa: E402
-from dropbp.sampler import CutSampler  # noqa: E402
+from dropbp.policy.allocation import cut_rates  # noqa: E402
+from dropbp.policy.never_drop_all import check_cut_rates  # noqa: E402
+from dropbp.policy.sampler import CutSampler  # noqa: E402
 
 CUT_FLOPS = [1.0, 2.0] * 8
 

@@ -8,7 +8,7 @@ import pytest
 from conftest import batch, tiny_model
 
 import dropbp
-from dropbp.sampler import CutSampler, stratified_depth
+from dropbp.policy.sampler import CutSampler, stratified_depth
 
 
 @pytest.mark.parametrize("group", [2, 3, 8])

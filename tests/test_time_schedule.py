@@ -10,7 +10,7 @@ import torch
 from conftest import batch, tiny_model, with_lora
 
 import dropbp
-from dropbp.schedule import DROP_SCHEDULES, TimeSchedule
+from dropbp.policy.schedule import DROP_SCHEDULES, TimeSchedule
 from dropbp.tools.compare import Run, compare, lr_factor
 from dropbp.tools.textdata import TokenData
 

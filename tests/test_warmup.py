@@ -6,7 +6,7 @@ import pytest
 from conftest import batch, tiny_model
 
 import dropbp
-from dropbp.sampler import PatternSampler
+from dropbp.policy.sampler import PatternSampler
 
 
 def test_warmup_scales_the_rates_exactly_then_hands_over():
@@ -35,7 +35,7 @@ def test_bounded_patterns_warm_up_in_quarters():
         dropbp.apply(tiny_model("llama", layers=2), 0.5, backend="cpu", warmup_steps=20, max_patterns=1)
 
 
-def test_warmup_is_saved_and_old_states_still_load():
+def test_warmup_is_saved_and_a_state_without_it_is_refused():
     ctl = dropbp.apply(tiny_model("llama", layers=2), 0.5, backend="cpu", warmup_steps=12, pattern="uniform")
     state = ctl.state_dict()
     assert state["warmup_steps"] == 12
@@ -44,9 +44,12 @@ def test_warmup_is_saved_and_old_states_still_load():
     assert other.warmup_steps == 12 and [other.dropped_at(s) for s in range(20)] == [
         ctl.dropped_at(s) for s in range(20)
     ]
-    del state["warmup_steps"]  # saved before warm-up existed
-    other.load_state_dict(state)
-    assert other.warmup_steps == 0
+    del state["warmup_steps"]  # no release wrote such a state: refused, naming the key, nothing loaded
+    with pytest.raises(ValueError, match=r"state is missing keys \['warmup_steps'\]"):
+        other.load_state_dict(state)
+    assert other.warmup_steps == 12
+    with pytest.raises(ValueError, match=r"state version 0 is not this dropbp's \(1\): it was written by another"):
+        other.load_state_dict({**ctl.state_dict(), "version": 0})
 
 
 @pytest.mark.parametrize("bad", [-1, 2.5, True])

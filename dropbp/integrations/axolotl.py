@@ -20,8 +20,8 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, create_model, model_validator
 from transformers import Trainer, TrainerCallback
 
-from ..options import TrainerOptions, named_as, option_fields
-from .hf import callback_for
+from dropbp.integrations.hf import callback_for
+from dropbp.options import TrainerOptions, named_as, option_fields
 
 try:
     from axolotl.integrations.base import BasePlugin

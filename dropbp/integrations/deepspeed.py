@@ -6,7 +6,7 @@ flat gradient buffer is zeroed at its first forward. ``dropped_grads="skip"``: a
 this rank's slices of the fp32 master weights and optimizer states of every parameter that got no gradient in
 the window are saved and put back; ``"zero"`` lets the dropped branches' own parameters step; ``"reuse"`` is
 refused. What ZeRO does without it, and the cost: docs/deepspeed.md. This module owns everything DeepSpeed (the
-core reaches it through :mod:`dropbp.frameworks`) and never imports ``deepspeed``.
+core reaches it through :mod:`dropbp.execution.frameworks`) and never imports ``deepspeed``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from .. import frameworks
-from ..internals import (
+from dropbp.internals import (
     backward_hooks,
     deepspeed_fp32_mapping,
     deepspeed_zero3_optimizer,
@@ -73,7 +72,7 @@ def check_setup(
 
     Args:
         stage: the ZeRO stage (0: none).
-        dropped_grads: the controller's setting (:mod:`dropbp.dropped_grads`).
+        dropped_grads: the controller's setting (:mod:`dropbp.execution.dropped_grads`).
         ignore_unused_parameters: ``zero_optimization.ignore_unused_parameters``.
         offload_optimizer: whether ``zero_optimization.offload_optimizer`` moves the optimizer off the device.
         accumulation: ``gradient_accumulation_steps``.
@@ -216,7 +215,7 @@ def _check_internals(z3: object | None, params: Sequence[nn.Parameter]) -> None:
 class ZeroGuard:
     """Makes a ZeRO optimizer leave alone what one process would leave alone, per ``dropped_grads``.
 
-    A step listener (:class:`dropbp.hooks.StepListener`), found by :meth:`DeepSpeed.step_listener`.
+    A step listener (:class:`dropbp.execution.hooks.StepListener`), found by :meth:`DeepSpeed.step_listener`.
 
     On one process a parameter without a gradient (``.grad is None``) is skipped by the optimizer:
     under ``"skip"`` every parameter that got no gradient in the window (a dropped branch's, and the
@@ -346,7 +345,7 @@ class ZeroGuard:
 
 
 class DeepSpeed:
-    """DeepSpeed as the core meets it (:class:`dropbp.frameworks.Framework`); every answer is "nothing here"
+    """DeepSpeed as the core meets it (:class:`dropbp.execution.frameworks.Framework`); every answer is "nothing here"
     while ``deepspeed`` was never imported, so nothing is imported and little is read."""
 
     def unwrap(self, model: nn.Module) -> nn.Module | None:
@@ -376,6 +375,5 @@ class DeepSpeed:
         return calibration_method(params, method) if "deepspeed" in sys.modules else method
 
 
-#: The one instance the core consults.
+#: The one instance the core consults (declared in pyproject.toml's ``dropbp.frameworks`` entry points).
 DEEPSPEED = DeepSpeed()
-frameworks.register(DEEPSPEED)

@@ -20,12 +20,12 @@ from typing import Any
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import CallbackHandler
 
-from ..api import apply_options
-from ..controller import DropBPController
-from ..files import read_json, write_atomically
-from ..forecast import forecast
-from ..internals import prepared_inputs
-from ..options import AUTO_WARMUP, TrainerOptions, takes_options
+from dropbp.api import apply_options
+from dropbp.controller import DropBPController
+from dropbp.files import read_json, write_atomically
+from dropbp.internals import prepared_inputs
+from dropbp.options import AUTO_WARMUP, TrainerOptions, takes_options
+from dropbp.policy.forecast import forecast
 
 __all__ = [
     "STATE_FILE",
@@ -43,7 +43,7 @@ STATE_FILE = "dropbp_state.json"
 
 
 def log_forecast(args: TrainingArguments, state: TrainerState, drop_rate: float) -> None:
-    """Log what the measured map forecasts for this run (:mod:`dropbp.forecast`): a warning where DropBP is not
+    """Log what the measured map forecasts for this run (:mod:`dropbp.policy.forecast`): a warning where DropBP is not
     expected to reach full backprop's quality sooner, else at info level. Tokens per step come from the arguments'
     sequence length where they name one (TRL's ``max_length``: at most that many)."""
     if state.max_steps < 1 or drop_rate == 0:
@@ -111,7 +111,7 @@ class DropBPCallback(TrainerCallback):
         _let_ddp_skip_unused_parameters(trainer)
 
     def _check_deepspeed(self, plugin: Any, args: TrainingArguments) -> None:
-        from .deepspeed import check_config
+        from dropbp.integrations.deepspeed import check_config
 
         check_config(plugin.deepspeed_config, self.options.dropped_grads, args.gradient_accumulation_steps)
 
@@ -382,7 +382,7 @@ def _let_ddp_skip_unused_parameters(trainer: Trainer) -> None:
 
     The Trainer builds its Accelerator's DDP settings in ``__init__``, so the Accelerator's handler is
     updated along with the argument. An explicit False is left alone: DropBP then stops at the first
-    training forward with a message saying what to set (:mod:`dropbp.distributed`).
+    training forward with a message saying what to set (:mod:`dropbp.execution.distributed`).
     """
     if trainer.args.ddp_find_unused_parameters is not None:
         return

@@ -24,13 +24,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .. import apply
-from ..backends import Backend
-from ..files import write_atomically
-from ..imports import require
-from ..no_grad import attach_no_grad_hooks
-from .compare import timing_verdict
-from .device_services import services
+from dropbp import apply
+from dropbp.backends import Backend
+from dropbp.execution.branch_forward import attach_no_grad_hooks
+from dropbp.files import write_atomically
+from dropbp.imports import require
+from dropbp.tools.compare import timing_verdict
 
 __all__ = [
     "PRETRAINED",
@@ -102,7 +101,7 @@ def build_model(
     transformers = require("transformers", "dropbp bench")
 
     if preset == PRETRAINED:
-        from .pretrained import load_causal_lm
+        from dropbp.tools.pretrained import load_causal_lm
 
         model = load_causal_lm()[0].to(dtype)
         model.config.max_position_embeddings = max(seq_len, model.config.max_position_embeddings)
@@ -113,7 +112,7 @@ def build_model(
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
     if method in ("lora", "qlora"):
-        from .qlora import quantize_4bit, with_lora
+        from dropbp.tools.qlora import quantize_4bit, with_lora
 
         if method == "qlora":
             model = quantize_4bit(model, dtype, device)  # already on ``device``
@@ -148,20 +147,20 @@ class _Bench:
     ) -> None:
         self.model = model
         self.backend = backend
-        self.timer = services(backend).timer
+        self.timer = backend.timer
         self.seq_len = seq_len
         self.autocast = autocast
         self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
         probe = apply(model, 0.0, backend=backend)
         self.branch_modules = [b.module for b in probe.branches]
         probe.remove()
-        from .qlora import four_bit_layers
+        from dropbp.tools.qlora import four_bit_layers
 
         self.four_bit = four_bit_layers(model)
 
     def dequantize(self) -> float:
         """Seconds to dequantise every 4-bit weight once (what a kept branch's backward repeats)."""
-        from .qlora import dequantize_all
+        from dropbp.tools.qlora import dequantize_all
 
         with self.timer() as t:
             dequantize_all(self.four_bit)

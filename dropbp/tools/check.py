@@ -19,18 +19,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .. import apply
-from ..backends import Backend
-from ..backends import get as get_backend
-from ..imports import require
-from .bench import PRESETS, Point, build_model, measure_model
-from .check_env import environment
-from .check_grads import Probe, correctness_checks, saved_bytes
-from .check_graphs import graph_checks
-from .check_report import FAIL, CheckResult, Outcome, render, write
-from .device_services import services
-from .pretrained import DEFAULT_MODEL, load_causal_lm, not_a_model_folder
-from .qlora import count_4bit_layers, quantize_4bit, with_lora
+from dropbp import apply
+from dropbp.backends import Backend
+from dropbp.backends import get as get_backend
+from dropbp.imports import require
+from dropbp.tools.bench import PRESETS, Point, build_model, measure_model
+from dropbp.tools.check_env import environment
+from dropbp.tools.check_grads import Probe, correctness_checks, saved_bytes
+from dropbp.tools.check_graphs import graph_checks
+from dropbp.tools.check_report import FAIL, CheckResult, Outcome, render, write
+from dropbp.tools.pretrained import DEFAULT_MODEL, load_causal_lm, not_a_model_folder
+from dropbp.tools.qlora import count_4bit_layers, quantize_4bit, with_lora
 
 __all__ = ["CheckResult", "CheckSettings", "CheckSetupError", "render", "run_check", "write"]
 
@@ -187,7 +186,7 @@ def run_check(
         raise CheckSetupError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     resolved = backend if isinstance(backend, Backend) else get_backend(backend)
     if dtype is None:
-        dtype = "fp32" if services(resolved).training_dtype == torch.float32 else "bf16"
+        dtype = "fp32" if resolved.training_dtype == torch.float32 else "bf16"
     if dtype not in DTYPES:
         raise CheckSetupError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     settings = settings or (CheckSettings.quick() if quick else CheckSettings())

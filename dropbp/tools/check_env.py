@@ -14,9 +14,8 @@ import sys
 
 import torch
 
-from .. import __version__
-from ..backends import ENV_VAR, Backend, detection
-from .device_services import services
+from dropbp import __version__
+from dropbp.backends import ENV_VAR, Backend, detection
 
 __all__ = ["backend_source", "environment"]
 
@@ -57,16 +56,15 @@ def _collectives(backend: Backend) -> dict[str, object]:
 
 def environment(backend: Backend, requested: str | Backend | None) -> dict[str, object]:
     """Everything about this process that decides what ``dropbp check`` measured (JSON-ready)."""
-    device = services(backend)
     return {
         "backend": backend.name,
         "backend_source": backend_source(requested),
         "detection": {name: reason for name, reason in detection()},
         "device": str(backend.device),
-        **device.environment(),
+        **backend.environment(),
         "collectives": _collectives(backend),
         "pattern_bound": backend.default_max_patterns,
-        "graph_compilations_reported": device.graph_compilations() is not None,
+        "graph_compilations_reported": backend.graph_compilations() is not None,
         "allocator_stats": backend.has_allocator_stats,
         "versions": {"dropbp": __version__, "python": sys.version.split()[0], **{p: _version(p) for p in _PACKAGES}},
         "platform": platform.platform(),

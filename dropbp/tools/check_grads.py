@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .. import apply
-from ..backends import Backend
-from ..internals import module_hooks
-from .check_report import FAIL, PASS, Outcome
+from dropbp import apply
+from dropbp.backends import Backend
+from dropbp.internals import module_hooks
+from dropbp.tools.check_report import FAIL, PASS, Outcome
 
 __all__ = ["TOLERANCE", "Probe", "correctness_checks", "saved_bytes"]
 

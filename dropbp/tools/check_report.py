@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..files import write_atomically
+from dropbp.files import write_atomically
 
 __all__ = ["PASS", "FAIL", "SKIP", "CheckResult", "Outcome", "render", "write"]
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from datetime import date
 from pathlib import Path
 
-from ..imports import MissingDependency, require
+from dropbp.imports import MissingDependency, require
 
 __all__ = ["main"]
 
@@ -174,7 +174,7 @@ def _writable(folder: Path) -> Path:
 
 
 def _backend(name: str | None):
-    from ..backends import BackendUnavailable, get
+    from dropbp.backends import BackendUnavailable, get
 
     try:
         return get(name)
@@ -215,8 +215,8 @@ def _removed_if_left_empty(folder: Path) -> Iterator[Path]:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import DemoSettings, run_demo, table
-    from .pretrained import UnusableModel
+    from dropbp.tools.demo import DemoSettings, run_demo, table
+    from dropbp.tools.pretrained import UnusableModel
 
     settings = DemoSettings.quick() if args.quick else DemoSettings()
     if args.steps is not None:
@@ -239,10 +239,9 @@ def _demo(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     import torch
 
-    from .. import __version__
-    from .bench import BOUND_SUFFIXES, METHODS, PRESETS, PRETRAINED, Point, measure, write_outputs
-    from .device_services import services
-    from .membench import parse_size
+    from dropbp import __version__
+    from dropbp.tools.bench import BOUND_SUFFIXES, METHODS, PRESETS, PRETRAINED, Point, measure, write_outputs
+    from dropbp.tools.membench import parse_size
 
     _check_choices(args.presets, [*PRESETS, PRETRAINED], "preset")
     _check_choices(args.methods, METHODS, "method")
@@ -259,7 +258,7 @@ def _bench(args: argparse.Namespace) -> int:
     out = _writable(args.out)
     if args.max_seq_len and budget is None and not backend.has_allocator_stats:
         budget = _available_memory() // 2
-    dtype = getattr(torch, args.dtype) if args.dtype else services(backend).training_dtype
+    dtype = getattr(torch, args.dtype) if args.dtype else backend.training_dtype
     if args.no_speed:
         if not (args.memory or args.max_seq_len):
             raise UsageError("--no-speed leaves nothing to run: add --memory or --max-seq-len")
@@ -317,8 +316,8 @@ def _memory(args: argparse.Namespace, backend, dtype, budget: int | None, out: P
     """The memory table and the longest-sequence search (:mod:`dropbp.tools.membench`)."""
     import torch
 
-    from .. import __version__
-    from .membench import longest_sequence, memory_table, write
+    from dropbp import __version__
+    from dropbp.tools.membench import longest_sequence, memory_table, write
 
     chunked = {"off": [False], "on": [True], "both": [False, True]}[args.chunked_loss]
     common = {"backend": backend.name, "dtype": str(dtype).split(".")[1]}
@@ -367,13 +366,13 @@ def _memory(args: argparse.Namespace, backend, dtype, budget: int | None, out: P
 def _check(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from .check import CheckSettings, CheckSetupError, render, run_check
+    from dropbp.tools.check import CheckSettings, CheckSetupError, render, run_check
 
     settings = CheckSettings.quick() if args.quick else CheckSettings()
     sizes = {"seq_len": args.seq_len, "batch_size": args.batch_size}
     settings = replace(settings, **{k: v for k, v in sizes.items() if v is not None})
     out = _writable(args.out)
-    from ..backends import BackendUnavailable
+    from dropbp.backends import BackendUnavailable
 
     try:  # the name as given (not a resolved backend): the report says why this backend was chosen
         result = run_check(

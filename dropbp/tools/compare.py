@@ -21,16 +21,15 @@ from itertools import accumulate, pairwise
 import torch
 from torch import nn
 
-from .. import apply
-from ..allocation import cut_cap, cut_rates
-from ..backends import Backend
-from ..controller import DropBPController
-from ..dropped_grads import DEFAULT_DROPPED_GRADS
-from ..options import AUTO_WARMUP
-from ..schedule import anneal_factor
-from .device_services import services
-from .frontier import equal_quality_speedup
-from .textdata import TokenData
+from dropbp import apply
+from dropbp.backends import Backend
+from dropbp.controller import DropBPController
+from dropbp.execution.dropped_grads import DEFAULT_DROPPED_GRADS
+from dropbp.options import AUTO_WARMUP
+from dropbp.policy.allocation import cut_cap, cut_rates
+from dropbp.policy.schedule import anneal_factor
+from dropbp.tools.frontier import equal_quality_speedup
+from dropbp.tools.textdata import TokenData
 
 __all__ = [
     "Run",
@@ -208,7 +207,7 @@ class _Trainee:
         lr = run.lr if run.lr is not None else lr
         self.model = model
         self.backend = backend
-        self.training_autocast = services(backend).training_autocast
+        self.training_autocast = backend.training_autocast
         self.accumulation = run.accumulation or regime.accumulation
         self.lr_schedule = run.lr_schedule or regime.lr_schedule
         self.ctl: DropBPController | None = None

@@ -22,15 +22,15 @@ from pathlib import Path
 
 import torch
 
-from .. import __version__, apply
-from ..backends import Backend
-from ..files import write_atomically
-from ..imports import require
-from .bench import Point, measure_model
-from .compare import Run, compare, run_options, summarise, timing_check
-from .pretrained import UnusableModel, load_causal_lm
-from .report import plot_curves, steps_and_time_table
-from .textdata import pydoc_topics
+from dropbp import __version__, apply
+from dropbp.backends import Backend
+from dropbp.files import write_atomically
+from dropbp.imports import require
+from dropbp.tools.bench import Point, measure_model
+from dropbp.tools.compare import Run, compare, run_options, summarise, timing_check
+from dropbp.tools.pretrained import UnusableModel, load_causal_lm
+from dropbp.tools.report import plot_curves, steps_and_time_table
+from dropbp.tools.textdata import pydoc_topics
 
 __all__ = ["EQUAL_TIME_FACTOR", "DemoSettings", "demo_runs", "run_demo"]
 
@@ -198,7 +198,7 @@ MEMORY_CONFIGS = (
 
 def memory_rows(model: torch.nn.Module, settings: DemoSettings, show: bool) -> list[dict]:
     """Peak memory of one LoRA training step of SmolLM2-135M per :data:`MEMORY_CONFIGS`, each in a fresh process."""
-    from .membench import run_probe, worst_case_seed
+    from dropbp.tools.membench import run_probe, worst_case_seed
 
     seed = worst_case_seed(model, 0.875)
     rows = []

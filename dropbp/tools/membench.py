@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..files import write_atomically
+from dropbp.files import write_atomically
 
 __all__ = ["grid_length", "longest_sequence", "memory_table", "parse_size", "run_probe", "worst_case_seed"]
 
@@ -44,7 +44,7 @@ def grid_length(k: int) -> int:
 def worst_case_seed(model: Any, rate: float, steps: int = 1) -> int:
     """The first seed whose cut (the default shape) keeps every branch in one of its first ``steps`` training
     forwards: the step a memory bound must hold in."""
-    from .. import apply
+    from dropbp import apply
 
     for seed in range(10_000):
         ctl = apply(model, rate, seed=seed, memory_bound=False)
@@ -218,7 +218,7 @@ def _gib(n: int | None) -> str:
 
 def plot(results: dict[str, Any], path: Path) -> None:
     """Peak memory against sequence length (one line per rate and loss); longest sequence against rate."""
-    from ..imports import require
+    from dropbp.imports import require
 
     matplotlib = require("matplotlib", "dropbp bench")
     matplotlib.use("Agg")

@@ -78,10 +78,9 @@ def _watch(budget: int, result: dict[str, Any]) -> None:
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
-    from .. import apply, backends
-    from ..chunked_loss import ChunkedLoss
-    from .bench import build_model
-    from .device_services import services
+    from dropbp import apply, backends
+    from dropbp.execution.chunked_loss import ChunkedLoss
+    from dropbp.tools.bench import build_model
 
     backend = backends.get(spec.get("backend"))
     mapped = not backend.has_allocator_stats and _map_large_allocations()
@@ -121,7 +120,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         for step in range(spec.get("steps", 1)):
             start = time.perf_counter()
-            with services(backend).training_autocast():
+            with backend.training_autocast():
                 loss = model(input_ids=ids, labels=ids).loss
             _say(f"step {step + 1}: forward {time.perf_counter() - start:.1f} s")
             if loss.requires_grad:
@@ -156,8 +155,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _account(model, attached, ids: torch.Tensor, rate: float | None, chunked: bool) -> dict[str, int]:
     """Saved-activation bytes of the pattern the measured step used (the baseline: none dropped)."""
-    from .. import apply
-    from ..memory import saved_bytes
+    from dropbp import apply
+    from dropbp.memory import saved_bytes
 
     _say("counting saved activations")
     if rate is None:

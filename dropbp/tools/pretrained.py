@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..imports import MissingDependency, is_available, require
+from dropbp.imports import MissingDependency, is_available, require
 
 __all__ = ["DEFAULT_MODEL", "cache_dir", "load_causal_lm"]
 

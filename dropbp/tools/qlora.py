@@ -18,8 +18,8 @@ import warnings
 import torch
 from torch import nn
 
-from ..imports import is_available, require
-from ..internals import attention_implementation
+from dropbp.imports import is_available, require
+from dropbp.internals import attention_implementation
 
 __all__ = [
     "LORA_TARGETS",

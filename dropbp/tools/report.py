@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from ..imports import require
-from .compare import RunResult, loss_at_time, time_to_target, with_timed_tails
+from dropbp.imports import require
+from dropbp.tools.compare import RunResult, loss_at_time, time_to_target, with_timed_tails
 
 __all__ = ["learning_rates_table", "plot_curves", "seeds_table", "steps_and_time_table"]
 

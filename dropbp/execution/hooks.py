@@ -3,8 +3,9 @@
 Once per training-mode forward of the model (a forward pre-hook, before any branch runs) the policy gives the step's
 pattern, kept until the next one; eval and no-grad forwards draw nothing, and :meth:`StepHooks.force` sets a pattern
 (calibration) without taking a step. A checkpointed region's recomputation obeys the pattern of the forward that ran
-it (:meth:`StepHooks.in_force`). A dropped branch runs without autograd (:mod:`dropbp.no_grad`) and is not recomputed
-(:mod:`dropbp.recompute`); a kept one may get its incoming gradient scaled (:mod:`dropbp.scaling`). Every hook runs
+it (:meth:`StepHooks.in_force`). A dropped branch runs without autograd (:mod:`dropbp.execution.branch_forward`) and is
+not recomputed (:mod:`dropbp.execution.recompute`); a kept one may get its incoming gradient scaled
+(:mod:`dropbp.execution.branch_forward`). Every hook runs
 outside ``torch.compile`` graphs. Whatever else must follow each step's pattern (dropped-gradient fill, DDP check, a
 framework's guard, the drop tally) is a :class:`StepListener` its owner adds (:meth:`StepHooks.listen`), not a line
 here. Several forwards before one backward: docs/checkpointing.md.
@@ -23,16 +24,16 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .bound import MemoryBound
-from .discovery import BERT_BRANCHES, Branch, ResidualProbe, holder
-from .distributed import check_running_ddp_checkpointing
-from .eager import outside_graphs
-from .intercept import ForwardPatch
-from .no_grad import attach_no_grad_hooks
-from .optimizer import compensation
-from .policy import DropPolicy
-from .recompute import RecomputeCache, forward_region, in_backward, recomputed_region
-from .scaling import attach_gradient_scaling
+from dropbp.backends import Backend
+from dropbp.execution.bound import MemoryBound
+from dropbp.execution.branch_forward import attach_gradient_scaling, attach_no_grad_hooks
+from dropbp.execution.discovery import BERT_BRANCHES, Branch, ResidualProbe, holder
+from dropbp.execution.distributed import check_running_ddp_checkpointing
+from dropbp.execution.graphs import outside_graphs
+from dropbp.execution.patching import ForwardPatch
+from dropbp.execution.recompute import RecomputeCache, forward_region, in_backward, recomputed_region
+from dropbp.policy.drop_policy import DropPolicy
+from dropbp.policy.lr_compensation import compensation
 
 __all__ = ["StepHooks", "StepListener"]
 
@@ -58,7 +59,7 @@ class StepHooks:
         policy: decides each step's pattern.
         unbiased: read at every forward: whether kept branches' incoming gradients are scaled.
         keep: read at every training forward: how many kept branches may store activations (``None``: no bound;
-            :mod:`dropbp.bound`).
+            :mod:`dropbp.execution.bound`).
     """
 
     def __init__(
@@ -67,6 +68,7 @@ class StepHooks:
         branches: Sequence[Branch],
         policy: DropPolicy,
         unbiased: Callable[[], bool],
+        backend: Backend,
         keep: Callable[[], int | None] = lambda: None,
     ) -> None:
         parts = [b.parts for b in branches]
@@ -96,9 +98,9 @@ class StepHooks:
         #: Whatever must live as long as the model's hooks (the controller: the model keeps it, no registry does).
         self.owner: object | None = None
         self._keep = keep
-        self.bound = MemoryBound(model, self._names, self._modules)
+        self.bound = MemoryBound(model, self._names, self._modules, backend)
         self._listeners: list[StepListener] = []
-        self._recompute = RecomputeCache(self._modules)
+        self._recompute = RecomputeCache(self._modules, backend)
         self._probe = ResidualProbe(self._names, self._modules)
         #: Per checkpointed region of a training forward (as checkpointing keeps it), that forward's pattern and
         #: rate factor.

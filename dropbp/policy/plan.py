@@ -12,10 +12,10 @@ settings do not change (calibration changes the rates: plan after it).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["PatternPlan", "plan_patterns"]
+__all__ = ['DropTally', 'PatternPlan', 'plan_patterns']
 
 
 @dataclass(frozen=True)
@@ -54,3 +54,41 @@ def plan_patterns(pattern_at: Callable[[int], Hashable], optimizer_steps: int, m
         patterns.update(sequence)
         prefixes.update(sequence[: j + 1] for j in range(micro_batches))
     return PatternPlan(len(patterns), len(sequences), len(prefixes), settled_at, micro_batches)
+
+
+class DropTally:
+    """Running totals over training forwards: how many, branches dropped, branch FLOPs dropped.
+
+    A step listener (:class:`dropbp.execution.hooks.StepListener`): the controller adds it to its step hooks.
+
+    Args:
+        flops: the branches' costs, in branch order.
+    """
+
+    def __init__(self, flops: Sequence[float]) -> None:
+        self._flops = list(flops)
+        self.reset()
+
+    def reset(self) -> None:
+        """Start the totals again from nothing."""
+        self.forwards = 0
+        self.branches = 0
+        self.flops = 0.0
+
+    def on_training_forward(self, pattern: frozenset[int]) -> None:
+        """Count one training forward that dropped ``pattern`` (branch indices)."""
+        self.forwards += 1
+        self.branches += len(pattern)
+        self.flops += sum(self._flops[i] for i in pattern)
+
+    def on_remove(self) -> None:
+        """Nothing to undo: the totals stay readable."""
+
+    def summary(self) -> dict[str, float]:
+        """Forwards, mean branches dropped per forward, mean fraction of branch FLOPs dropped."""
+        n = self.forwards
+        return {
+            "forwards": float(n),
+            "dropped_branches": self.branches / n if n else 0.0,
+            "dropped_flops_fraction": self.flops / (n * sum(self._flops)) if n else 0.0,
+        }

@@ -19,7 +19,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .intercept import map_output
+from dropbp.backends import Backend
+from dropbp.execution.patching import map_output
 
 __all__ = [
     "CALIBRATION_METHODS",
@@ -263,13 +264,13 @@ def exact_recompute(
     return result
 
 
-def average_across_ranks(values: list[float], device: torch.device) -> list[float]:
+def average_across_ranks(values: list[float], device: torch.device, backend: Backend) -> list[float]:
     """The mean over ``torch.distributed`` ranks, identical on every rank (rank 0's copy is
     broadcast, so no rank can differ by a rounding); unchanged without an initialised group."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return values
     dist = torch.distributed
-    where = torch.device("cpu") if dist.get_backend() == "gloo" else device
+    where = backend.collective_device(device)
     t = torch.tensor(values, dtype=torch.float64, device=where)
     dist.all_reduce(t)
     t /= dist.get_world_size()
@@ -285,7 +286,7 @@ def measure(
     *,
     gradnorm: bool,
     method: str,
-    boundary: Boundary,
+    backend: Backend,
 ) -> list[float]:
     """Every branch's sensitivity on ``closure``'s batch, the same on every rank.
 
@@ -301,10 +302,12 @@ def measure(
         force: context-manager factory that makes exactly the given branches drop.
         gradnorm: compare gradient norms (the paper) rather than whole gradients.
         method: ``"one-pass"`` or ``"exact-recompute"`` (the research code's N + 1 passes).
-        boundary: the backend's graph break, placed after each backward.
+        backend: the device backend: its graph break follows each backward (lazy devices: one graph per pass),
+            and it says where the ranks' average is taken.
 
     ``closure`` and ``method`` are checked by the entry point, :meth:`dropbp.DropBPController.calibrate`.
     """
+    boundary = backend.graph_break
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("calibrate: the model has no trainable parameters (requires_grad=True)")
@@ -322,4 +325,4 @@ def measure(
     finally:
         for module, training in modes.items():
             module.training = training
-    return average_across_ranks(sens, params[0].device)
+    return average_across_ranks(sens, params[0].device, backend)

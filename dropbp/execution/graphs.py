@@ -1,27 +1,48 @@
-"""``torch.compile`` with DropBP: the drop decision stays out of compiled graphs, so recompiles stay bounded.
+"""``torch.compile`` with DropBP: hooks that never enter a compiled graph, so recompiles stay bounded.
 
-Every DropBP hook runs eagerly (:func:`dropbp.eager.outside_graphs`): a compiled branch sees only the grad mode its
-hook set, on (kept) or off (dropped), so each branch ``forward`` code gets exactly two graphs, however many layers
-share it and whatever the patterns. The recipe is :func:`compile_branches` (compile the branch modules themselves).
-Compiling the whole model (``model.compile()``) or whole layers is bounded but not exact: a compiled region whose
-output feeds only dropped branches gets a zero gradient instead of none. The first training forward in which a branch
-runs inside such a region says so, once (:class:`EnclosingCompileWarning`). Why, and what was measured:
-docs/scaling-out.md ("torch.compile").
+Every DropBP hook reads the step's drop pattern, a Python value: were it traced, Dynamo would guard each graph on the
+pattern and recompile for every new one. :func:`outside_graphs` makes a hook a graph break instead, so a compiled
+branch sees only the grad mode its hook set, on (kept) or off (dropped): each branch ``forward`` code gets exactly two
+graphs, however many layers share it and whatever the patterns. The recipe is :func:`compile_branches` (compile the
+branch modules themselves). Compiling the whole model (``model.compile()``) or whole layers is bounded but not exact: a
+compiled region whose output feeds only dropped branches gets a zero gradient instead of none. The first training
+forward in which a branch runs inside such a region says so, once (:class:`EnclosingCompileWarning`). Why, and what was
+measured: docs/scaling-out.md ("torch.compile").
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .eager import outside_graphs
+__all__ = ['EnclosingCompileWarning', 'compile_branches', 'outside_graphs']
 
-__all__ = ["EnclosingCompileWarning", "compile_branches"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def outside_graphs(fn: F) -> F:
+    """``fn`` always runs eagerly, also when called from code ``torch.compile`` traces (a graph break).
+
+    Eagerly it is a plain call: ``torch.compiler.disable``'s wrapper costs about 13 us a call on the CPU (four calls
+    per branch and step), so it is entered only while Dynamo traces, where ``is_compiling()`` is true
+    (benchmarks/results/hot_path_24.md)."""
+    disabled = torch.compiler.disable(fn)
+    is_compiling = torch.compiler.is_compiling
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if is_compiling():
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return run  # type: ignore[return-value]
 
 
 class _Branch(Protocol):
@@ -60,7 +81,7 @@ class EnclosingCompileWarning:
 
     def __init__(self) -> None:
         self.warned = False
-        #: The modules the hook is on (for clean copies: :mod:`dropbp.copies`).
+        #: The modules the hook is on (for clean copies: :mod:`dropbp.execution.patching`).
         self.layers: list[nn.Module] = []
 
     def attach(self, model: nn.Module, branch_names: Sequence[str]) -> list[RemovableHandle]:
@@ -83,7 +104,7 @@ class EnclosingCompileWarning:
             "or compiled layers). Gradients of kept branches are exact, but a weight in front of a dropped branch "
             "(the norm before a dropped MLP) gets a zero gradient instead of none, so AdamW or momentum still moves "
             "it, unlike eager DropBP. For exact DropBP compile the branches instead: "
-            "dropbp.compile.compile_branches(ctl) (docs/scaling-out.md)",
+            "dropbp.execution.graphs.compile_branches(ctl) (docs/scaling-out.md)",
             RuntimeWarning,
             stacklevel=2,
         )

@@ -29,7 +29,7 @@ class DroppedGrads:
     """Fills dropped branches' gradients before each optimizer step, per ``mode`` (one of :data:`DROPPED_GRADS`,
     checked by the entry point: :class:`dropbp.options.DropBPOptions`).
 
-    A step listener (:class:`dropbp.hooks.StepListener`): the controller adds it to its step hooks."""
+    A step listener (:class:`dropbp.execution.hooks.StepListener`): the controller adds it to its step hooks."""
 
     def __init__(self, mode: str, modules: list[nn.Module]) -> None:
         self.mode = mode

@@ -1,10 +1,12 @@
 """Stored activations bounded at every step (``memory_bound``): at most ``keep`` kept branches store theirs.
 
 A step whose pattern keeps more than ``keep = N - floor(drop_rate x N)`` branches (what the uniform shape keeps at
-most) runs the layers of its lowest kept branches checkpointed (non-re-entrant ``torch.utils.checkpoint``) until no
+most) runs the layers of its lowest kept branches checkpointed (the backend's ``checkpoint``: non-re-entrant
+``torch.utils.checkpoint`` where the device has a generator module) until no
 more than ``keep`` store activations, counting the inputs the checkpointed layers keep (:data:`INPUTS_PER_BRANCH`).
 Gradients are the pattern's exactly, and a dropped branch inside such a layer is still not recomputed
-(:mod:`dropbp.recompute`). Layers already inside a checkpointed region (Hugging Face ``gradient_checkpointing``) are
+(:mod:`dropbp.execution.recompute`). Layers already inside a checkpointed region (Hugging Face
+``gradient_checkpointing``) are
 left alone. A layer checkpointed here gets no key/value cache (keyword or positional, as GPT-2 passes it): exact when
 the forward starts from an empty cache, since a layer then attends to its own keys only, and the recomputation must not
 append to the cache again. A layer whose cache already holds tokens for it (a cached prefix: ``past_key_values`` /
@@ -23,10 +25,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from .intercept import ForwardPatch
-from .internals import checkpoint_hook
+from dropbp.backends import Backend
+from dropbp.execution.patching import ForwardPatch
+from dropbp.internals import checkpoint_hook
 
 __all__ = ["INPUTS_PER_BRANCH", "MemoryBound", "kept_bound"]
 
@@ -86,7 +88,10 @@ def _units(model: nn.Module, names: Sequence[str], modules: Sequence[nn.Module])
 
 
 def _checkpointed(
-    unit: nn.Module, underneath: Callable[[], Callable[..., Any]], on_prefix: Callable[[int], None]
+    unit: nn.Module,
+    underneath: Callable[[], Callable[..., Any]],
+    on_prefix: Callable[[int], None],
+    backend: Backend,
 ) -> Callable[..., Any]:
     """A ``forward`` of ``unit`` that runs ``underneath()`` (the forward it patches) checkpointed, with no cache; or
     plainly, after ``on_prefix(tokens)``, when its cache already holds tokens for this layer (a cached prefix)."""
@@ -107,7 +112,7 @@ def _checkpointed(
                 kwargs[key] = None
         if "use_cache" in kwargs:
             kwargs["use_cache"] = False
-        return checkpoint(original, *args, use_reentrant=False, **kwargs)
+        return backend.checkpoint(original, *args, **kwargs)
 
     return forward
 
@@ -124,14 +129,18 @@ class MemoryBound:
         model: the controlled model.
         names: the branches' names in ``model.named_modules()``, in branch order.
         modules: the branch modules, in branch order.
+        backend: the device backend, whose :meth:`~dropbp.backends.Backend.checkpoint` runs a chosen layer.
     """
 
-    def __init__(self, model: nn.Module, names: Sequence[str], modules: Sequence[nn.Module]) -> None:
+    def __init__(
+        self, model: nn.Module, names: Sequence[str], modules: Sequence[nn.Module], backend: Backend
+    ) -> None:
         self.units, self._unit_of = _units(model, names, modules)
         self._patches: list[ForwardPatch] = []
         for unit in self.units:
             holder: list[ForwardPatch] = []
-            holder.append(ForwardPatch(unit, _checkpointed(unit, lambda h=holder: h[0].original(), self._warn_prefix)))
+            forward = _checkpointed(unit, lambda h=holder: h[0].original(), self._warn_prefix, backend)
+            holder.append(ForwardPatch(unit, forward))
             self._patches += holder
         #: The units checkpointed in the forward under way.
         self.active: tuple[int, ...] = ()

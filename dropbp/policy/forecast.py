@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from .files import read_json
+from dropbp.files import read_json
 
 __all__ = ["Forecast", "forecast", "measured_map"]
 

@@ -1,7 +1,7 @@
 """DropBP under ``torch.distributed``: what DDP needs to know; FSDP2 needs nothing.
 
-Every rank draws the same pattern without communicating (:mod:`dropbp.sampler`), so the collectives of DDP and FSDP2
-``fully_shard`` match, and a dropped branch's parameters get no gradient (``.grad`` stays ``None``), as on one
+Every rank draws the same pattern without communicating (:mod:`dropbp.policy.sampler`), so the collectives of DDP and
+FSDP2 ``fully_shard`` match, and a dropped branch's parameters get no gradient (``.grad`` stays ``None``), as on one
 process. A DDP wrapper without ``find_unused_parameters=True``, or with ``static_graph=True``, is refused with a
 message saying what to pass (:func:`check_ddp`): when it is given to ``dropbp.apply`` and, for a model wrapped after
 ``apply``, at its first training forward (:class:`RunningDDPCheck`); so is re-entrant activation checkpointing under
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch.nn.parallel import DistributedDataParallel
 
-from .internals import running_ddp
+from dropbp.internals import running_ddp
 
 __all__ = ["RunningDDPCheck", "check_ddp", "check_running_ddp", "check_running_ddp_checkpointing"]
 
@@ -44,7 +44,7 @@ def check_running_ddp() -> None:
 
 
 class RunningDDPCheck:
-    """Step listener (:class:`dropbp.hooks.StepListener`): a DDP wrapper added after ``apply`` must cope with
+    """Step listener (:class:`dropbp.execution.hooks.StepListener`): a DDP wrapper added after ``apply`` must cope with
     parameters that get no gradient, checked at each training forward that drops a branch."""
 
     def on_training_forward(self, pattern: frozenset[int]) -> None:

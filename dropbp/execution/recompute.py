@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .intercept import ForwardPatch
-from .internals import at_backward_end, backward_task, captured, checkpoint_hook, running_node
+from dropbp.backends import Backend
+from dropbp.execution.patching import ForwardPatch
+from dropbp.internals import at_backward_end, backward_task, captured, checkpoint_hook, running_node
 
 __all__ = ["BranchCache", "RecomputeCache", "forward_region", "in_backward", "recomputed_region", "reentrant_regions"]
 
@@ -88,20 +89,6 @@ def _device_of(module: nn.Module) -> torch.device:
     return torch.device("cpu") if tensor is None else tensor.device
 
 
-def _rng_state(device: torch.device) -> RngState:
-    """The CPU generator's state and, for a branch on an accelerator, that device's."""
-    states = [torch.get_rng_state()]
-    if device.type not in ("cpu", "meta"):
-        states.append(torch.get_device_module(device).get_rng_state(device))
-    return states
-
-
-def _set_rng_state(device: torch.device, states: RngState) -> None:
-    torch.set_rng_state(states[0])
-    if len(states) > 1:
-        torch.get_device_module(device).set_rng_state(states[1], device)
-
-
 def _same(a: RngState, b: RngState) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
@@ -126,8 +113,8 @@ class BranchCache:
             if self._held and in_backward() and self._owner.recomputed() is self._region:
                 if self._rng_after is None:
                     return self.take()
-                if _same(_rng_state(self._device), self._rng_before):
-                    _set_rng_state(self._device, self._rng_after)
+                if _same(self._owner.backend.rng_state(self._device), self._rng_before):
+                    self._owner.backend.set_rng_state(self._device, self._rng_after)
                     return self.take()
                 self.release()
             return self._patch.original()(*args, **kwargs)
@@ -154,11 +141,11 @@ class BranchCache:
         if torch.is_grad_enabled() and checkpoint_hook() is None:
             return False  # not in a checkpointed region: nothing recomputes this branch
         self._device = _device_of(self._module)
-        self._rng_before = _rng_state(self._device)
+        self._rng_before = self._owner.backend.rng_state(self._device)
         return True
 
     def hold(self, output: Any) -> None:
-        after = _rng_state(self._device)
+        after = self._owner.backend.rng_state(self._device)
         self._rng_after = None if _same(after, self._rng_before) else after
         self._output, self._held = output, True
         self._region = forward_region() or self._owner.forward_token  # re-entrant: known by its forward
@@ -187,7 +174,9 @@ class BranchCache:
 class RecomputeCache:
     """One :class:`BranchCache` per branch, and the moments that bound what they hold."""
 
-    def __init__(self, modules: Sequence[nn.Module]) -> None:
+    def __init__(self, modules: Sequence[nn.Module], backend: Backend) -> None:
+        #: The device backend: the random-number state a skipped recomputation must leave as it would have.
+        self.backend = backend
         self.branches = [BranchCache(m, self) for m in modules]
         self.recording = False  # a training forward of the controlled model is under way
         self.reentrant = False  # a branch of this forward ran without grad (a re-entrant checkpointed region)

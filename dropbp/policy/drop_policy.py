@@ -4,9 +4,9 @@ turned into each step's pattern.
 The policy reads its settings from one options object; :meth:`DropPolicy.use` replaces it (made with
 ``dataclasses.replace``, so validated once, by the options) and re-derives the time schedule, the rates and the
 samplers from it, all or nothing. The pattern of a step is a pure function of the settings and the step
-(:mod:`dropbp.sampler`), identical on every rank. The rule that no pattern drops every branch is
-:mod:`dropbp.keep`'s, applied to allocated rates (:meth:`DropPolicy.set_allocated_rates`) and to every drawn
-pattern (:meth:`DropPolicy.draw`).
+(:mod:`dropbp.policy.sampler`), identical on every rank. The rule that no pattern drops every branch is
+:mod:`dropbp.policy.never_drop_all`'s, applied to allocated rates (:meth:`DropPolicy.set_allocated_rates`) and to every
+drawn pattern (:meth:`DropPolicy.draw`).
 """
 
 from __future__ import annotations
@@ -14,14 +14,20 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
-from .allocation import cut_rates, cut_reaches
-from .checks import RATE_CHECKS, check_drop_rate, check_int
-from .keep import SUM_TOLERANCE, fit_rates, keep_a_trainable_branch, max_total_rate
-from .options import DropBPOptions
-from .sampler import SAMPLERS, CutSampler, PatternSampler
-from .schedule import BOUNDED_WARMUP_LEVELS, DEFAULT_RAMP, SCHEDULE_LEVELS, TimeSchedule, warmup_factor
+from dropbp.checks import check_int
+from dropbp.policy.allocation import cut_rates, cut_reaches
+from dropbp.policy.never_drop_all import (
+    RATE_CHECKS,
+    SUM_TOLERANCE,
+    check_drop_rate,
+    fit_rates,
+    keep_a_trainable_branch,
+    max_total_rate,
+)
+from dropbp.policy.sampler import SAMPLERS, CutSampler, PatternSampler
+from dropbp.policy.schedule import BOUNDED_WARMUP_LEVELS, SCHEDULE_LEVELS, TimeSchedule, warmup_factor
 
 #: Pattern samplers kept at once (one per factor on the rates). A warm-up without a time schedule has a
 #: factor per step; the oldest sampler goes first (samplers are pure functions: rebuilt alike when needed).
@@ -31,10 +37,28 @@ THINNING_BLOCK = 8
 #: How far a peak's rounding may lift a rate past 1 before it counts as past 1.
 _ROUNDING = 1e-9
 
-__all__ = ["DropPolicy"]
+__all__ = ["DropPolicy", "PolicySettings"]
 
 
-def _time_schedule(options: DropBPOptions) -> TimeSchedule | None:
+class PolicySettings(Protocol):
+    """The settings the policy reads: these fields of :class:`dropbp.options.DropBPOptions` (a frozen dataclass,
+    validated there; the policy never imports it, so it knows nothing of devices or execution)."""
+
+    drop_rate: float
+    seed: int
+    max_patterns: int | None
+    warmup_steps: int
+    pattern: str
+    total_steps: int | None
+    drop_schedule: str
+    ramp: float
+    stratify: int
+
+
+_SETTINGS = tuple(PolicySettings.__annotations__)
+
+
+def _time_schedule(options: PolicySettings) -> TimeSchedule | None:
     """The time schedule ``options`` describe (``None`` without a run length)."""
     if options.total_steps is None:
         return None
@@ -49,12 +73,12 @@ class DropPolicy:
         flops: each branch's cost, in branch order; their number is the number of branches.
         options: the settings (``drop_rate``, ``seed``, ``max_patterns`` (here ``None`` is unbounded),
             ``warmup_steps``, ``pattern``, ``total_steps``, ``drop_schedule``, ``ramp``); its other fields
-            are not the policy's. With ``total_steps`` the rates follow a :class:`~dropbp.schedule.TimeSchedule`
+            are not the policy's. With ``total_steps`` the rates follow a :class:`~dropbp.policy.schedule.TimeSchedule`
             whose mean over the run is 1, so the run drops ``drop_rate`` on average, warm-up included.
     """
 
-    def __init__(self, flops: Sequence[float], options: DropBPOptions) -> None:
-        if not isinstance(options, DropBPOptions):
+    def __init__(self, flops: Sequence[float], options: PolicySettings) -> None:
+        if not (dataclasses.is_dataclass(options) and all(hasattr(options, name) for name in _SETTINGS)):
             raise TypeError(f"options must be a dropbp.options.DropBPOptions, got {type(options).__name__}")
         self._flops = list(flops)
         self._num_branches = check_int("number of branches", len(self._flops), 1)
@@ -71,11 +95,11 @@ class DropPolicy:
         return self._num_branches
 
     @property
-    def options(self) -> DropBPOptions:
+    def options(self) -> PolicySettings:
         """The settings in force."""
         return self._options
 
-    def use(self, options: DropBPOptions, reset_rates: bool = False) -> None:
+    def use(self, options: PolicySettings, reset_rates: bool = False) -> None:
         """Decide from ``options`` from the next pattern on; all or nothing (a ValueError changes nothing).
 
         ``reset_rates`` (a ``drop_rate`` or ``pattern`` set, even to its value) makes the rates the shape's own for
@@ -99,7 +123,7 @@ class DropPolicy:
         self._options, self._time, self._rates, self._own_rates = options, time, rates, own
         self._samplers.clear()
 
-    def _shape_rates(self, options: DropBPOptions, time: TimeSchedule | None) -> list[float]:
+    def _shape_rates(self, options: PolicySettings, time: TimeSchedule | None) -> list[float]:
         """The pattern shape's own rates for the drop rate under ``time``: those of ``drop_rate`` times its peak,
         divided by the peak, so that they are the shape's at the peak and average ``drop_rate`` over the run."""
         p, peak = options.drop_rate, 1.0 if time is None else time.peak
@@ -127,7 +151,7 @@ class DropPolicy:
         except ValueError as error:
             raise _peak_error(time, pattern, str(error)) from None
 
-    def _peak_fits(self, options: DropBPOptions) -> bool:
+    def _peak_fits(self, options: PolicySettings) -> bool:
         """Whether the rates can take the peak of the time schedule of ``options``: :meth:`use`'s checks as a
         predicate (``tests/test_time_schedule.py`` holds the two equal)."""
         time = _time_schedule(options)
@@ -189,8 +213,8 @@ class DropPolicy:
 
     def set_allocated_rates(self, rates: Sequence[float], min_rate: float) -> None:
         """Set rates allocated for the time schedule's peak (calibration): lowered into the rule where they
-        would drop every branch in some steps (:func:`dropbp.keep.fit_rates`), then divided by the peak, so
-        that the run's mean stays the drop rate."""
+        would drop every branch in some steps (:func:`dropbp.policy.never_drop_all.fit_rates`), then divided by the
+        peak, so that the run's mean stays the drop rate."""
         peak = self.peak
         self.set_rates([r / peak for r in fit_rates(rates, self._flops, min_rate)])
 
@@ -213,7 +237,7 @@ class DropPolicy:
         Args:
             step: the training forward, counted from 0.
             trainable: per branch, whether it holds a trainable parameter, or ``None`` when something
-                outside the branches is trainable (see :func:`dropbp.keep.keep_a_trainable_branch`).
+                outside the branches is trainable (see :func:`dropbp.policy.never_drop_all.keep_a_trainable_branch`).
         """
         if self._options.max_patterns is None or self._options.stratify > 1:
             pattern = self._sampler(self.factor(step)).pattern(step)
@@ -289,21 +313,21 @@ class DropPolicy:
             drop_rate=state["drop_rate"],
             seed=state["seed"],
             max_patterns=state["max_patterns"],
-            pattern=state.get("pattern", "uniform"),  # absent in states saved before the cut shape existed
-            warmup_steps=state.get("warmup_steps", 0),  # absent in states saved before warm-up existed
-            drop_schedule=state.get("drop_schedule", "constant"),  # absent before time schedules existed: none
-            ramp=state.get("ramp", DEFAULT_RAMP),
-            total_steps=state.get("total_steps"),
-            stratify=state.get("stratify", 1),  # absent before stratified cuts existed: independent draws
+            pattern=state["pattern"],
+            warmup_steps=state["warmup_steps"],
+            drop_schedule=state["drop_schedule"],
+            ramp=state["ramp"],
+            total_steps=state["total_steps"],
+            stratify=state["stratify"],
         )
         trial = DropPolicy(self._flops, _replace(options, total_steps=None))
         trial.set_rates(state["rates"])
         trial.use(options)
-        trial._own_rates = bool(state.get("rates_follow_drop_rate", False))  # the saved rates are kept as saved
+        trial._own_rates = state["rates_follow_drop_rate"]  # the saved rates are kept as saved
         self.__dict__.update(trial.__dict__)
 
 
-def _replace(options: DropBPOptions, **change: Any) -> DropBPOptions:
+def _replace(options: PolicySettings, **change: Any) -> PolicySettings:
     """``options`` with ``change``, as the options' own class validates them."""
     return dataclasses.replace(options, **change)
 

@@ -104,7 +104,8 @@ class CutSampler(PatternSampler):
     it is kept too. At most ``N + 1`` distinct patterns exist (one per cut position); with
     ``max_patterns=K`` the pool is the stratified draws ``u_j = (j + v) / K``, so each branch's
     frequency over a cycle is within ``1 / K`` of its rate. A last rate of 0 keeps the top branch in
-    every step, so no step drops every branch (:func:`dropbp.checks.check_cut_rates`, the rule of :mod:`dropbp.keep`).
+    every step, so no step drops every branch (:func:`dropbp.checks.check_cut_rates`, the rule of
+    :mod:`dropbp.policy.never_drop_all`).
     """
 
     _STREAM = ("cut",)

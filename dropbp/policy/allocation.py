@@ -12,7 +12,7 @@ import heapq
 import struct
 from collections.abc import Sequence
 
-from .checks import check_fraction, check_number, check_sequence
+from dropbp.checks import check_fraction, check_number, check_sequence
 
 __all__ = ["allocate_rates", "cut_cap", "cut_rates", "cut_reaches"]
 

@@ -1,8 +1,9 @@
 """Training frameworks that wrap the model or drive its optimizer, met by the core through one interface.
 
-The core names no framework (DDP, torch's own, aside: :mod:`dropbp.distributed`): each registers a
-:class:`Framework` here when its module is imported (``dropbp/__init__.py`` imports dropbp's own,
-:mod:`dropbp.integrations.deepspeed`), and the core asks every registered one to unwrap a model given to
+The core names no framework (DDP, torch's own, aside: :mod:`dropbp.execution.distributed`): each registers a
+:class:`Framework`, declared in its package's entry points (group ``dropbp.frameworks``; dropbp's own,
+:mod:`dropbp.integrations.deepspeed`, in pyproject.toml) and imported the first time the core consults the frameworks,
+or by :func:`register`; the core asks every registered one to unwrap a model given to
 ``apply`` (:func:`unwrap`), to check such a wrapper (:func:`check_wrapper`), to guard a calibration closure
 (:func:`calibration_closure`), and, at each training forward until one answers, for a step listener
 (:class:`FrameworkWatch`): a framework may take hold of the model after ``apply`` (the Hugging Face Trainer
@@ -13,13 +14,14 @@ at the cost of a dictionary look-up.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from importlib.metadata import entry_points
 from typing import Protocol
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .hooks import StepListener
+from dropbp.execution.hooks import StepListener
 
 __all__ = [
     "Framework",
@@ -54,21 +56,42 @@ class Framework(Protocol):
         """The calibration method to use for ``params`` where this framework holds them (else ``method``)."""
 
 
+#: The entry-point group through which packages declare a :class:`Framework` (dropbp's own DeepSpeed integration
+#: included, in pyproject.toml), loaded the first time the core consults the frameworks.
+ENTRY_POINT_GROUP = "dropbp.frameworks"
+
 _REGISTERED: list[Framework] = []
+_declared_loaded = False
 
 
 def register(framework: Framework) -> None:
-    """Make the core consult ``framework`` (once, however often its module registers it)."""
-    if framework not in _REGISTERED:
+    """Make the core consult ``framework`` (once, however often it is registered)."""
+    if framework not in _registered():
         _REGISTERED.append(framework)
+
+
+def _registered() -> list[Framework]:
+    """Every registered framework, the declared ones (:data:`ENTRY_POINT_GROUP`) loaded on the first call."""
+    global _declared_loaded
+    if not _declared_loaded:
+        _declared_loaded = True
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            try:
+                register(ep.load())
+            except Exception as exc:  # a broken integration must say which, not fail somewhere later
+                raise RuntimeError(
+                    f"dropbp framework integration {ep.name!r} ({ep.value!r}) failed to import: "
+                    f"{type(exc).__name__}: {exc}; reinstall the package that provides it"
+                ) from exc
+    return _REGISTERED
 
 
 def unwrap(model: nn.Module) -> tuple[nn.Module, DistributedDataParallel | None]:
     """The module DropBP attaches to (a DDP wrapper's or a registered framework's wrapper's ``.module``) and
-    the DDP wrapper, if any (:mod:`dropbp.distributed` checks it)."""
+    the DDP wrapper, if any (:mod:`dropbp.execution.distributed` checks it)."""
     if isinstance(model, DistributedDataParallel):
         return model.module, model
-    for framework in _REGISTERED:
+    for framework in _registered():
         inner = framework.unwrap(model)
         if inner is not None:
             return inner, None
@@ -77,14 +100,14 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, DistributedDataParallel | None]
 
 def check_wrapper(wrapper: nn.Module, dropped_grads: str) -> None:
     """Every registered framework's :meth:`Framework.check_wrapper` for a wrapper given to ``apply``."""
-    for framework in _REGISTERED:
+    for framework in _registered():
         if framework.unwrap(wrapper) is not None:
             framework.check_wrapper(wrapper, dropped_grads)
 
 
 def calibration_closure(closure: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
     """``closure`` guarded by every registered framework (:meth:`Framework.calibration_closure`)."""
-    for framework in _REGISTERED:
+    for framework in _registered():
         closure = framework.calibration_closure(closure)
     return closure
 
@@ -92,7 +115,7 @@ def calibration_closure(closure: Callable[[], torch.Tensor]) -> Callable[[], tor
 def calibration_method(params: Iterable[nn.Parameter], method: str) -> str:
     """``method`` as every registered framework would have it (:meth:`Framework.calibration_method`)."""
     params = list(params)
-    for framework in _REGISTERED:
+    for framework in _registered():
         method = framework.calibration_method(params, method)
     return method
 
@@ -104,7 +127,7 @@ class FrameworkWatch:
     Args:
         model: the model DropBP is attached to.
         holders: per branch, in branch order, one module holding all its parameters.
-        dropped_grads: the controller's setting (:mod:`dropbp.dropped_grads`).
+        dropped_grads: the controller's setting (:mod:`dropbp.execution.dropped_grads`).
     """
 
     def __init__(self, model: nn.Module, holders: Sequence[nn.Module], dropped_grads: str) -> None:
@@ -115,7 +138,7 @@ class FrameworkWatch:
 
     def on_training_forward(self, pattern: frozenset[int]) -> None:
         if self._listener is None:
-            found = (f.step_listener(self._model, self._holders, self._mode) for f in _REGISTERED)
+            found = (f.step_listener(self._model, self._holders, self._mode) for f in _registered())
             self._listener = next((listener for listener in found if listener is not None), None)
         if self._listener is not None:
             self._listener.on_training_forward(pattern)

@@ -5,8 +5,8 @@ states and the labels and recomputes each chunk's logits in backward, so the ful
 exist at once; the loss and every gradient are the plain path's. It is independent of dropping (usable at rate 0).
 It patches the model instance's ``forward`` (the class, ``isinstance``, state-dict keys and ``save_pretrained`` are
 unchanged); :meth:`ChunkedLoss.remove` restores it, and copies and pickles of the model leave it out
-(:mod:`dropbp.copies`). Only training forwards (``model.training`` and grad mode on) with ``labels`` take the
-chunked path, and they return ``logits=None``; evaluation keeps the plain path. Another library's forward already on
+(:mod:`dropbp.execution.patching`). Only training forwards (``model.training`` and grad mode on) with ``labels`` take
+the chunked path, and they return ``logits=None``; evaluation keeps the plain path. Another library's forward already on
 the instance (Accelerate's mixed-precision wrapper) stays underneath and runs the body; the head and loss then run in
 the dtype autocast gave the head there, forward and backward alike. Why and what it saves: docs/memory.md, section 2.
 """
@@ -22,7 +22,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from .intercept import ForwardPatch
+from dropbp.execution.patching import ForwardPatch
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ChunkedLoss", "UnsupportedModel", "linear_cross_entropy"]
 

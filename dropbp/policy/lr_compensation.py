@@ -4,7 +4,7 @@ A branch dropped with rate ``r`` receives a gradient (and, with "skip", an updat
 the steps; scaling its learning rate by :func:`compensation` makes its expected update per step that
 of full backprop. Measured, this did not help at the baselines' swept learning rates (larger steps on
 an already tuned lr); it is kept as an option (``ctl.param_groups``). The same factor is the
-unbiased backward scaling's (:mod:`dropbp.scaling`).
+unbiased backward scaling's (:mod:`dropbp.execution.branch_forward`).
 """
 
 from __future__ import annotations
