@@ -47,10 +47,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--stem", default="hot_path_cpu", help="file names of the record: <stem>.json and .md")
+    parser.add_argument("--layers", type=int, default=30, help="decoder layers (30: SmolLM2-135M's depth)")
     args = parser.parse_args()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # dropbp's time is Python time: one thread, and no OpenMP spinning in between
-    base = smollm2_layout(64, width=16)  # arithmetic next to nothing: a forward is mostly Python
+    base = smollm2_layout(64, width=16, layers=args.layers)  # arithmetic next to nothing: mostly Python
     models = {"without dropbp": base}
     for name, rate in (("dropbp, drop rate 0", 0.0), ("dropbp 0.5 (cut)", 0.5)):
         models[name] = copy.deepcopy(base)
@@ -77,6 +78,7 @@ def main() -> None:
                     "backward": backward,
                     "seconds": best[name, backward],
                     "added_us": added * 1e6,
+                    "x_plain": best[name, backward] / best["without dropbp", backward],
                     "added_us_per_branch_call": added * 1e6 / branches,
                     "added_share_of_smollm2_lora_forward": added / real if real else None,
                 }
@@ -96,19 +98,21 @@ def main() -> None:
     (args.out / f"{args.stem}.json").write_text(json.dumps(record, indent=2) + "\n")
     lines = [
         f"dropbp's own time per training forward, CPU (one thread), torch {torch.__version__}, {record['date']}: "
-        f"SmolLM2-135M's layout ({branches} branches) at width 16 and 8 tokens, best of {args.repeats} interleaved "
+        f"SmolLM2-135M's layout at {args.layers} layers ({branches} branches), width 16 and 8 tokens, "
+        f"best of {args.repeats} interleaved "
         f"means over {args.forwards} forwards. Yardstick: a real SmolLM2-135M LoRA training forward at 128 tokens here "
         f"took {real * 1e3:.1f} ms ({threads} threads). dropbp at commit {record['commit']}.",
         f"Command: `{record['command']}`",
         "",
-        "| configuration | measured | time/forward | added by dropbp | per branch call | share of a SmolLM2 LoRA "
-        "forward (128 tokens) |",
-        "|---|---|---|---|---|---|",
+        "| configuration | measured | time/forward | x plain | added by dropbp | per branch call | share of a SmolLM2 "
+        "LoRA forward (128 tokens) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         share = "" if r["config"] == "without dropbp" else f"{100 * r['added_share_of_smollm2_lora_forward']:.2f}%"
         lines.append(
             f"| {r['config']} | {'forward+backward' if r['backward'] else 'forward'} | {r['seconds'] * 1e3:.2f} ms | "
+            f"{r['x_plain']:.3f} | "
             f"{r['added_us']:.0f} us | {r['added_us_per_branch_call']:.1f} us | {share} |"
         )
     (args.out / f"{args.stem}.md").write_text("\n".join(lines) + "\n")

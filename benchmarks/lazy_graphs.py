@@ -36,13 +36,13 @@ from dropbp.integrations.hf import fit_auto_warmup
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def smollm2_layout(vocab: int, width: int = 32) -> torch.nn.Module:
+def smollm2_layout(vocab: int, width: int = 32, layers: int = 30) -> torch.nn.Module:
     """SmolLM2-135M's depth (30 layers, 60 branches) at a tiny width; ``vocab`` keeps each run's graphs its own."""
     config = transformers.LlamaConfig(
         vocab_size=vocab,
         hidden_size=width,
         intermediate_size=2 * width,
-        num_hidden_layers=30,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,

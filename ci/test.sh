@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test command (README "Quick start", line 2; .ci/run runs exactly this): set up .venv if needed,
 # then lint and run the CPU test suite. Extra arguments go to pytest. Fails loudly if no test ran.
-# With no arguments it then runs the litgpt tests (and the gradient tests again) in the second
-# environment, .venv-litgpt (transformers 4.57 + litgpt: see ci/install-litgpt.sh).
+# With no arguments it then runs the litgpt tests, and the gradient and hf integration tests again, in the second
+# environment, .venv-litgpt (litgpt and the lowest transformers / accelerate / peft the hf extra declares: see
+# ci/install-litgpt.sh), then builds the wheel and tests it installed (ci/wheel.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # Tiny models: one intra-op thread is as fast, and OpenMP threads never spin against other processes
@@ -30,4 +31,7 @@ deactivate
 if [ ! -x .venv-litgpt/bin/litgpt ]; then
   bash ci/install-litgpt.sh || { echo "ci/test.sh: setting up .venv-litgpt failed (see above)" >&2; exit 1; }
 fi
-run_pytest .venv-litgpt/bin/python -m pytest -p no:cacheprovider tests/test_litgpt.py tests/test_layouts.py tests/test_gradients.py
+run_pytest .venv-litgpt/bin/python -m pytest -p no:cacheprovider tests/test_litgpt.py tests/test_layouts.py \
+  tests/test_gradients.py tests/test_hf_integration.py tests/test_wrappers.py tests/test_chunked_loss.py || exit $?
+# The release artefacts: the wheel built, installed in a fresh environment and run there (no checkout in sight).
+bash ci/wheel.sh

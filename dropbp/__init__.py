@@ -20,7 +20,7 @@ from dropbp.execution.discovery import SUPPORTED_ARCHITECTURES, Branch
 from dropbp.options import DropBPOptions, TrainerOptions
 from dropbp.policy.allocation import allocate_rates
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",

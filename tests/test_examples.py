@@ -1,0 +1,57 @@
+"""The examples users copy, each run as a user runs it (a fresh process, from another folder) in its smoke mode: a tiny
+random model and a few steps. On the packaged SmolLM2 they were run by hand (CHANGELOG / the closing notes)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def run_example(name: str, *args: str, cwd: Path, env: dict[str, str] | None = None) -> str:
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_sft_lora_trains_both_arms_and_prints_the_speedup_it_saw(tmp_path):
+    pytest.importorskip("trl")
+    args = ("--model", "tiny", "--max-steps", "3", "--seq-len", "32", "--out", "o")
+    out = run_example("sft_lora.py", *args, cwd=tmp_path)
+    assert "median step: full backprop" in out and "step speedup this run saw:" in out
+
+
+def test_long_context_runs_the_bounded_recipe(tmp_path):
+    out = run_example("long_context.py", "--model", "tiny", "--seq-len", "128", "--max-steps", "2", cwd=tmp_path)
+    assert "the memory bound on, at most 2 branches store activations" in out
+    assert out.count("step ") == 2
+
+
+def test_the_gaudi_recipe_runs_on_the_lazy_engine_stand_in(tmp_path):
+    out = run_example(
+        "gaudi.py", "--max-steps", "4", "--seq-len", "32", "--out", "o", cwd=tmp_path, env={"DROPBP_BACKEND": "lazy"}
+    )
+    assert "drop patterns used: at most" in out and "(bound 16)" in out
+
+
+def test_the_gaudi_recipe_says_which_backends_it_runs_on(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "gaudi.py"), "--max-steps", "2"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "DROPBP_BACKEND": "cpu"},
+    )
+    assert result.returncode != 0 and "DROPBP_BACKEND=hpu (Gaudi) or DROPBP_BACKEND=lazy" in result.stderr
