@@ -67,29 +67,43 @@ def _readme_results():
     return module
 
 
-def test_the_readme_results_table_is_the_one_the_records_make():
-    """The first screen's table is generated from benchmarks/results, never typed: regenerate it with
+RESULTS_PAGE = ROOT / "docs" / "results.md"
+
+
+def test_the_readme_opens_with_the_claims_table_made_from_the_records():
+    """The first 40 lines hold the results table (the paper's three claims beside this library's figure for each)
+    with its conditions, generated from benchmarks/results: regenerate with
     ``python benchmarks/readme_results.py --write`` when a record changes."""
     results = _readme_results()
     text = README.read_text()
-    assert results.readme_table(text) == results.table()
-    assert text.index(results.BEGIN) < text.index("## Quick start")  # on the first screen
-    assert "full, Python help text" in results.table() and "LoRA, Python help text" in results.table()
+    made = results.claims_table()
+    assert results.between(text, results.CLAIMS_BEGIN, results.CLAIMS_END) == made
+    first_40 = "\n".join(text.splitlines()[:40])
+    assert made in first_40 and "Conditions:" in made
+    for claim in ("44% less", "1.5x faster", "6.2x longer"):
+        assert claim in made
 
 
-def test_the_readme_map_table_is_the_one_the_map_makes():
-    """The headline table (speedup at equal quality) is generated from the map's record, first on the screen."""
-    results = _readme_results()
+def test_no_figure_in_the_readme_has_two_values():
+    """One value per figure: no ranges of speedups or percentages, no "a / b" pairs of one figure."""
+    import re
+
     text = README.read_text()
+    ranges = re.findall(r"\b\d+(?:\.\d+)?x?\s?[-\u2013]\s?\d+(?:\.\d+)?x\b", text)
+    ranges += re.findall(r"\b\d+(?:\.\d+)?%?\s?[-\u2013]\s?\d+(?:\.\d+)?%", text)
+    ranges += re.findall(r"\d\.\d+x\s*/\s*\d\.\d+x|[+-]\d\.\d+ to [+-]\d\.\d+", text)
+    assert not ranges
+
+
+def test_the_results_page_tables_are_the_ones_the_records_make():
+    """docs/results.md: the map (speedup at equal quality), SmolLM2's equal-quality figure and the step and loss
+    figures at equal steps and equal time, each generated from its records, in that order."""
+    results = _readme_results()
+    text = RESULTS_PAGE.read_text()
     assert results.between(text, results.MAP_BEGIN, results.MAP_END) == results.map_table()
-    assert text.index(results.MAP_BEGIN) < text.index(results.BEGIN) < text.index("## Quick start")
-    assert "speedup at equal quality" in results.map_table() and "x 1k tokens" in results.map_table()
-
-
-def test_the_readme_smollm2_equal_quality_table_is_the_one_the_records_make():
-    """SmolLM2-135M's speedup at equal quality, generated from its record, between the map and the step table."""
-    results = _readme_results()
-    text = README.read_text()
     assert results.between(text, results.EQ_BEGIN, results.EQ_END) == results.smollm2_table()
+    assert results.readme_table(text) == results.table()
     assert text.index(results.MAP_BEGIN) < text.index(results.EQ_BEGIN) < text.index(results.BEGIN)
+    assert "speedup at equal quality" in results.map_table() and "x 1k tokens" in results.map_table()
     assert "SmolLM2-135M" in results.smollm2_table() and "speedup at equal quality" in results.smollm2_table()
+    assert "full, Python help text" in results.table() and "LoRA, Python help text" in results.table()

@@ -6,8 +6,10 @@ cosine learning rate: full backprop; DropBP at 0.5 as ``attach`` ships it, over 
 the same given :data:`EQUAL_TIME_FACTOR` times the steps ("equal time"). Then the step speedup of DropBP 0.5 with
 Hugging Face activation checkpointing off and on (:mod:`dropbp.tools.bench`), and the peak memory of one training
 step in a fresh process each (:mod:`dropbp.tools.memprobe`): full backprop without and with checkpointing, and DropBP
-at 0.875 as shipped in its worst step, with the plain and the chunked loss. Its recorded output: the README
-("dropbp demo"); the memory rows: docs/memory.md ("Commands").
+at 0.875 as shipped in its worst step, with the plain and the chunked loss. ``--quick`` (a few minutes) shows what a
+few minutes can: the step times, the memory table and what the measured map says of the demo's regime
+(:mod:`dropbp.policy.forecast`), and no convergence race (ten steps say nothing either way). Its recorded output:
+docs/demo.md; the memory rows: docs/memory.md ("Commands").
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import copy
 import json
 import math
 import platform
+import sys
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
@@ -26,6 +29,7 @@ from dropbp import __version__, apply
 from dropbp.backends import Backend
 from dropbp.files import write_atomically
 from dropbp.imports import require
+from dropbp.policy.forecast import forecast
 from dropbp.tools.bench import Point, measure_model
 from dropbp.tools.compare import Run, compare, run_options, summarise, timing_check
 from dropbp.tools.pretrained import UnusableModel, load_causal_lm
@@ -62,13 +66,12 @@ class DemoSettings:
     speed_rounds: int = 8  # interleaved rounds of the step-time table, per checkpointing setting
     speed_seq_len: int = 512
     memory_seq_len: int = 1024  # tokens of the memory table's one-sequence steps
+    convergence: bool = True  # the lockstep runs (full backprop, equal steps, equal time)
 
     @classmethod
     def quick(cls) -> DemoSettings:
-        return cls(
-            steps=10, seq_len=64, batch_size=4, accumulation=4, eval_every=5, val_windows=4, speed_rounds=4,
-            speed_seq_len=256, memory_seq_len=512,
-        )
+        """Step times and memory at short lengths, the map's verdict, no convergence runs."""
+        return cls(speed_rounds=4, speed_seq_len=256, memory_seq_len=256, convergence=False)
 
 
 def _lora(model: torch.nn.Module) -> torch.nn.Module:
@@ -97,25 +100,66 @@ def run_demo(
     model_name: str | None = None,
     runs: tuple[Run, ...] | None = None,
     show_progress: bool = True,
+    announce: str | None = None,
 ) -> dict:
-    """Train, write ``demo.json`` and ``demo.png`` into ``out``, and return the summary."""
+    """Measure (and train: the full demo), write ``demo.json`` (and ``demo.png``) into ``out``, and return the record.
+    ``announce`` goes to stderr once the model is loaded and fits the runs, before anything is measured."""
     tqdm = require("tqdm.auto", "dropbp demo").tqdm
 
     runs = demo_runs(settings.steps) if runs is None else runs
     model, tokenizer = load_causal_lm(model_name)
     _check_runs_fit(model, runs, settings)
-    data = pydoc_topics(tokenizer, settings.seq_len, max_val_windows=settings.val_windows)
+    if announce:
+        print(announce, file=sys.stderr, flush=True)
     dropbp_steps = max(r.steps or settings.steps for r in runs)
+    torch.manual_seed(0)  # LoRA's A matrices start random: the same start every time
+    lora = _lora(model)
+    speed = step_speedups(lora, settings, backend, show_progress)
+    memory = memory_rows(lora, settings, show_progress) if model_name is None and backend.name == "cpu" else []
+    tokens = settings.batch_size * settings.seq_len
+    record = {
+        "demo": "dropbp demo" + ("" if settings.convergence else " --quick"),
+        "dropbp": __version__,
+        "date": date.today().isoformat(),
+        "model": model_name or "SmolLM2-135M-Instruct",
+        "device": str(backend.device),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "settings": settings.__dict__,
+        "step_speedups": speed,
+        "memory": memory,
+        "forecast": forecast(settings.steps, tokens, 0.5).message,
+    }
+    if settings.convergence:
+        record |= _convergence(lora, runs, settings, backend, tokenizer, dropbp_steps, show_progress, tqdm)
+        plot_curves(
+            record.pop("results"),
+            out / "demo.png",
+            title=f"{record['model']} LoRA on Python's help text ({backend.device})",
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomically(out / "demo.json", json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def _convergence(
+    lora: torch.nn.Module,
+    runs: tuple[Run, ...],
+    settings: DemoSettings,
+    backend: Backend,
+    tokenizer: object,
+    dropbp_steps: int,
+    show_progress: bool,
+    tqdm: type,
+) -> dict:
+    """The lockstep runs: their summary, timing check, per-run records and results (for the plot)."""
+    data = pydoc_topics(tokenizer, settings.seq_len, max_val_windows=settings.val_windows)
     bar = tqdm(total=dropbp_steps, desc="training (lockstep)", unit="step", disable=not show_progress)
 
     def progress(step: int, latest: dict[str, float]) -> None:
         bar.update(1)
         bar.set_postfix({name.split(" +")[0]: f"{loss:.3f}" for name, loss in latest.items()})
 
-    torch.manual_seed(0)  # LoRA's A matrices start random: the same start every time
-    lora = _lora(model)
-    speed = step_speedups(lora, settings, backend, show_progress)
-    memory = memory_rows(lora, settings, show_progress) if model_name is None and backend.name == "cpu" else []
     results = compare(
         lora,
         runs,
@@ -132,27 +176,13 @@ def run_demo(
         weight_decay=0.01,  # the research code's, for LoRA
     )
     bar.close()
-    summary = summarise(results, settings.steps)
-    record = {
-        "demo": "dropbp demo",
-        "dropbp": __version__,
-        "date": date.today().isoformat(),
-        "model": model_name or "SmolLM2-135M-Instruct",
-        "device": str(backend.device),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "settings": settings.__dict__,
+    return {
         "dropbp_steps": dropbp_steps,
-        "summary": summary,
-        "step_speedups": speed,
-        "memory": memory,
+        "summary": summarise(results, settings.steps),
         "timing": timing_check(results),
         "runs": [r.to_dict() for r in results],
+        "results": results,
     }
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomically(out / "demo.json", json.dumps(record, indent=2) + "\n")
-    plot_curves(results, out / "demo.png", title=f"{record['model']} LoRA on Python's help text ({backend.device})")
-    return record
 
 
 def step_speedups(model: torch.nn.Module, settings: DemoSettings, backend: Backend, show: bool) -> list[dict]:
@@ -251,11 +281,14 @@ def _speed_lines(rows: list[dict]) -> list[str]:
 
 
 def table(record: dict) -> str:
-    """The comparison at equal steps and equal time (:func:`dropbp.tools.report.steps_and_time_table`), the step
-    speedups with and without activation checkpointing, the memory table, and the timing warning when the machine
-    was too busy."""
-    lines = steps_and_time_table(record["summary"]) + _speed_lines(record.get("step_speedups", []))
-    lines += _memory_lines(record.get("memory", []))
+    """The step speedups with and without activation checkpointing, the memory table, the measured map's verdict for
+    the demo's regime, then (the full demo) the comparison at equal steps and equal time
+    (:func:`dropbp.tools.report.steps_and_time_table`), and the timing warning when the machine was too busy."""
+    lines = _speed_lines(record.get("step_speedups", [])) + _memory_lines(record.get("memory", []))
+    if "forecast" in record:
+        lines += ["", f"What the measured map says of this regime: {record['forecast']}"]
+    if record.get("summary"):
+        lines += [""] + steps_and_time_table(record["summary"])
     warning = record.get("timing", {}).get("warning")
     if warning:
         lines.append(f"\n{warning}")
