@@ -333,6 +333,14 @@ def test_the_policy_touches_no_module_and_no_device():
 
 
 def test_importing_dropbp_imports_no_integration_nor_tool():
+    """``dropbp.attach`` and ``dropbp.DropBPCallback`` (the names the messages give) import the Trainer integration
+    on first use only."""
+    pytest.importorskip("transformers")
+    from dropbp.integrations import hf
+
+    assert dropbp.attach is hf.attach and dropbp.DropBPCallback is hf.DropBPCallback
+    with pytest.raises(AttributeError, match="module 'dropbp' has no attribute 'atach'"):
+        dropbp.atach  # noqa: B018
     above = ("dropbp.integrations", "dropbp.tools")
     probe = f"import dropbp, sys; print(sorted(m for m in sys.modules if m.startswith({above!r})))"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout == "[]\n"

@@ -28,11 +28,17 @@ from conftest import (
     tiny_model,
     with_lora,
 )
-from dropbp.backends.lazy import LazyEngineBackend, compiled_graphs, graph_runs
+from dropbp.backends.lazy import LazyEngineBackend, compiled_graphs, graph_runs, start
 
 import dropbp
 
 _vocab_sizes = itertools.count(VOCAB)
+
+
+@pytest.fixture(autouse=True)
+def engine_started() -> None:
+    """The engine runs before any tensor moves to its device, whichever test of this file runs first."""
+    start()
 
 
 def own_model(layers: int = 4) -> torch.nn.Module:
@@ -95,6 +101,21 @@ def train(model, ctl, breaks: Breaks, steps: int, micro_batches: int) -> list[in
     return totals
 
 
+def step_equals_the_reference(model, ctl, reference, ids: torch.Tensor) -> None:
+    """One training step on the engine; its loss and gradients equal the CPU reference's with the pattern's branch
+    outputs detached by plain hooks."""
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids.to("lazy"), labels=ids.to("lazy")).loss
+    assert ctl.backward(loss)
+    grads = {n: None if p.grad is None else p.grad.cpu() for n, p in model.named_parameters()}
+    handles = detach_outputs(reference, ctl.last_dropped)
+    ref_loss, ref_grads = loss_and_grads(reference, ids)
+    for h in handles:
+        h.remove()
+    torch.testing.assert_close(loss.cpu(), ref_loss, atol=1e-5, rtol=0)
+    assert_same_grads(grads, ref_grads, atol=1e-5)
+
+
 _FULL = [(p, a, "full") for p in ("cut", "uniform") for a in (1, 2, 8)]
 
 
@@ -144,17 +165,7 @@ def test_gradients_on_the_engine_equal_the_reference(pattern, method):
     ctl = dropbp.apply(model, 0.5, seed=1, pattern=pattern, backend=LazyEngineBackend())
     seen = set()
     for step in range(6):
-        ids = batch(step)
-        model.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids.to("lazy"), labels=ids.to("lazy")).loss
-        ctl.backward(loss)
-        grads = {n: None if p.grad is None else p.grad.cpu() for n, p in model.named_parameters()}
-        handles = detach_outputs(reference, ctl.last_dropped)
-        ref_loss, ref_grads = loss_and_grads(reference, ids)
-        for h in handles:
-            h.remove()
-        torch.testing.assert_close(loss.cpu(), ref_loss, atol=1e-5, rtol=0)
-        assert_same_grads(grads, ref_grads, atol=1e-5)
+        step_equals_the_reference(model, ctl, reference, batch(step))
         seen.add(ctl.last_dropped)
     assert len(seen) > 1 and any(seen)  # several patterns, some dropping
 
@@ -175,17 +186,7 @@ def test_the_memory_bound_on_the_engine_is_exact_and_its_graphs_are_the_plans(ra
     bounded_steps = 0
     for step in range(20):  # the weights stay put: each step against the same reference
         counts.clear()
-        ids = batch(step)
-        model.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids.to("lazy"), labels=ids.to("lazy")).loss
-        assert ctl.backward(loss)
-        grads = {n: None if p.grad is None else p.grad.cpu() for n, p in model.named_parameters()}
-        handles = detach_outputs(reference, ctl.last_dropped)
-        ref_loss, ref_grads = loss_and_grads(reference, ids)
-        for h in handles:
-            h.remove()
-        torch.testing.assert_close(loss.cpu(), ref_loss, atol=1e-5, rtol=0)
-        assert_same_grads(grads, ref_grads, atol=1e-5)
+        step_equals_the_reference(model, ctl, reference, batch(step))
         kept = [b.name for b in ctl.branches if b.name not in set(ctl.last_dropped)]
         stored = [name for name in kept if counts[name] == 1]
         assert len(stored) <= keep and all(counts[name] == 2 for name in kept if name not in stored)

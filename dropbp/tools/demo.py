@@ -54,6 +54,17 @@ def demo_runs(steps: int) -> tuple[Run, ...]:
     )
 
 
+#: The memory table's configurations: (label, drop rate or None for full backprop, chunked loss, checkpointing).
+MEMORY_CONFIGS = (
+    ("full backprop", None, False, False),
+    ("full backprop, checkpointing on", None, False, True),
+    ("DropBP 0.875 (shipped: cut + memory bound), worst step", 0.875, False, False),
+    ("DropBP 0.875, worst step, chunked loss", 0.875, True, False),
+)
+#: ``--quick``'s: the same without DropBP 0.875 with the plain loss (a probe less; its row is the full demo's).
+QUICK_MEMORY_CONFIGS = tuple(c for c in MEMORY_CONFIGS if c[1] is None or c[2])
+
+
 @dataclass(frozen=True)
 class DemoSettings:
     steps: int = 40
@@ -67,11 +78,13 @@ class DemoSettings:
     speed_seq_len: int = 512
     memory_seq_len: int = 1024  # tokens of the memory table's one-sequence steps
     convergence: bool = True  # the lockstep runs (full backprop, equal steps, equal time)
+    memory_configs: tuple = MEMORY_CONFIGS
 
     @classmethod
     def quick(cls) -> DemoSettings:
         """Step times and memory at short lengths, the map's verdict, no convergence runs."""
-        return cls(speed_rounds=4, speed_seq_len=256, memory_seq_len=256, convergence=False)
+        quick = {"speed_rounds": 3, "speed_seq_len": 256, "memory_seq_len": 256, "convergence": False}
+        return cls(**quick, memory_configs=QUICK_MEMORY_CONFIGS)
 
 
 def _lora(model: torch.nn.Module) -> torch.nn.Module:
@@ -217,22 +230,13 @@ def step_speedups(model: torch.nn.Module, settings: DemoSettings, backend: Backe
     return rows
 
 
-#: The memory table's configurations: (label, drop rate or None for full backprop, chunked loss, checkpointing).
-MEMORY_CONFIGS = (
-    ("full backprop", None, False, False),
-    ("full backprop, checkpointing on", None, False, True),
-    ("DropBP 0.875 (shipped: cut + memory bound), worst step", 0.875, False, False),
-    ("DropBP 0.875, worst step, chunked loss", 0.875, True, False),
-)
-
-
 def memory_rows(model: torch.nn.Module, settings: DemoSettings, show: bool) -> list[dict]:
-    """Peak memory of one LoRA training step of SmolLM2-135M per :data:`MEMORY_CONFIGS`, each in a fresh process."""
+    """Peak memory of one LoRA training step of SmolLM2-135M per ``settings.memory_configs``, a fresh process each."""
     from dropbp.tools.membench import run_probe, worst_case_seed
 
     seed = worst_case_seed(model, 0.875)
     rows = []
-    for label, rate, chunked, checkpointing in MEMORY_CONFIGS:
+    for label, rate, chunked, checkpointing in settings.memory_configs:
         spec = {"preset": "smollm2", "method": "lora", "seq_len": settings.memory_seq_len, "rate": rate}
         spec |= {"chunked": chunked, "checkpointing": checkpointing, "steps": 1, "seed": seed, "pattern": "cut"}
         spec["memory_bound"] = rate is not None
