@@ -106,7 +106,7 @@ class DropBPController:
         # first: a model it cannot handle leaves no hooks
         chunked = options.chunked_loss
         self._chunked = None if chunked is False else ChunkedLoss(model, None if chunked is True else chunked)
-        self._hooks = StepHooks(model, self._found, policy, self._is_unbiased, backend, self._kept_bound)
+        self._hooks = StepHooks(model, self._found, policy, backend)
         self._hooks.owner = self
         self._fill = DroppedGrads(options.dropped_grads, self._hooks.holders)
         self._tally = DropTally(self._flops)
@@ -129,13 +129,6 @@ class DropBPController:
             _ATTACHED[module] = weakref.ref(self)
         self._removed = False
         self._undo: list[Callable[[], None]] = []  # see at_remove
-
-    def _is_unbiased(self) -> bool:
-        return self._policy.options.unbiased
-
-    def _kept_bound(self) -> int | None:
-        options = self._policy.options
-        return kept_bound(options.drop_rate, len(self._found)) if options.bounded else None
 
     @property
     def options(self) -> DropBPOptions:
@@ -170,7 +163,8 @@ class DropBPController:
     def max_kept_branches(self) -> int:
         """The most branches that store activations in one step: with the bound, what the uniform shape keeps
         at most at ``drop_rate``; without it, every branch (a step may drop none)."""
-        return self._kept_bound() or len(self._found)
+        options = self._policy.options
+        return kept_bound(options.drop_rate, len(self._found)) if options.bounded else len(self._found)
 
     def _names(self, indices: frozenset[int]) -> tuple[str, ...]:
         return tuple(self._found[i].name for i in sorted(indices))

@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from dropbp.backends import Backend
-from dropbp.execution.bound import MemoryBound
+from dropbp.execution.bound import MemoryBound, kept_bound
 from dropbp.execution.branch_forward import attach_gradient_scaling, attach_no_grad_hooks
 from dropbp.execution.discovery import BERT_BRANCHES, Branch, ResidualProbe, holder
 from dropbp.execution.distributed import check_running_ddp_checkpointing
@@ -49,6 +49,14 @@ class StepListener(Protocol):
         """Undo whatever this listener installed: DropBP is being removed from the model."""
 
 
+class ExecutionSettings(Protocol):
+    """The settings of :class:`dropbp.options.DropBPOptions` the hooks read, through the policy that holds them."""
+
+    drop_rate: float
+    unbiased: bool
+    bounded: bool
+
+
 class StepHooks:
     """Draws each training step's pattern and makes the branch modules obey it.
 
@@ -56,10 +64,9 @@ class StepHooks:
         model: the model whose training forwards are the steps.
         branches: in branch order; each branch's parts (its module, then its tail: post-norms between its
             output and the residual add) run without autograd when the branch drops.
-        policy: decides each step's pattern.
-        unbiased: read at every forward: whether kept branches' incoming gradients are scaled.
-        keep: read at every training forward: how many kept branches may store activations (``None``: no bound;
-            :mod:`dropbp.execution.bound`).
+        policy: decides each step's pattern; its options (:class:`ExecutionSettings`) are read as each training
+            forward starts: ``unbiased`` (kept branches' incoming gradients scaled) and the memory bound
+            (:mod:`dropbp.execution.bound`).
     """
 
     def __init__(
@@ -67,9 +74,7 @@ class StepHooks:
         model: nn.Module,
         branches: Sequence[Branch],
         policy: DropPolicy,
-        unbiased: Callable[[], bool],
         backend: Backend,
-        keep: Callable[[], int | None] = lambda: None,
     ) -> None:
         parts = [b.parts for b in branches]
         self._model = model
@@ -78,7 +83,6 @@ class StepHooks:
         #: Per branch, one module holding every parameter of it (tail included).
         self.holders = [holder(branch) for branch in parts]
         self._policy = policy
-        self._unbiased = unbiased
         #: Whether kept branches get importance weights in the forward under way (``unbiased``, read as it starts).
         self.weighting = False
         #: Training forwards that drew a pattern so far (the step counter).
@@ -99,7 +103,6 @@ class StepHooks:
         self._trainable: list[bool] | None = None
         #: Whatever must live as long as the model's hooks (the controller: the model keeps it, no registry does).
         self.owner: object | None = None
-        self._keep = keep
         self.bound = MemoryBound(model, self._names, self._modules, backend)
         self._listeners: list[StepListener] = []
         self._recompute = RecomputeCache(self._modules, backend)
@@ -242,7 +245,8 @@ class StepHooks:
     def _on_model_forward(self, model: nn.Module, args: tuple) -> None:
         if in_backward():
             return  # checkpointing recomputes the whole model: the step's decision stands
-        self.weighting = self._unbiased()  # read once per forward, not at every branch call
+        options: ExecutionSettings = self._policy.options  # type: ignore[assignment]  (a DropBPOptions)
+        self.weighting = options.unbiased  # read once per forward, not at every branch call
         if self.forced is not None:
             self.dropped = self.forced  # calibration passes: a given pattern, no step taken
             self._recompute.begin_forward()
@@ -256,7 +260,7 @@ class StepHooks:
         for listener in self._listeners:  # one may refuse the step (raise): before anything moves on
             listener.on_training_forward(self.dropped)
         self._recompute.begin_forward()
-        keep = self._keep()
+        keep = kept_bound(options.drop_rate, len(self._names)) if options.bounded else None
         if keep is not None:
             self.bound.begin(self.dropped, keep)
         self.step += 1
