@@ -111,13 +111,9 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def row(setting: str, stems: list[str]) -> str | None:
-    """The table row of one setting, or None when no record of it exists yet."""
-    seeds = [runs for runs in map(_runs, stems) if runs is not None]
-    if not seeds:
-        return None
-    speedups = [s[EQUAL_STEPS if EQUAL_STEPS in s else EQUAL_TIME]["step_speedup"] for s in seeds]
-    steps = [
+def _saved_and_gap(seeds: list[dict[str, dict]]) -> list[tuple[float, float]]:
+    """Per seed with an equal-steps run: the training time it saved and its relative loss gap."""
+    return [
         (
             1 - s[EQUAL_STEPS]["train_s"] / s[BASELINE]["train_s"],
             s[EQUAL_STEPS]["final_val_loss"] / s[BASELINE]["final_val_loss"] - 1,
@@ -125,6 +121,15 @@ def row(setting: str, stems: list[str]) -> str | None:
         for s in seeds
         if EQUAL_STEPS in s
     ]
+
+
+def row(setting: str, stems: list[str]) -> str | None:
+    """The table row of one setting, or None when no record of it exists yet."""
+    seeds = [runs for runs in map(_runs, stems) if runs is not None]
+    if not seeds:
+        return None
+    speedups = [s[EQUAL_STEPS if EQUAL_STEPS in s else EQUAL_TIME]["step_speedup"] for s in seeds]
+    steps = _saved_and_gap(seeds)
     timed = [s for s in seeds if EQUAL_TIME in s]
     # at the same training time, the shorter run's (as the records' tables read it): a DropBP run that trained less
     # than the baseline against the baseline at its end, one that trained longer read at the baseline's end
@@ -199,10 +204,9 @@ def smollm2_table() -> str:
 def _equal_steps(stems: list[str]) -> tuple[float, float, float, int]:
     """Over the seeds recorded: mean step speedup, time saved and loss gap at equal steps, and the seeds."""
     seeds = [s for s in map(_runs, stems) if s is not None and EQUAL_STEPS in s]
+    figures = _saved_and_gap(seeds)
     speedup = _mean([s[EQUAL_STEPS]["step_speedup"] for s in seeds])
-    saved = _mean([1 - s[EQUAL_STEPS]["train_s"] / s[BASELINE]["train_s"] for s in seeds])
-    gap = _mean([s[EQUAL_STEPS]["final_val_loss"] / s[BASELINE]["final_val_loss"] - 1 for s in seeds])
-    return speedup, saved, gap, len(seeds)
+    return speedup, _mean([t for t, _ in figures]), _mean([g for _, g in figures]), len(seeds)
 
 
 def _longest() -> tuple[str, str]:

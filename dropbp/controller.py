@@ -22,7 +22,6 @@ from torch import nn
 from dropbp.backends import Backend
 from dropbp.checks import check_bool, check_choice, check_int
 from dropbp.execution import sensitivity
-from dropbp.execution.bound import kept_bound
 from dropbp.execution.chunked_loss import ChunkedLoss
 from dropbp.execution.discovery import Branch
 from dropbp.execution.distributed import RunningDDPCheck, check_ddp
@@ -163,8 +162,7 @@ class DropBPController:
     def max_kept_branches(self) -> int:
         """The most branches that store activations in one step: with the bound, what the uniform shape keeps
         at most at ``drop_rate``; without it, every branch (a step may drop none)."""
-        options = self._policy.options
-        return kept_bound(options.drop_rate, len(self._found)) if options.bounded else len(self._found)
+        return self._hooks.kept_bound() or len(self._found)
 
     def _names(self, indices: frozenset[int]) -> tuple[str, ...]:
         return tuple(self._found[i].name for i in sorted(indices))

@@ -241,12 +241,19 @@ class StepHooks:
         kept_scale = self._kept_scale(index)
         return lambda module: 1.0 if index in self.in_force() else kept_scale(module)  # dropped: no gradient
 
+    def _settings(self) -> ExecutionSettings:
+        return self._policy.options  # type: ignore[return-value]  (the policy holds the whole DropBPOptions)
+
+    def kept_bound(self) -> int | None:
+        """How many kept branches may store activations in a training forward now (None: the bound is off)."""
+        settings = self._settings()
+        return kept_bound(settings.drop_rate, len(self._names)) if settings.bounded else None
+
     @outside_graphs
     def _on_model_forward(self, model: nn.Module, args: tuple) -> None:
         if in_backward():
             return  # checkpointing recomputes the whole model: the step's decision stands
-        options: ExecutionSettings = self._policy.options  # type: ignore[assignment]  (a DropBPOptions)
-        self.weighting = options.unbiased  # read once per forward, not at every branch call
+        self.weighting = self._settings().unbiased  # read once per forward, not at every branch call
         if self.forced is not None:
             self.dropped = self.forced  # calibration passes: a given pattern, no step taken
             self._recompute.begin_forward()
@@ -260,7 +267,7 @@ class StepHooks:
         for listener in self._listeners:  # one may refuse the step (raise): before anything moves on
             listener.on_training_forward(self.dropped)
         self._recompute.begin_forward()
-        keep = kept_bound(options.drop_rate, len(self._names)) if options.bounded else None
+        keep = self.kept_bound()
         if keep is not None:
             self.bound.begin(self.dropped, keep)
         self.step += 1

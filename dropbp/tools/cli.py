@@ -215,17 +215,8 @@ def _removed_if_left_empty(folder: Path) -> Iterator[Path]:
         raise
 
 
-#: What ``dropbp demo`` says before it starts: how long it takes (docs/demo.md has the timed runs).
-DEMO_DURATION = {
-    "quick": "dropbp demo --quick: step times, memory and the measured map's verdict, about 3 minutes on 2 CPU cores "
-    "(set-up aside; the convergence runs are the full demo's)",
-    "full": "dropbp demo: three lockstep fine-tuning runs, step times and memory, about 15 minutes on 2 idle CPU cores "
-    "(set-up aside; --quick: about 3 minutes, without the convergence runs)",
-}
-
-
 def _demo(args: argparse.Namespace) -> int:
-    from dropbp.tools.demo import DemoSettings, run_demo, table
+    from dropbp.tools.demo import DURATION, DemoSettings, run_demo, table
     from dropbp.tools.pretrained import UnusableModel
 
     settings = DemoSettings.quick() if args.quick else DemoSettings()
@@ -235,7 +226,7 @@ def _demo(args: argparse.Namespace) -> int:
     with _removed_if_left_empty(args.out) as out:
         try:
             with _warnings_after_the_bar():
-                duration = DEMO_DURATION["quick" if args.quick else "full"]
+                duration = DURATION["quick" if args.quick else "full"]
                 record = run_demo(settings, backend, out, args.model, announce=duration)
         except UnusableModel as err:
             raise UsageError(str(err)) from None

@@ -36,13 +36,22 @@ from dropbp.tools.pretrained import UnusableModel, load_causal_lm
 from dropbp.tools.report import plot_curves, steps_and_time_table
 from dropbp.tools.textdata import pydoc_topics
 
-__all__ = ["EQUAL_TIME_FACTOR", "DemoSettings", "demo_runs", "run_demo"]
+__all__ = ["DURATION", "EQUAL_TIME_FACTOR", "DemoSettings", "demo_runs", "run_demo"]
 
 #: About DropBP's step speedup at 0.5 with LoRA in this regime on 2 CPU cores (1.33x-1.41x:
 #: benchmarks/results/convergence_time-schedules_lora_pydoc_accumulate.md): the equal-time run gets this many
 #: times the baseline's steps.
 EQUAL_TIME_FACTOR = 1.35
 _DEFAULT = {"pattern": "cut", "schedule": "warmup", "drop_schedule": "constant"}  # what attach ships
+
+
+#: What ``dropbp demo`` says before it starts: how long it takes (docs/demo.md has the timed runs).
+DURATION = {
+    "quick": "dropbp demo --quick: step times, memory and the measured map's verdict, about 3 minutes on 2 CPU cores "
+    "(set-up aside; the convergence runs are the full demo's)",
+    "full": "dropbp demo: three lockstep fine-tuning runs, step times and memory, about 15 minutes on 2 idle CPU cores "
+    "(set-up aside; --quick: about 3 minutes, without the convergence runs)",
+}
 
 
 def demo_runs(steps: int) -> tuple[Run, ...]:
