@@ -1,22 +1,19 @@
-"""The device interface: what a training loop needs from a device, and nothing about drop policy.
+"""The device interface: what the execution of a dropped backward asks of a device, and nothing about drop policy.
 
-Dropped branches need no per-device code: the core (``dropbp/execution/branch_forward.py``) runs them under
-``torch.no_grad()``, so they record no autograd graph and their intermediate tensors are freed as soon
-as the branch returns, on every device. What differs per device is listed here: where tensors live,
-how to wait for queued work, memory figures, autocast, the collective library, and the step
-boundaries a lazily compiled device needs (graph breaks) together with a bound on distinct drop
-patterns where every pattern is its own compiled graph. What only the measurement tools ask (timers,
-environment reports, the dtype benchmarks train in, graph counts) is in ``backends/<device>.py``.
+A dropped branch runs under ``torch.no_grad()`` on every device (``dropbp/execution/branch_forward.py``); what differs
+per device is listed here: where tensors live, how to wait for queued work, memory figures, autocast, the collective
+library, the step boundaries and pattern bound of a lazily compiled device (:class:`LazyGraphBackend`), how the memory
+bound recomputes kept branches (:meth:`Backend.checkpoint`) and restores random state, and how many token rows a
+token-dropped backward runs on (:meth:`Backend.kept_row_count`). What only the measurement tools ask (timers,
+environment reports, the dtype benchmarks train in, graph counts) is in :mod:`dropbp.tools.device_tools`.
 Adding a device (its steps, built in or as a plugin): docs/backends.md, "Adding a device".
 """
 
 from __future__ import annotations
 
 import os
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from types import ModuleType
 from typing import Any
 
@@ -24,7 +21,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["Backend", "BackendUnavailable", "EventTimer", "HostTimer", "UnknownBackend", "describe"]
+__all__ = ["Backend", "BackendUnavailable", "LazyGraphBackend", "UnknownBackend", "describe"]
+
+#: Distinct drop patterns a lazy-graph device compiles at most over a run (docs/backends.md says why 16).
+LAZY_MAX_PATTERNS = 16
+#: Fixed token-row counts a lazy-graph device runs a token-dropped branch's backward on (equal steps of the rows).
+ROW_BUCKETS = 8
 
 
 def describe(exc: BaseException) -> str:
@@ -42,7 +44,7 @@ class UnknownBackend(BackendUnavailable, ValueError):
 
 
 class Backend(ABC):
-    """One device family. Subclasses are small: they only answer device questions."""
+    """One device family. Subclasses are small: they override what differs on their device, or say why nothing does."""
 
     name: str = ""
     #: torch.distributed backend for this device (gloo / nccl / hccl / xccl).
@@ -166,77 +168,41 @@ class Backend(ABC):
         else ``device``."""
         return torch.device("cpu") if torch.distributed.get_backend() == "gloo" else device
 
-    # -- what the tools ask (dropbp check, bench, membench, demo) ----------------------------------
-    @property
-    def training_dtype(self) -> torch.dtype:
-        """The dtype benchmarks train in by default: the autocast dtype on accelerators."""
-        return self.autocast_dtype
-
-    def training_autocast(self) -> AbstractContextManager:
-        """The context benchmarks run a training forward in: :meth:`autocast` on accelerators."""
-        return self.autocast()
-
-    def timer(self) -> HostTimer | EventTimer:
-        """A context manager whose ``.seconds`` is the time the block took on this device."""
-        return HostTimer(self.synchronize)
-
-    def environment(self) -> dict[str, object]:
-        """Device name, device count and the device stack's versions, for reports (``dropbp check``).
-
-        Bug reports from hardware this project cannot run on are only useful with these facts, so each device
-        states them in its own terms; nothing here may raise on a working device.
-        """
-        return {"device_name": self.device.type, "device_count": None}
-
-    def graph_compilations(self) -> int | None:
-        """Graphs compiled so far where the device compiles graphs and reports it; None otherwise."""
-        return None
+    def kept_row_count(self, kept: int, rows: int) -> int:
+        """How many token rows a branch's backward runs on when the selection keeps ``kept`` of its ``rows``
+        (token drops): exactly ``kept`` on eager devices, which gather any number of rows; a lazy-graph device
+        rounds it up to a few fixed counts (:class:`LazyGraphBackend`), so that selections share compiled graphs."""
+        return kept
 
     def __repr__(self) -> str:
         return f"<dropbp backend {self.name!r} on {self.device}>"
 
 
-class HostTimer:
-    """Wall-clock timing of a block: waits for the device on entry and exit, then reads the host clock."""
 
-    def __init__(self, synchronize: Callable[[], None]) -> None:
-        self._synchronize = synchronize
-        self._start = self._end = 0.0
+class LazyGraphBackend(Backend):
+    """A device that records operations into graphs and compiles each distinct graph (Gaudi's lazy mode, the lazy
+    engine): a graph break after backward and after the optimizer step, a bound of :data:`LAZY_MAX_PATTERNS` distinct
+    drop patterns held over the whole run, and token drops on one of :data:`ROW_BUCKETS` fixed row counts. Subclasses
+    say how to cut a graph (:meth:`mark_step`) and whether the device runs lazily now (:attr:`lazy`)."""
 
-    def __enter__(self) -> HostTimer:
-        self._synchronize()
-        self._start = time.perf_counter()
-        return self
+    #: True where graphs are recorded and cut by :meth:`mark_step`; False (an eager mode): nothing of the above.
+    lazy: bool = True
 
-    def __exit__(self, *exc: object) -> None:
-        self._synchronize()
-        self._end = time.perf_counter()
+    def __init__(self) -> None:
+        self.default_max_patterns = LAZY_MAX_PATTERNS if self.lazy else None
 
-    @property
-    def seconds(self) -> float:
-        return self._end - self._start
+    @abstractmethod
+    def mark_step(self) -> None:
+        """Cut the pending lazy graph: compile it (or fetch it from the cache) and run it."""
 
+    def graph_break(self) -> None:
+        if self.lazy:
+            self.mark_step()
 
-class EventTimer:
-    """Device-side timing with the device's events (``torch.cuda.Event``, ``torch.xpu.Event``).
-
-    Events are recorded in the device's stream, so the block is not serialised with the host; only
-    reading :attr:`seconds` waits for the end event.
-    """
-
-    def __init__(self, device_module: Any) -> None:
-        self._start = device_module.Event(enable_timing=True)
-        self._end = device_module.Event(enable_timing=True)
-
-    def __enter__(self) -> EventTimer:
-        self._start.record()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._end.record()
-
-    @property
-    def seconds(self) -> float:
-        self._end.synchronize()
-        return self._start.elapsed_time(self._end) / 1000.0
-
+    def kept_row_count(self, kept: int, rows: int) -> int:
+        """``kept`` rounded up to the next of :data:`ROW_BUCKETS` equal steps of ``rows``: at most that many
+        backward graphs per branch shape, whatever the selection (in lazy mode)."""
+        if not self.lazy or kept <= 0 or kept >= rows:
+            return kept
+        bucket = -(-rows // ROW_BUCKETS)
+        return min(rows, -(-kept // bucket) * bucket)

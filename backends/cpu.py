@@ -16,9 +16,7 @@ import functools
 import importlib
 import importlib.metadata
 import logging
-import platform
 import sys
-from contextlib import AbstractContextManager, nullcontext
 from types import ModuleType
 
 import torch
@@ -72,6 +70,8 @@ def ipex() -> ModuleType | None:
 
 
 class CPUBackend(Backend):
+    """Overrides :meth:`prepare` (IPEX); the execution's defaults (checkpointing, CPU random state) are the CPU's."""
+
     name = "cpu"
     distributed_backend = "gloo"
 
@@ -115,32 +115,7 @@ class CPUBackend(Backend):
             return module.optimize(model, dtype=self.autocast_dtype), None
         return module.optimize(model, optimizer=optimizer, dtype=self.autocast_dtype)
 
-    @property
-    def training_dtype(self) -> torch.dtype:
-        """float32: bf16 matrix products are slower than float32 on most CPUs."""
-        return torch.float32
 
-    def training_autocast(self) -> AbstractContextManager:
-        """No autocast: the CPU trains in float32 (see :attr:`training_dtype`)."""
-        return nullcontext()
-
-    def environment(self) -> dict[str, object]:
-        """Cores PyTorch uses, and IPEX's version when it is installed (used only when it matches torch)."""
-        return {
-            "device_name": _cpu_name(),
-            "device_count": 1,
-            "cpu_threads": torch.get_num_threads(),
-            "intel_extension_for_pytorch": installed_ipex_version(),
-        }
-
-
-def _cpu_name() -> str:
-    """The CPU model (Linux's ``/proc/cpuinfo``), else what :mod:`platform` knows."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def stack_versions() -> dict[str, object]:
+    """The version of IPEX where it is installed (for reports; it is used only where it matches torch)."""
+    return {_IPEX: installed_ipex_version()}

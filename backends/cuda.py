@@ -10,12 +10,14 @@ would synchronise the device every step and the memory would only be requested a
 from __future__ import annotations
 
 import torch
-from dropbp.backends.base import Backend, EventTimer
+from dropbp.backends.base import Backend
 
 _INSTALL = "install a CUDA build of PyTorch (https://pytorch.org/get-started/locally/)"
 
 
 class CUDABackend(Backend):
+    """The execution's defaults hold on CUDA (non-re-entrant checkpointing, the device generator, any row count)."""
+
     name = "cuda"
     distributed_backend = "nccl"
     torch_module = "cuda"
@@ -44,23 +46,3 @@ class CUDABackend(Backend):
     def autocast_dtype(self) -> torch.dtype:
         """bf16 where the GPU has it (Ampere and later), else fp16."""
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-
-    def timer(self) -> EventTimer:
-        """CUDA events: timed on the GPU's stream, without stalling the host inside the block."""
-        return EventTimer(torch.cuda)
-
-    def environment(self) -> dict[str, object]:
-        """GPU name and count, CUDA (or HIP) and cuDNN versions, and NCCL's where it is built in."""
-        try:
-            nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
-        except Exception:  # no NCCL in this build (Windows, some ROCm builds): not an error for a report
-            nccl = None
-        return {
-            "device_name": torch.cuda.get_device_name(),
-            "device_count": torch.cuda.device_count(),
-            "cuda": torch.version.cuda,
-            "hip": getattr(torch.version, "hip", None),
-            "cudnn": torch.backends.cudnn.version(),
-            "nccl": nccl,
-            "bf16_supported": torch.cuda.is_bf16_supported(),
-        }

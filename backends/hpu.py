@@ -1,10 +1,11 @@
 """Intel Gaudi (HPU) through the Gaudi PyTorch bridge ``habana_frameworks``: lazy or eager mode.
 
-Lazy mode (``PT_HPU_LAZY_MODE=1``, the default before Gaudi software 1.21): a graph break
-(``htcore.mark_step()``) after backward and after the optimizer step, and ``default_max_patterns = 16``
-(every distinct pattern is its own compiled graph). Eager mode (the default from 1.21): neither. The mode comes
-from ``habana_frameworks.torch.utils.internal.is_lazy()`` where the stack has it, else ``PT_HPU_LAZY_MODE``
-(unset: lazy). Collectives use ``hccl``. Why and what to expect (graph counts, a runbook): docs/backends.md.
+Lazy mode (``PT_HPU_LAZY_MODE=1``, the default before Gaudi software 1.21) is a
+:class:`~dropbp.backends.base.LazyGraphBackend`: a graph break (``htcore.mark_step()``) after backward and after the
+optimizer step, ``default_max_patterns = 16`` (every distinct pattern is its own compiled graph) and token drops on
+fixed row counts. Eager mode (the default from 1.21): none of these. The mode comes from
+``habana_frameworks.torch.utils.internal.is_lazy()`` where the stack has it, else ``PT_HPU_LAZY_MODE`` (unset: lazy).
+Collectives use ``hccl``. Why and what to expect (graph counts, a runbook): docs/backends.md.
 """
 
 from __future__ import annotations
@@ -14,10 +15,7 @@ import importlib.metadata
 import os
 
 import torch
-from dropbp.backends.base import Backend, describe
-
-#: Pattern bound in lazy mode (see the module docstring for why 16).
-LAZY_MAX_PATTERNS = 16
+from dropbp.backends.base import LazyGraphBackend, describe
 
 _INSTALL = (
     "install Intel Gaudi software with Intel's installer or use the Gaudi PyTorch container "
@@ -33,7 +31,7 @@ def _lazy_mode() -> bool:
     return bool(internal.is_lazy())
 
 
-class HPUBackend(Backend):
+class HPUBackend(LazyGraphBackend):
     name = "hpu"
     distributed_backend = "hccl"
     torch_module = "hpu"  # its synchronize waits for launched graphs: in lazy mode, those before the last break
@@ -57,14 +55,8 @@ class HPUBackend(Backend):
         return None
 
     def __init__(self) -> None:
-        #: True in lazy mode (graphs cut by :meth:`mark_step`), False in eager/compile mode.
-        self.lazy = self.lazy_mode()
-        self.default_max_patterns = LAZY_MAX_PATTERNS if self.lazy else None
-
-    @classmethod
-    def lazy_mode(cls) -> bool:
-        """Whether the bridge runs in lazy mode (see the module docstring for how it is read)."""
-        return _lazy_mode()
+        self.lazy = _lazy_mode()  # lazy mode: graphs cut by mark_step; eager/compile mode: none of LazyGraphBackend's
+        super().__init__()
 
     def mark_step(self) -> None:
         """Cut the pending lazy graph: ``habana_frameworks.torch.core.mark_step()``."""
@@ -83,30 +75,6 @@ class HPUBackend(Backend):
     def autocast_dtype(self) -> torch.dtype:
         return torch.bfloat16
 
-    def graph_break(self) -> None:
-        if self.lazy:
-            self.mark_step()
-
-    def environment(self) -> dict[str, object]:
-        """Gaudi name and count, the bridge's version, lazy or eager mode and ``PT_HPU_LAZY_MODE``."""
-        hpu = importlib.import_module("habana_frameworks.torch.hpu")
-        name = getattr(hpu, "get_device_name", None)
-        return {
-            "device_name": name() if callable(name) else "Gaudi",
-            "device_count": int(hpu.device_count()),
-            "habana_frameworks": _bridge_version(),
-            "mode": "lazy" if self.lazy else "eager",
-            "PT_HPU_LAZY_MODE": os.environ.get("PT_HPU_LAZY_MODE"),
-        }
-
-    def graph_compilations(self) -> int | None:
-        """``metric_global("graph_compilation")``'s TotalNumber, where the metrics API exists."""
-        try:
-            metrics = importlib.import_module("habana_frameworks.torch.hpu.metrics")
-        except ImportError:
-            return None
-        return int(dict(metrics.metric_global("graph_compilation").stats())["TotalNumber"])
-
     def __repr__(self) -> str:
         return f"<dropbp backend 'hpu' ({'lazy' if self.lazy else 'eager'} mode) on {self.device}>"
 
@@ -117,3 +85,25 @@ def _bridge_version() -> str | None:
         return importlib.metadata.version("habana-torch-plugin")
     except importlib.metadata.PackageNotFoundError:
         return getattr(importlib.import_module("habana_frameworks.torch"), "__version__", None)
+
+
+def environment() -> dict[str, object]:
+    """Gaudi name and count, the bridge's version, lazy or eager mode and ``PT_HPU_LAZY_MODE`` (for reports)."""
+    hpu = importlib.import_module("habana_frameworks.torch.hpu")
+    name = getattr(hpu, "get_device_name", None)
+    return {
+        "device_name": name() if callable(name) else "Gaudi",
+        "device_count": int(hpu.device_count()),
+        "habana_frameworks": _bridge_version(),
+        "mode": "lazy" if _lazy_mode() else "eager",
+        "PT_HPU_LAZY_MODE": os.environ.get("PT_HPU_LAZY_MODE"),
+    }
+
+
+def compiled_graphs() -> int | None:
+    """Graphs compiled so far (``metric_global("graph_compilation")``'s TotalNumber), where the metrics API exists."""
+    try:
+        metrics = importlib.import_module("habana_frameworks.torch.hpu.metrics")
+    except ImportError:
+        return None
+    return int(dict(metrics.metric_global("graph_compilation").stats())["TotalNumber"])

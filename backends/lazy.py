@@ -1,16 +1,15 @@
 """PyTorch's own lazy-tensor engine (``torch._lazy``, TorchScript backend, CPU): Gaudi's lazy mode, runnable here.
 
-:class:`LazyEngineBackend` is :class:`~dropbp.backends.hpu.HPUBackend` in lazy mode with its touch points on Habana's
-stack moved to the engine: :meth:`~LazyEngineBackend.mark_step` is ``torch._lazy.mark_step``, the device is
-``"lazy"``, and graphs are counted by the engine's own counters (:func:`compiled_graphs`, :func:`graph_runs`, per
-process: a measurement that must not meet graphs compiled before it uses shapes of its own). Everything else (graph
-breaks, the pattern bound, ``ctl.backward`` / ``ctl.optimizer_step``) is the HPU backend's own code. The engine has no
+:class:`LazyEngineBackend` is a :class:`~dropbp.backends.base.LazyGraphBackend`, as Gaudi's lazy mode is, with the
+engine's touch points: :meth:`~LazyEngineBackend.mark_step` is ``torch._lazy.mark_step``, the device is ``"lazy"``, and
+graphs are counted by the engine's own counters (:func:`compiled_graphs`, :func:`graph_runs`, per process: a measurement
+that must not meet graphs compiled before it uses shapes of its own). Everything else (graph breaks, the pattern bound,
+fixed token-row counts, ``ctl.backward`` / ``ctl.optimizer_step``) is the shared lazy-graph code. The engine has no
 ``torch.lazy`` device module, which ``torch.utils.checkpoint`` (the memory bound) looks up for the device of its inputs:
 starting the engine registers a minimal one (:data:`DEVICE_MODULE`, as an out-of-tree device registers its own) that
-reports no device generator, so a recomputation restores the CPU generator's state, the one the engine's random ops
-draw from here. For measurement, tests and trying a
-Gaudi recipe without Gaudi (``DROPBP_BACKEND=lazy``); a real Gaudi run uses the HPU backend. What it showed:
-docs/backends.md ("Gaudi lazy mode on a real lazy engine").
+reports no device generator, so a recomputation restores the CPU generator's state, the one the engine's random ops draw
+from here. For measurement, tests and trying a Gaudi recipe without Gaudi (``DROPBP_BACKEND=lazy``); a real Gaudi run
+uses the HPU backend. What it showed: docs/backends.md ("Gaudi lazy mode on a real lazy engine").
 """
 
 from __future__ import annotations
@@ -19,8 +18,7 @@ import importlib
 from types import ModuleType
 
 import torch
-from dropbp.backends.base import describe
-from dropbp.backends.hpu import HPUBackend
+from dropbp.backends.base import LazyGraphBackend, describe
 
 from dropbp.internals import register_device_module, torch_lazy
 
@@ -57,8 +55,8 @@ def graph_runs() -> int:
     return _counter("UncachedCompile") + _counter("CachedCompile")
 
 
-class LazyEngineBackend(HPUBackend):
-    """The HPU backend in lazy mode, on ``torch._lazy``."""
+class LazyEngineBackend(LazyGraphBackend):
+    """Gaudi's lazy mode on ``torch._lazy``."""
 
     name = "lazy"
     distributed_backend = "gloo"
@@ -77,10 +75,6 @@ class LazyEngineBackend(HPUBackend):
         start()
         super().__init__()
 
-    @classmethod
-    def lazy_mode(cls) -> bool:
-        return True
-
     def mark_step(self) -> None:
         torch_lazy().mark_step()
 
@@ -95,17 +89,8 @@ class LazyEngineBackend(HPUBackend):
     def autocast(self) -> torch.autocast:
         return torch.autocast("cpu", enabled=False)
 
-    def init_distributed(self) -> int:
-        return super(HPUBackend, self).init_distributed()  # gloo: no hccl to register
-
     def rng_state(self, device: torch.device) -> list[torch.Tensor]:
         return [torch.get_rng_state()]
-
-    def environment(self) -> dict[str, object]:
-        return {"device_name": "torch._lazy (TorchScript backend, CPU)", "device_count": 1, "mode": "lazy"}
-
-    def graph_compilations(self) -> int | None:
-        return compiled_graphs()
 
     def __repr__(self) -> str:
         return "<dropbp backend 'lazy' (Gaudi's lazy mode on torch._lazy, TorchScript backend, CPU)>"

@@ -8,7 +8,7 @@ Collectives use ``xccl`` (upstream since PyTorch 2.7).
 from __future__ import annotations
 
 import torch
-from dropbp.backends.base import Backend, EventTimer
+from dropbp.backends.base import Backend
 
 from dropbp.internals import built_with
 
@@ -19,6 +19,8 @@ _INSTALL = (
 
 
 class XPUBackend(Backend):
+    """The execution's defaults hold on Intel GPUs, as on CUDA (checkpointing, the device generator, any row count)."""
+
     name = "xpu"
     distributed_backend = "xccl"
     torch_module = "xpu"
@@ -48,15 +50,3 @@ class XPUBackend(Backend):
     @property
     def autocast_dtype(self) -> torch.dtype:
         return torch.bfloat16
-
-    def timer(self) -> EventTimer:
-        """XPU events: timed on the device's queue."""
-        return EventTimer(torch.xpu)
-
-    def environment(self) -> dict[str, object]:
-        """Intel GPU name and count, and the SYCL/oneAPI version this PyTorch was built with."""
-        return {
-            "device_name": torch.xpu.get_device_name(),
-            "device_count": torch.xpu.device_count(),
-            "xpu": getattr(torch.version, "xpu", None),
-        }

@@ -25,6 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import dropbp
 from dropbp import backends
+from dropbp.tools.device_tools import tools_for
 
 
 def byte_corpus() -> torch.Tensor:
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     patterns: set[tuple[str, ...]] = set()
     skipped = 0
     backend.reset_peak_memory()
-    with backend.timer() as timer:
+    with tools_for(backend).timer() as timer:
         for step in range(1, args.steps + 1):
             ids = sample(train, args.batch, args.seq_len, generator).to(backend.device)
             with backend.autocast():
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         f"(target {args.drop_rate}), {len(patterns)} distinct patterns, {skipped} backward(s) skipped"
     )
     peak = backend.max_memory_allocated()
-    compilations = backend.graph_compilations()
+    compilations = tools_for(backend).graph_compilations()
     print(
         f"device figures: {timer.seconds / args.steps * 1000:.1f} ms/step, "
         f"peak memory {f'{peak / 2**20:.1f} MiB' if peak else 'n/a'}, "

@@ -26,6 +26,7 @@ import transformers
 
 import dropbp
 from dropbp.integrations.hf import DropBPCallback
+from dropbp.tools.device_tools import tools_for
 
 
 def model_and_data(name: str, seq_len: int, count: int) -> tuple[torch.nn.Module, list[dict]]:
@@ -112,10 +113,10 @@ def main(argv: list[str] | None = None) -> None:
     model, data = model_and_data(args.model, args.seq_len, args.max_steps * args.micro_batches)
     callback = DropBPCallback(drop_rate=0.5, backend=backend)  # lazy mode: 16 patterns at most, by default
     trainer = gaudi_trainer(model, data, args, callback, backend.name)
-    before = backend.graph_compilations()
+    before = tools_for(backend).graph_compilations()
     trainer.train()
     plan = callback.controller.pattern_plan(micro_batches=args.micro_batches)
-    compiled = backend.graph_compilations()
+    compiled = tools_for(backend).graph_compilations()
     print(f"drop patterns used: at most {plan.patterns} (bound {callback.controller.max_patterns}); training graphs: "
           f"at most {plan.graphs} planned, none new after step {plan.settled_at}")  # fmt: skip
     if compiled is not None and before is not None:

@@ -21,6 +21,7 @@ import transformers
 from peft import LoraConfig, get_peft_model
 
 import dropbp
+from dropbp.tools.device_tools import tools_for
 
 
 def model_and_ids(name: str, seq_len: int) -> tuple[torch.nn.Module, torch.Tensor]:
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-4)
     for step in range(args.max_steps):
         backend.reset_peak_memory()
-        with backend.training_autocast():  # bf16 autocast on accelerators, float32 on the CPU
+        with tools_for(backend).training_autocast():  # bf16 autocast on accelerators, float32 on the CPU
             loss = model(input_ids=ids, labels=ids).loss
         ctl.backward(loss)  # loss.backward(), then the device's step boundary (a graph break on lazy devices)
         ctl.optimizer_step(optimizer)

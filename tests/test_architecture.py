@@ -202,9 +202,10 @@ def test_device_questions_are_asked_of_the_backend():
     import torch
 
     from dropbp import backends
+    from dropbp.tools.device_tools import tools_for
 
     cpu = backends.get("cpu")
-    tools = cpu
+    tools = tools_for(cpu)
     assert tools.training_dtype == torch.float32 and isinstance(tools.training_autocast(), nullcontext)
     assert cpu.has_allocator_stats is False
     for name in ("cuda", "hpu", "xpu"):

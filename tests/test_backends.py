@@ -18,10 +18,11 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import torch
 from conftest import batch, tiny_model
-from dropbp.backends.base import EventTimer, HostTimer
 
 import dropbp
 from dropbp import backends
+from dropbp.tools import device_tools
+from dropbp.tools.device_tools import EventTimer, HostTimer, tools_for
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "finetune.py"
@@ -61,7 +62,7 @@ def test_cpu_backend_facts():
     assert cpu.device == torch.device("cpu")
     assert cpu.autocast_dtype == torch.bfloat16
     assert cpu.distributed_backend == "gloo" and cpu.default_max_patterns is None
-    assert cpu.memory_allocated() == cpu.max_memory_allocated() == 0 and cpu.graph_compilations() is None
+    assert cpu.memory_allocated() == cpu.max_memory_allocated() == 0 and tools_for(cpu).graph_compilations() is None
     with cpu.autocast():
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
 
@@ -249,17 +250,21 @@ def test_entry_point_backends_register_by_name(plugin_dist, monkeypatch):
     assert ctl.backend.name == "npu" and ctl.max_patterns == 8  # the plugin's default bound
 
 
-def test_a_device_answers_the_tools_in_its_own_file():
+def test_the_tools_questions_are_answered_apart_from_the_backend(monkeypatch):
+
     class NPUBackend(backends.cpu.CPUBackend):
         name = "npu"
 
-    assert NPUBackend().graph_compilations() is None  # its base's answer until it gives its own
+    assert tools_for(NPUBackend()).graph_compilations() is None  # its base's answer until it registers its own
 
-    class CountingNPU(NPUBackend):
+    class CountingTools(device_tools.CPUTools):
         def graph_compilations(self):
             return 7
 
-    assert CountingNPU().graph_compilations() == 7 and CountingNPU().training_dtype == torch.float32
+    device_tools.register(NPUBackend, CountingTools)  # a class of this test's own: nothing to undo
+    assert tools_for(NPUBackend()).graph_compilations() == 7 and tools_for(NPUBackend()).training_dtype == torch.float32
+    execution_members = set(vars(backends.base.Backend))
+    assert not execution_members & {"timer", "environment", "training_dtype", "training_autocast", "graph_compilations"}
 
 
 def test_plugins_never_replace_built_ins_nor_join_auto_detection(plugin_dist):
@@ -417,10 +422,10 @@ def test_event_timer_records_around_the_block_and_reads_milliseconds():
 def test_cuda_backend_on_a_gpu():
     cuda = backends.get("cuda")
     assert cuda.device.type == "cuda" and cuda.distributed_backend == "nccl"
-    assert cuda.default_max_patterns is None and cuda.graph_compilations() is None
+    assert cuda.default_max_patterns is None and tools_for(cuda).graph_compilations() is None
     cuda.reset_peak_memory()
     before = cuda.memory_allocated()
-    with cuda.timer() as timer:
+    with tools_for(cuda).timer() as timer:
         x = torch.ones(1024, 1024, device=cuda.device)
         y = x @ x
     assert cuda.memory_allocated() > before and cuda.max_memory_allocated() >= cuda.memory_allocated()
@@ -524,6 +529,7 @@ from __future__ import annotations
 import torch
 
 from dropbp.backends.base import Backend
+from dropbp.tools.device_tools import DeviceTools, register
 
 
 class NPUBackend(Backend):
@@ -551,8 +557,13 @@ class NPUBackend(Backend):
         type(self).checkpoints += 1
         return super().checkpoint(function, *args, **kwargs)
 
+
+class NPUTools(DeviceTools):
     def environment(self):
         return {"device_name": "NPU stand-in", "device_count": 1}
+
+
+register(NPUBackend, NPUTools)
 '''
 
 

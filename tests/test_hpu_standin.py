@@ -26,8 +26,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dropbp
 from dropbp import backends
+from dropbp.tools.device_tools import tools_for
 
-LAZY_MAX_PATTERNS = backends.hpu.LAZY_MAX_PATTERNS
+LAZY_MAX_PATTERNS = backends.base.LAZY_MAX_PATTERNS
 
 STEPS = 200
 
@@ -189,7 +190,7 @@ def _train(standin: HabanaStandIn, ctl: dropbp.DropBPController, model: torch.nn
             assert ctl.backward(loss)
             ctl.optimizer_step(optimizer)
             optimizer.zero_grad(set_to_none=True)
-            totals.append(ctl.backend.graph_compilations())
+            totals.append(tools_for(ctl.backend).graph_compilations())
     return totals
 
 
@@ -326,19 +327,19 @@ def test_device_facts_memory_and_compilation_count(gaudi):
     assert (hpu.memory_allocated(), hpu.max_memory_allocated()) == (100, 300)
     hpu.reset_peak_memory()
     assert hpu.max_memory_allocated() == 100
-    with hpu.timer() as timer:
+    with tools_for(hpu).timer() as timer:
         pass
     assert gaudi.log == ["reset_peak_memory_stats", "synchronize", "synchronize"] and timer.seconds >= 0
-    assert hpu.graph_compilations() == 0
+    assert tools_for(hpu).graph_compilations() == 0
     with gaudi.on_device():
         torch.ones(3).add_(1)
     hpu.graph_break()
-    assert hpu.graph_compilations() == 1
+    assert tools_for(hpu).graph_compilations() == 1
 
 
 def test_no_compilation_count_without_the_metrics_api(gaudi, monkeypatch):
     monkeypatch.setitem(sys.modules, "habana_frameworks.torch.hpu.metrics", None)
-    assert backends.get("hpu").graph_compilations() is None
+    assert tools_for(backends.get("hpu")).graph_compilations() is None
 
 
 def test_a_gaudi_stack_without_a_device_fails_in_one_line(monkeypatch):

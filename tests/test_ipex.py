@@ -16,6 +16,7 @@ from conftest import assert_same_grads, batch, detach_outputs, tiny_model, with_
 
 import dropbp
 from dropbp import backends
+from dropbp.tools.device_tools import tools_for
 
 
 def _skip_reason() -> str | None:
@@ -61,7 +62,7 @@ def test_backend_applies_the_real_ipex_optimize(caplog):
     linears = [layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.down_proj]
     assert all(type(m) is IPEXLinear and m.weight.dtype == torch.bfloat16 for m in linears)
     assert optimizer is not None and hasattr(optimizer, "params_attr")
-    assert backend.environment()["intel_extension_for_pytorch"] == ipex.__version__
+    assert tools_for(backend).environment()["intel_extension_for_pytorch"] == ipex.__version__
     messages = [r.getMessage() for r in caplog.records if r.name == "dropbp"]
     assert messages == [f"cpu backend: using intel_extension_for_pytorch {ipex.__version__} (ipex.optimize)"]
 

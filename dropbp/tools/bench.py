@@ -30,6 +30,7 @@ from dropbp.execution.branch_forward import attach_no_grad_hooks
 from dropbp.files import write_atomically
 from dropbp.imports import require
 from dropbp.tools.compare import timing_verdict
+from dropbp.tools.device_tools import tools_for
 
 __all__ = [
     "PRETRAINED",
@@ -147,7 +148,7 @@ class _Bench:
     ) -> None:
         self.model = model
         self.backend = backend
-        self.timer = backend.timer
+        self.timer = tools_for(backend).timer
         self.seq_len = seq_len
         self.autocast = autocast
         self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)

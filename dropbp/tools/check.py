@@ -28,6 +28,7 @@ from dropbp.tools.check_env import environment
 from dropbp.tools.check_grads import Probe, correctness_checks, saved_bytes
 from dropbp.tools.check_graphs import graph_checks
 from dropbp.tools.check_report import FAIL, CheckResult, Outcome, render, write
+from dropbp.tools.device_tools import tools_for
 from dropbp.tools.pretrained import DEFAULT_MODEL, load_causal_lm, not_a_model_folder
 from dropbp.tools.qlora import count_4bit_layers, quantize_4bit, with_lora
 
@@ -186,7 +187,7 @@ def run_check(
         raise CheckSetupError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     resolved = backend if isinstance(backend, Backend) else get_backend(backend)
     if dtype is None:
-        dtype = "fp32" if resolved.training_dtype == torch.float32 else "bf16"
+        dtype = "fp32" if tools_for(resolved).training_dtype == torch.float32 else "bf16"
     if dtype not in DTYPES:
         raise CheckSetupError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     settings = settings or (CheckSettings.quick() if quick else CheckSettings())

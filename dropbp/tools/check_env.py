@@ -16,6 +16,7 @@ import torch
 
 from dropbp import __version__
 from dropbp.backends import ENV_VAR, Backend, detection
+from dropbp.tools.device_tools import tools_for
 
 __all__ = ["backend_source", "environment"]
 
@@ -61,10 +62,10 @@ def environment(backend: Backend, requested: str | Backend | None) -> dict[str, 
         "backend_source": backend_source(requested),
         "detection": {name: reason for name, reason in detection()},
         "device": str(backend.device),
-        **backend.environment(),
+        **tools_for(backend).environment(),
         "collectives": _collectives(backend),
         "pattern_bound": backend.default_max_patterns,
-        "graph_compilations_reported": backend.graph_compilations() is not None,
+        "graph_compilations_reported": tools_for(backend).graph_compilations() is not None,
         "allocator_stats": backend.has_allocator_stats,
         "versions": {"dropbp": __version__, "python": sys.version.split()[0], **{p: _version(p) for p in _PACKAGES}},
         "platform": platform.platform(),

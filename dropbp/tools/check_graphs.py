@@ -15,6 +15,7 @@ import torch
 from dropbp import apply
 from dropbp.tools.check_grads import Probe
 from dropbp.tools.check_report import FAIL, PASS, SKIP, Outcome
+from dropbp.tools.device_tools import tools_for
 
 __all__ = ["graph_checks"]
 
@@ -36,7 +37,7 @@ def graph_checks(probe: Probe, cycles: int = 3) -> list[Outcome]:
     that leaves the weights as they were for the checks that follow.
     """
     backend = probe.backend
-    compilations = backend.graph_compilations
+    compilations = tools_for(backend).graph_compilations
     bound = backend.default_max_patterns
     if bound is None:  # one line, not three: nothing of this applies to eager devices
         reason = f"{backend.name} compiles no graph per drop pattern (eager kernels): no graph breaks or bound to check"

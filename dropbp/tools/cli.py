@@ -17,6 +17,7 @@ from datetime import date
 from pathlib import Path
 
 from dropbp.imports import MissingDependency, require
+from dropbp.tools.device_tools import tools_for
 
 __all__ = ["main"]
 
@@ -260,7 +261,7 @@ def _bench(args: argparse.Namespace) -> int:
     out = _writable(args.out)
     if args.max_seq_len and budget is None and not backend.has_allocator_stats:
         budget = _available_memory() // 2
-    dtype = getattr(torch, args.dtype) if args.dtype else backend.training_dtype
+    dtype = getattr(torch, args.dtype) if args.dtype else tools_for(backend).training_dtype
     if args.no_speed:
         if not (args.memory or args.max_seq_len):
             raise UsageError("--no-speed leaves nothing to run: add --memory or --max-seq-len")

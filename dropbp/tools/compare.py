@@ -28,6 +28,7 @@ from dropbp.execution.dropped_grads import DEFAULT_DROPPED_GRADS
 from dropbp.options import AUTO_WARMUP
 from dropbp.policy.allocation import cut_cap, cut_rates
 from dropbp.policy.schedule import anneal_factor
+from dropbp.tools.device_tools import tools_for
 from dropbp.tools.frontier import equal_quality_speedup
 from dropbp.tools.textdata import TokenData
 
@@ -207,7 +208,7 @@ class _Trainee:
         lr = run.lr if run.lr is not None else lr
         self.model = model
         self.backend = backend
-        self.training_autocast = backend.training_autocast
+        self.training_autocast = tools_for(backend).training_autocast
         self.accumulation = run.accumulation or regime.accumulation
         self.lr_schedule = run.lr_schedule or regime.lr_schedule
         self.ctl: DropBPController | None = None

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from dropbp.tools.device_tools import tools_for
+
 __all__ = ["main", "rss_bytes"]
 
 
@@ -120,7 +122,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         for step in range(spec.get("steps", 1)):
             start = time.perf_counter()
-            with backend.training_autocast():
+            with tools_for(backend).training_autocast():
                 loss = model(input_ids=ids, labels=ids).loss
             _say(f"step {step + 1}: forward {time.perf_counter() - start:.1f} s")
             if loss.requires_grad:
