@@ -45,7 +45,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 OUT = RESULTS / "where_it_pays"
 COST_RECORD = RESULTS / "bench_checkpointing_cpu" / "full" / "bench.json"
 CACHE = Path.home() / ".cache" / "dropbp"
-SHIPPED_MAP = RESULTS.parent.parent / "dropbp" / "policy" / "where_it_pays.json"  # dropbp.policy.forecast reads it
+#: what dropbp.integrations.forecast reads
+SHIPPED_MAP = RESULTS.parent.parent / "dropbp" / "integrations" / "where_it_pays.json"
 
 SEQ_LEN = 128
 MICRO_SEQUENCES = 4  # 512 tokens per micro-batch, as the cost record's step
@@ -495,8 +496,8 @@ def sweep_only(cells: list[Cell], figures: list[dict], done: dict[str, dict]) ->
 
 
 def shipped_map(figures: list[dict]) -> dict:
-    """What ``dropbp.policy.forecast`` reads: per cell and DropBP rate, the shipped default's speedup at equal quality
-    at equal time (mean and 95% interval over the seeds)."""
+    """What ``dropbp.integrations.forecast`` reads: per cell and DropBP rate, the shipped default's speedup at equal
+    quality at equal time (mean and 95% interval over the seeds)."""
     cells = []
     for f in figures:
         for rate in RATES:

@@ -15,8 +15,9 @@ from typing import Any
 
 from dropbp import backends
 from dropbp.api import apply
+from dropbp.architectures import SUPPORTED_ARCHITECTURES
 from dropbp.controller import DropBPController
-from dropbp.execution.discovery import SUPPORTED_ARCHITECTURES, Branch
+from dropbp.execution.discovery import Branch
 from dropbp.options import DropBPOptions, TrainerOptions
 from dropbp.policy.allocation import allocate_rates
 

@@ -56,11 +56,9 @@ def apply_options(model: nn.Module, options: DropBPOptions) -> DropBPController:
         backend = get_backend(backend)
     branches = None if options.branches is None else list(options.branches)
     found = find_branches(inner, branches, options.seq_len)
-    bound = backend.default_max_patterns if options.max_patterns is None else options.max_patterns
-    # the options in force from here: backend, pattern bound and memory bound resolved
-    options = dataclasses.replace(options, backend=backend, max_patterns=bound, memory_bound=options.bounded)
-    policy = DropPolicy([b.flops for b in found], options)
-    return DropBPController(model, found, policy, backend)
+    given = dataclasses.replace(options, backend=backend)
+    policy = DropPolicy([b.flops for b in found], given.resolved(backend))
+    return DropBPController(model, found, policy, backend, given)
 
 
 def _check_trainable(model: nn.Module) -> None:

@@ -1,7 +1,7 @@
 """The controller :func:`dropbp.apply` returns: a thin facade over the core's parts.
 
 It owns nothing but the wiring: the per-step decision and its hooks (:mod:`dropbp.execution.hooks`), the
-policy whose settings it exposes (:mod:`dropbp.policy.drop_policy`), calibration (:mod:`dropbp.execution.sensitivity`,
+policy whose settings it exposes (:mod:`dropbp.policy.drop_policy`), calibration (:mod:`dropbp.calibration`,
 :mod:`dropbp.policy.allocation`), learning-rate compensation (:mod:`dropbp.policy.lr_compensation`), checkpoint state,
 and the device's step boundaries (the backend's). Every setting validates and takes effect from the
 next step; the :class:`~dropbp.execution.discovery.Branch` objects it hands out are read-only views.
@@ -19,23 +19,23 @@ from typing import Any
 import torch
 from torch import nn
 
+from dropbp import calibration
 from dropbp.backends import Backend
 from dropbp.checks import check_bool, check_choice, check_int
-from dropbp.execution import sensitivity
-from dropbp.execution.chunked_loss import ChunkedLoss
+from dropbp.chunked_loss import ChunkedLoss
+from dropbp.execution.compile_guards import EnclosingCompileWarning
 from dropbp.execution.discovery import Branch
 from dropbp.execution.distributed import RunningDDPCheck, check_ddp
 from dropbp.execution.dropped_grads import DroppedGrads
 from dropbp.execution.frameworks import FrameworkWatch, calibration_closure, calibration_method, check_wrapper, unwrap
-from dropbp.execution.graphs import EnclosingCompileWarning
-from dropbp.execution.hooks import StepHooks
+from dropbp.execution.hooks import ExecutionSettings, StepHooks
 from dropbp.execution.patching import CleanCopies
 from dropbp.options import DropBPOptions
 from dropbp.policy import lr_compensation
 from dropbp.policy.allocation import allocate_rates
 from dropbp.policy.drop_policy import DropPolicy
 from dropbp.policy.plan import DropTally, PatternPlan, plan_patterns
-from dropbp.state import STATE_VERSION, check_state
+from dropbp.state import POLICY_STATE, STATE_VERSION, check_state
 
 __all__ = ["DropBPController", "controller_of"]
 
@@ -68,11 +68,19 @@ def _setting(name: str, doc: str) -> property:
 class DropBPController:
     """Drop policy attached to one model; made by :func:`dropbp.apply`, which documents the arguments.
 
-    Its settings are the policy's options (:attr:`options`, one :class:`~dropbp.options.DropBPOptions`, valid
-    when made): the policy's own, and ``unbiased``, ``dropped_grads``, ``chunked_loss``, ``memory_bound``.
+    It owns the options: as given (``given``, default the policy's), and resolved on its backend
+    (:meth:`~dropbp.options.DropBPOptions.resolved`, :attr:`options`) at every change, which the policy and the
+    hooks (:class:`~dropbp.execution.hooks.ExecutionSettings`) then read.
     """
 
-    def __init__(self, model: nn.Module, branches: Sequence[Branch], policy: DropPolicy, backend: Backend) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        branches: Sequence[Branch],
+        policy: DropPolicy,
+        backend: Backend,
+        given: DropBPOptions | None = None,
+    ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         wrapper = model
@@ -94,6 +102,7 @@ class DropBPController:
             )
         self._policy = policy
         options = policy.options
+        self._given = options if given is None else given
         if ddp is None and wrapper is not model:  # a framework's wrapper (a DeepSpeedEngine)
             check_wrapper(wrapper, options.dropped_grads)
         #: The device backend whose step boundaries :meth:`backward` and :meth:`optimizer_step` place.
@@ -105,7 +114,9 @@ class DropBPController:
         # first: a model it cannot handle leaves no hooks
         chunked = options.chunked_loss
         self._chunked = None if chunked is False else ChunkedLoss(model, None if chunked is True else chunked)
-        self._hooks = StepHooks(model, self._found, policy, backend)
+        self._hooks = StepHooks(
+            model, self._found, policy=policy, backend=backend, settings=ExecutionSettings.of(options)
+        )
         self._hooks.owner = self
         self._fill = DroppedGrads(options.dropped_grads, self._hooks.holders)
         self._tally = DropTally(self._flops)
@@ -131,7 +142,7 @@ class DropBPController:
 
     @property
     def options(self) -> DropBPOptions:
-        """The options in force (``apply``'s, with the backend, ``max_patterns`` and ``memory_bound`` resolved)."""
+        """The options in force: as given, resolved on the backend (``max_patterns``, ``memory_bound``)."""
         return self._policy.options
 
     def replace_options(self, **change: Any) -> None:
@@ -144,7 +155,11 @@ class DropBPController:
         if fixed:
             raise ValueError(f"{', '.join(fixed)} cannot change after apply: remove() and apply again")
         reset_rates = not {"drop_rate", "pattern"}.isdisjoint(change)  # set, even to its value: as apply does
-        self._policy.use(dataclasses.replace(self._policy.options, **change), reset_rates)
+        given = dataclasses.replace(self._given, **change)
+        resolved = given.resolved(self.backend)
+        self._policy.use(resolved, reset_rates)
+        self._given = given
+        self._hooks.settings = ExecutionSettings.of(resolved)
 
     def longest_warmup(self, total_steps: int, up_to: int) -> int:
         """The longest warm-up, at most ``up_to`` training forwards, whose time schedule over a run of
@@ -214,7 +229,7 @@ class DropBPController:
 
     @property
     def chunked_loss(self) -> int | None:
-        """Tokens per chunk of the memory-lean head and loss (:mod:`dropbp.execution.chunked_loss`); None when off."""
+        """Tokens per chunk of the memory-lean head and loss (:mod:`dropbp.chunked_loss`); None when off."""
         return None if self._chunked is None else self._chunked.chunk_tokens
 
     @property
@@ -233,7 +248,7 @@ class DropBPController:
     def forcing(self, pattern: Collection[int]) -> Iterator[None]:
         """Within the block every forward drops exactly the branches ``pattern`` (indices in branch order)
         and takes no step: no pattern is drawn, the step counter stays (what calibration does;
-        :mod:`dropbp.memory` measures with it)."""
+        :mod:`dropbp.tools.memory` measures with it)."""
         self.check_attached()
         indices = frozenset(pattern)
         if not all(isinstance(i, int) and 0 <= i < len(self._found) for i in indices):
@@ -336,7 +351,7 @@ class DropBPController:
         self.check_attached()
         if not callable(closure):
             raise TypeError(f"closure must be callable and return the loss, got {type(closure).__name__}")
-        check_choice("method", method, sensitivity.CALIBRATION_METHODS)
+        check_choice("method", method, calibration.CALIBRATION_METHODS)
         check_bool("gradnorm", gradnorm)
         if self.pattern != "uniform":
             raise ValueError(
@@ -346,7 +361,7 @@ class DropBPController:
             )
         closure = calibration_closure(closure)  # e.g. a DeepSpeed engine cannot take calibration passes
         method = calibration_method(self._model.parameters(), method)  # e.g. ZeRO-3: exact-recompute
-        sens = sensitivity.measure(
+        sens = calibration.measure(
             self._model,
             [b.parts[-1] for b in self._found],  # what the residual add receives: the tail's last part
             closure,
@@ -392,7 +407,11 @@ class DropBPController:
                 f"saved {len(state['branches'])} starting {list(state['branches'])[:2]}, "
                 f"this model has {len(names)} starting {names[:2]}"
             )
-        self._policy.load_state_dict(state)
+        given = dataclasses.replace(self._given, **{name: state[name] for name in POLICY_STATE})
+        resolved = given.resolved(self.backend)  # a state saved on an unbounded device keeps this device's bound
+        self._policy.load_state_dict(state, resolved)
+        self._given = given
+        self._hooks.settings = ExecutionSettings.of(resolved)
         self._hooks.step = state["step"]
 
     # -- the device's step boundaries ------------------------------------------------------------

@@ -21,9 +21,9 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar, get_type_hints
 
+from dropbp.architectures import BERT_BRANCHES
 from dropbp.backends import Backend
 from dropbp.checks import check_bool, check_choice, check_fraction, check_int, check_ramp
-from dropbp.execution.discovery import BERT_BRANCHES
 from dropbp.execution.dropped_grads import DEFAULT_DROPPED_GRADS, DROPPED_GRADS
 from dropbp.policy.sampler import SAMPLERS
 from dropbp.policy.schedule import DEFAULT_RAMP, DROP_SCHEDULES
@@ -136,7 +136,7 @@ class DropBPOptions:
         default=False,
         metadata=_help(
             """For a Hugging Face causal LM called with ``labels`` in training, compute the LM head and
-            cross-entropy in chunks recomputed in backward (:mod:`dropbp.execution.chunked_loss`): same loss and
+            cross-entropy in chunks recomputed in backward (:mod:`dropbp.chunked_loss`): same loss and
             gradients, but the full logits and their gradient never exist at once, so they no longer cap
             the memory dropping saves. ``True``: chunks of 64 MiB of float32 logits; an int: tokens per
             chunk. Such forwards return ``logits=None``. Works at any rate, 0 included; ``ctl.remove()``
@@ -261,6 +261,20 @@ class DropBPOptions:
         if self.memory_bound == "auto":
             return self.chunked_loss is not False or self.drop_rate >= AUTO_BOUND_RATE
         return bool(self.memory_bound)
+
+    def resolved(self, backend: Backend) -> DropBPOptions:
+        """These options on ``backend`` with one meaning each: ``max_patterns=None`` is the backend's default bound
+        and ``memory_bound="auto"`` is on or off for this drop rate. Every entry (``apply``, a setter, a loaded
+        state) resolves the options as given, so no setter or state can lift a device's bound, and ``"auto"``
+        follows a later drop rate."""
+        bound = backend.default_max_patterns if self.max_patterns is None else self.max_patterns
+        if self.stratify > 1 and self.max_patterns is None and bound is not None:
+            raise ValueError(
+                f"stratify={self.stratify} cannot run on the {backend.name!r} backend: it compiles a graph per drop "
+                f"pattern, so a run draws from a pool of at most {bound} patterns (its default max_patterns), whose "
+                "cycle is already stratified; leave stratify=1 there"
+            )
+        return dataclasses.replace(self, backend=backend, max_patterns=bound, memory_bound=self.bounded)
 
     def for_apply(self, **overrides: Any) -> DropBPOptions:
         """These options as :func:`dropbp.apply`'s, with ``overrides`` (what a Trainer run decides)."""

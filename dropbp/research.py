@@ -11,6 +11,7 @@ code should use :func:`dropbp.apply`, which needs no model edits and skips the d
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable, Sequence
 
@@ -18,6 +19,8 @@ import torch
 from torch import nn
 
 from dropbp.policy.allocation import allocate_rates
+
+log = logging.getLogger("dropbp")
 
 __all__ = ['DropBP', 'DropBPHandler', 'setup_seed']
 
@@ -82,7 +85,7 @@ class DropBPHandler:
         for i, layer in enumerate(self._layers()):
             layer.p = p_list[i]
             if print_log:
-                print(f"Drop rate of layer {i + 1} is set to {p_list[i]}")
+                log.info("Drop rate of layer %d is set to %s", i + 1, p_list[i])
 
     def sensitivity_based_drop_bp(
         self,
@@ -95,7 +98,7 @@ class DropBPHandler:
         sensitivities = self.compute_sensitivity(backprop, gradnorm=gradnorm)
         drop_rates = allocate_rates(sensitivities, self.extract_flops(), target_probability, min_rate=min_rate)
         self.drop_rates = drop_rates
-        print(drop_rates)
+        log.info("drop rates: %s", drop_rates)
         self.set_diverse_drop_rate(drop_rates)
         return sensitivities, drop_rates
 
@@ -131,7 +134,7 @@ class DropBPHandler:
                 for o, n in zip(original, new, strict=True)
             )
             sensitivities.append(s)
-            print(f"Layer {i + 1}, sensitivity {s}")
+            log.info("Layer %d, sensitivity %s", i + 1, s)
         return sensitivities
 
     def extract_flops(self) -> list[float]:

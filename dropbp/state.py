@@ -19,14 +19,11 @@ __all__ = ["STATE_VERSION", "check_state"]
 
 STATE_VERSION = 1
 
-#: The keys of a state (every one required: no release wrote states with fewer).
-REQUIRED = (
-    "version",
-    "branches",
-    "rates",
+#: The keys of a state that are settings of the options (the others: version, branches, rates, step and
+#: rates_follow_drop_rate).
+POLICY_STATE = (
     "drop_rate",
     "seed",
-    "step",
     "max_patterns",
     "warmup_steps",
     "pattern",
@@ -34,8 +31,10 @@ REQUIRED = (
     "drop_schedule",
     "ramp",
     "stratify",
-    "rates_follow_drop_rate",
 )
+
+#: The keys of a state (every one required: no release wrote states with fewer).
+REQUIRED = ("version", "branches", "rates", "step", *POLICY_STATE, "rates_follow_drop_rate")
 
 
 def _field(name: str) -> str:

@@ -219,6 +219,44 @@ def test_no_device_type_test_outside_backends():
     assert not offenders
 
 
+def test_the_architecture_tables_are_one_module_read_by_discovery_and_options():
+    """Which modules are branches is data in ``dropbp/architectures.py``; only discovery applies it (and options
+    name BERT's branches in their help); the execution defines no table of its own."""
+    faces = ("dropbp", "dropbp/__init__")
+    readers = sorted(n for n, p in _MODULES.items() if "dropbp.architectures" in _imports(p) and n not in faces)
+    assert readers == ["dropbp/execution/discovery", "dropbp/options"]
+    tables = ("SUPPORTED_ARCHITECTURES", "POST_NORMS", "LITGPT_BLOCK", "KEY_VALUE_PROJECTIONS", "ATTENTION_NAMES")
+    defined = {n for n, p in _MODULES.items() for t in tables if re.search(rf"^{t}\b.*=", p.read_text(), re.M)}
+    assert defined == {"dropbp/architectures"}
+
+
+def test_execution_holds_the_dropped_backward_only():
+    """Calibration, the chunked loss, the measurement tools' device questions and the forecast's data live outside
+    the execution and outside the backends' contract."""
+    execution = {p.stem for p in (PACKAGE / "execution").glob("*.py")}
+    assert not execution & {"sensitivity", "calibration", "chunked_loss", "graphs", "discovery_tables"}
+    from dropbp.backends.base import Backend
+
+    tools_only = {"timer", "environment", "training_dtype", "training_autocast", "graph_compilations"}
+    assert not tools_only & set(dir(Backend))
+    assert not list(PACKAGE.joinpath("policy").glob("*.json"))
+
+
+def test_each_device_file_overrides_an_execution_member_or_says_why_not():
+    from dropbp.backends.base import Backend, LazyGraphBackend
+
+    from dropbp import backends
+
+    execution = {"checkpoint", "rng_state", "set_rng_state", "collective_device", "graph_break", "kept_row_count",
+                 "mark_step", "prepare", "default_max_patterns"}  # fmt: skip
+    for name, cls in backends.BUILTIN.items():
+        own = execution & set(vars(cls)) or execution & set(vars(cls).get("__init__", lambda: 0).__code__.co_names)
+        said = (cls.__doc__ or "").strip()
+        assert own or said.startswith("The execution's defaults hold"), name
+    assert all(issubclass(backends.BUILTIN[n], LazyGraphBackend) for n in ("hpu", "lazy"))
+    assert not issubclass(backends.BUILTIN["lazy"], backends.BUILTIN["hpu"]) and LazyGraphBackend.__base__ is Backend
+
+
 def test_the_core_never_imports_the_tools():
     core = {n: p for n, p in _MODULES.items() if not n.startswith("dropbp/tools") and n != "dropbp/__main__"}
     assert not [name for name, path in core.items() if any(d.startswith("dropbp.tools") for d in _imports(path))]
@@ -280,7 +318,14 @@ def test_an_option_is_declared_once_and_reaches_apply_attach_the_callback_and_ax
 #: The layers, bottom first: a module imports from its own layer or those below, never above (function-level
 #: imports included). ``dropbp/__init__.py`` and ``__main__.py`` are the package's faces, where the layers meet.
 LAYERS = {
-    "support": ("dropbp.checks", "dropbp.files", "dropbp.imports", "dropbp.internals", "dropbp.backends"),
+    "support": (
+        "dropbp.checks",
+        "dropbp.files",
+        "dropbp.imports",
+        "dropbp.internals",
+        "dropbp.backends",
+        "dropbp.architectures",
+    ),
     "policy": ("dropbp.policy",),
     "execution": ("dropbp.execution",),
     "api": (
@@ -288,7 +333,8 @@ LAYERS = {
         "dropbp.state",
         "dropbp.controller",
         "dropbp.api",
-        "dropbp.memory",
+        "dropbp.calibration",
+        "dropbp.chunked_loss",
         "dropbp.research",
         "dropbp.layer",
         "dropbp.handler",

@@ -10,8 +10,8 @@ from conftest import VOCAB, batch, tiny_model, with_lora
 from torch import nn
 
 import dropbp
-from dropbp.execution.chunked_loss import UnsupportedModel
-from dropbp.memory import saved_bytes
+from dropbp.chunked_loss import UnsupportedModel
+from dropbp.tools.memory import saved_bytes
 
 CHUNK = 7  # does not divide the 2 x 20 tokens: the last chunk is short
 

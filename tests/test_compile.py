@@ -1,5 +1,5 @@
-"""torch.compile with ``dropbp.execution.graphs.compile_branches``: over 50 training steps the number of compiled
-graphs stays within two per branch type (kept: grad on, dropped: no_grad), counted with Dynamo's own
+"""torch.compile with ``dropbp.execution.compile_guards.compile_branches``: over 50 training steps the number of
+compiled graphs stays within two per branch type (kept: grad on, dropped: no_grad), counted with Dynamo's own
 counters, and the gradients equal eager gradients for the same pattern."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from conftest import assert_same_grads, batch, detach_outputs, loss_and_grads, t
 from torch._dynamo.utils import counters, get_compilation_metrics
 
 import dropbp
-from dropbp.execution.graphs import compile_branches
+from dropbp.execution.compile_guards import compile_branches
 
 STEPS = 50
 

@@ -1,11 +1,12 @@
-"""The HPU backend's lazy mode on PyTorch's own lazy-tensor engine (``torch._lazy``, TorchScript backend, CPU).
+"""Gaudi's lazy mode (a ``LazyGraphBackend``) on PyTorch's own lazy-tensor engine (``torch._lazy``, TorchScript
+backend, CPU).
 
 Graphs here are real: the engine records ops until ``mark_step``, then compiles the graph or fetches it from its
-cache (:mod:`dropbp.backends.lazy`). The backend is the HPU backend with only ``mark_step`` and the device moved
-onto the engine. The engine's cache lives as long as the process, so each test trains a model with a vocabulary size
-of its own: every graph holds the embedding's shape, so no graph of another test is met. The optimizer is SGD with
-momentum (one update graph per step, as Habana's FusedAdamW; torch's AdamW reads its step counter with ``.item()``,
-which would cut the update graph apart).
+cache (:mod:`dropbp.backends.lazy`). The backend shares the lazy-graph code with the HPU backend; only ``mark_step``
+and the device are the engine's. The engine's cache lives as long as the process, so each test trains a model with a
+vocabulary size of its own: every graph holds the embedding's shape, so no graph of another test is met. The optimizer
+is SGD with momentum (one update graph per step, as Habana's FusedAdamW; torch's AdamW reads its step counter with
+``.item()``, which would cut the update graph apart).
 """
 
 from __future__ import annotations
@@ -303,3 +304,30 @@ def _after(method, then):
 
 def _plan(callback, micro_batches: int):
     return callback.controller.pattern_plan(micro_batches=micro_batches)
+
+
+def test_the_device_bound_holds_through_setters_and_states_from_other_devices():
+    """``max_patterns=None`` means the device's bound at every entry: ``apply``, the setter, a state saved on the CPU
+    (a Trainer resumed on Gaudi from a CPU checkpoint); ``memory_bound="auto"`` follows a later drop rate."""
+    lazy = dropbp.apply(own_model(), 0.5, backend="lazy", pattern="uniform")
+    assert lazy.max_patterns == lazy.backend.default_max_patterns == 16
+    lazy.max_patterns = 4
+    assert lazy.max_patterns == 4
+    lazy.max_patterns = None
+    assert lazy.max_patterns == 16
+    cpu = dropbp.apply(own_model(), 0.5, backend="cpu", pattern="uniform", seed=3)
+    assert cpu.max_patterns is None
+    lazy.load_state_dict(cpu.state_dict() | {"branches": [b.name for b in lazy.branches]})
+    assert lazy.max_patterns == 16 and lazy.seed == 3
+    with pytest.raises(ValueError, match="stratify=2 cannot run on the 'lazy' backend: .* at most 16 patterns"):
+        dropbp.apply(own_model(), 0.5, backend="lazy", stratify=2)
+
+    auto = dropbp.apply(own_model(), 0.5, backend="lazy", pattern="uniform")
+    assert auto.memory_bound is False
+    auto.drop_rate = 0.875
+    assert auto.memory_bound is True and auto.max_kept_branches == 1
+    state = auto.state_dict()
+    auto.drop_rate = 0.5
+    assert auto.memory_bound is False
+    auto.load_state_dict(state)
+    assert auto.memory_bound is True and auto.max_kept_branches == 1

@@ -1,4 +1,4 @@
-"""Saved-activation accounting (dropbp.memory): exact bytes, split by branch, for fixed patterns."""
+"""Saved-activation accounting (dropbp.tools.memory): exact bytes, split by branch, for fixed patterns."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from conftest import batch, tiny_model, with_lora
 from torch import nn
 
 import dropbp
-from dropbp.memory import branch_bytes, saved_bytes
+from dropbp.tools.memory import branch_bytes, saved_bytes
 
 # attention of layer 0, MLP of layers 1 and 2: one attention branch stays kept in every layer but 0
 PATTERN = (0, 3, 5)

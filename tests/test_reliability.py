@@ -283,7 +283,7 @@ def test_a_file_dropbp_writes_is_replaced_whole_or_not_at_all(tmp_path, monkeypa
 
 
 def test_a_damaged_forecast_map_is_refused_naming_the_path(tmp_path):
-    from dropbp.policy.forecast import measured_map
+    from dropbp.integrations.forecast import measured_map
 
     path = tmp_path / "where_it_pays.json"
     path.write_text('{"conditions": "cut sh')

@@ -83,7 +83,7 @@ def test_apply_after_accelerate_then_remove_leaves_accelerates_forward():
 
 
 def test_chunked_loss_applied_twice_is_refused():
-    from dropbp.execution.chunked_loss import ChunkedLoss
+    from dropbp.chunked_loss import ChunkedLoss
 
     model = tiny_model("llama", layers=2)
     first = ChunkedLoss(model)

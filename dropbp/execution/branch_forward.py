@@ -5,16 +5,16 @@ Dropped: values and gradients are those of running the branch with autograd and 
 code's way), without that graph's memory and bookkeeping (docs/memory.md). The model's modules are not replaced: two
 hooks per branch module toggle grad mode, so state-dict keys, ``isinstance`` and PEFT target names are unchanged. The
 hooks also feed the branch's :class:`~dropbp.execution.recompute.BranchCache` (activation checkpointing skips
-recomputing dropped branches), and they run outside ``torch.compile`` graphs (:mod:`dropbp.execution.graphs`). torch
-runs ``always_call`` hooks after an ``Exception`` only: the grad mode a ``KeyboardInterrupt`` leaves is put back by the
-model's guarded forward (:mod:`dropbp.execution.hooks`).
+recomputing dropped branches), and they run outside ``torch.compile`` graphs (:mod:`dropbp.execution.compile_guards`).
+torch runs ``always_call`` hooks after an ``Exception`` only: the grad mode a ``KeyboardInterrupt`` leaves is put back
+by the model's guarded forward (:mod:`dropbp.execution.hooks`).
 
-Kept, with importance weights (``unbiased=True``): a kept branch's own parameters get their gradient times
-``1 / (1 - r)``, ``r`` the branch's rate in force at the forward that kept it (under warm-up or a time schedule too).
-The gradient arriving at the branch's output is multiplied by ``w = 1 / (1 - r)`` and the gradient leaving it through
-its inputs by ``1 / w``: the backward is linear, so only the branch's parameters (its post-norm tail's too) see ``w``,
-and the residual stream carries full backprop's gradient (no factors compound down the layers). With cut patterns a
-kept branch's gradient is exactly full backprop's, so its expected weighted gradient is exactly full backprop's.
+Kept, with importance weights (``unbiased=True``): a kept branch's own parameters get their gradient times ``1 / (1 -
+r)``, ``r`` the branch's rate in force at the forward that kept it (under warm-up or a time schedule too). The gradient
+arriving at the branch's output is multiplied by ``w = 1 / (1 - r)`` and the gradient leaving it through its inputs by
+``1 / w``: the backward is linear, so only the branch's parameters (its post-norm tail's too) see ``w``, and the
+residual stream carries full backprop's gradient (no factors compound down the layers). With cut patterns a kept
+branch's gradient is exactly full backprop's, so its expected weighted gradient is exactly full backprop's.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from dropbp.execution.graphs import outside_graphs
+from dropbp.execution.compile_guards import outside_graphs
 from dropbp.execution.patching import map_output
 from dropbp.execution.recompute import BranchCache
 

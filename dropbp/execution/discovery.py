@@ -2,8 +2,8 @@
 
 A branch is the ``f`` in ``x = x + f(x)``: the module whose output is added to the residual stream,
 the attention and the MLP of every decoder layer. Hugging Face models are recognised by
-``config.model_type`` and the child names each architecture uses; nothing in ``transformers`` is
-edited or replaced. Other models name their branches with ``branches=[...]``.
+``config.model_type`` and the child names each architecture uses (:mod:`dropbp.architectures`); nothing in
+``transformers`` is edited or replaced. Other models name their branches with ``branches=[...]``.
 """
 
 from __future__ import annotations
@@ -14,11 +14,20 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from dropbp.architectures import (
+    ATTENTION_HINTS,
+    ATTENTION_NAMES,
+    BERT_BRANCHES,
+    LITGPT_BLOCK,
+    LITGPT_POST_NORMS,
+    MLP_NAMES,
+    OLDER_MLP_NAMES,
+    POST_NORMS,
+    SUPPORTED_ARCHITECTURES,
+)
+
 __all__ = [
-    "BERT_BRANCHES",
     "Branch",
-    "POST_NORMS",
-    "SUPPORTED_ARCHITECTURES",
     "ResidualProbe",
     "branch_flops",
     "find_branches",
@@ -26,48 +35,13 @@ __all__ = [
 
 log = logging.getLogger("dropbp")
 
-# model_type -> (attention child, MLP child) of each decoder layer. Parallel-residual models
-# (gpt_neox, phi-style) need nothing special: each branch reads the layer input and is dropped alone.
-SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "llama": ("self_attn", "mlp"),
-    "mistral": ("self_attn", "mlp"),
-    "mixtral": ("self_attn", "mlp"),
-    "qwen2": ("self_attn", "mlp"),
-    "qwen3": ("self_attn", "mlp"),
-    "qwen3_moe": ("self_attn", "mlp"),
-    "gemma": ("self_attn", "mlp"),
-    "gemma2": ("self_attn", "mlp"),
-    "phi3": ("self_attn", "mlp"),
-    "olmo": ("self_attn", "mlp"),
-    "olmo2": ("self_attn", "mlp"),
-    "granite": ("self_attn", "mlp"),
-    "gpt2": ("attn", "mlp"),
-    "gpt_neox": ("attention", "mlp"),
-}
-
-# model_type -> MLP child names of older transformers releases (before 5.0), tried after the table's.
-OLDER_MLP_NAMES: dict[str, tuple[str, ...]] = {"mixtral": ("block_sparse_moe",)}
-
-# model_type -> (the norm after the attention, the norm after the MLP) of post-norm decoders, which
-# normalise a branch's output before adding it to the residual: ``x = x + norm(f(x))``. Such a norm is
-# part of the branch (the branch is everything between the residual read and the residual add), so a
-# dropped branch's post-norm gets no gradient either.
-POST_NORMS: dict[str, tuple[str, str]] = {
-    "gemma2": ("post_attention_layernorm", "post_feedforward_layernorm"),
-    "olmo2": ("post_attention_layernorm", "post_feedforward_layernorm"),
-}
-
-# litgpt's ``Block`` (and its LoRA/adapter subclasses): attention and MLP children, and the optional
-# post-attention / post-MLP norms of newer configs (``nn.Identity`` otherwise). Recognised by class,
-# so litgpt is never imported here.
-LITGPT_BLOCK = ("attn", "mlp")
-LITGPT_POST_NORMS = ("post_attention_norm", "post_mlp_norm")
-
-#: The branches of a post-norm encoder such as BERT, named in advice (its ``attention`` adds the residual itself).
-BERT_BRANCHES = "'bert.encoder.layer.N.attention.self' and 'bert.encoder.layer.N.intermediate' for every N"
-_ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
-_MLP_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe")
-_ATTENTION_HINTS = ("attn", "attention")
+#: What a branch must be, and BERT's, for messages about a wrong choice of branches.
+BRANCH_ADVICE = (
+    "A branch must be the f in x = x + f(x), a module whose output is then added to the residual "
+    "stream, not a module that adds the residual itself (a whole layer, or BERT's "
+    "encoder.layer.N.attention). For post-norm encoders name the modules inside the residual add, e.g. "
+    f"{BERT_BRANCHES}"
+)
 
 
 class Branch:
@@ -187,7 +161,7 @@ def branch_flops(
 
 def _kind_from_name(name: str) -> str:
     leaf = name.rsplit(".", 1)[-1].lower()
-    return "attn" if any(h in leaf for h in _ATTENTION_HINTS) else "mlp"
+    return "attn" if any(h in leaf for h in ATTENTION_HINTS) else "mlp"
 
 
 Found = tuple[str, str, tuple[str, ...]]  # (branch name, kind, names of its tail modules)
@@ -279,7 +253,7 @@ def _is_whole_layer(module: nn.Module) -> bool:
     ):
         return True
     children = {name for name, _ in module.named_children()}
-    return bool(children & set(_ATTENTION_NAMES)) and bool(children & {*_MLP_NAMES, "intermediate"})
+    return bool(children & set(ATTENTION_NAMES)) and bool(children & {*MLP_NAMES, "intermediate"})
 
 
 def _check_not_whole_layers(names: list[str], modules: dict[str, nn.Module]) -> None:
@@ -303,7 +277,7 @@ def _check_not_whole_layers(names: list[str], modules: dict[str, nn.Module]) -> 
         if layer is None:
             continue
         path = name if not layer[0] else f"{name}.{layer[0]}"
-        inside = _named_branches(layer[1], _ATTENTION_NAMES, _MLP_NAMES)
+        inside = _named_branches(layer[1], ATTENTION_NAMES, MLP_NAMES)
         example = (
             f"{[f'{path}.{n}' for n, _, _ in inside]}"
             if inside
@@ -327,7 +301,7 @@ def _detect(model: nn.Module) -> list[Found]:
     elif any(_is_litgpt_block(m) for m in model.modules()):
         found = _named_branches(model, LITGPT_BLOCK[:1], LITGPT_BLOCK[1:], LITGPT_POST_NORMS, _is_litgpt_block)
     else:
-        found = _named_branches(model, _ATTENTION_NAMES, _MLP_NAMES)
+        found = _named_branches(model, ATTENTION_NAMES, MLP_NAMES)
         if found:
             log.warning(
                 "dropbp: model_type %r is not among the tested architectures (%s); using the %d "
@@ -340,7 +314,7 @@ def _detect(model: nn.Module) -> list[Found]:
         raise ValueError(
             f"dropbp found no residual layers in this {type(model).__name__} (model_type "
             f"{model_type!r}): it looked for modules with an attention child named one of "
-            f"{list(_ATTENTION_NAMES)} and an MLP child named one of {list(_MLP_NAMES)}. "
+            f"{list(ATTENTION_NAMES)} and an MLP child named one of {list(MLP_NAMES)}. "
             "Pass the residual branches yourself: dropbp.apply(model, p, branches=[...]) with the names (from "
             "model.named_modules()) of the modules whose output is added to the residual stream, the f in "
             f"x = x + f(x), not modules that add the residual themselves; for a BERT-style encoder: {BERT_BRANCHES}"

@@ -18,6 +18,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -27,9 +28,9 @@ from torch.utils.hooks import RemovableHandle
 from dropbp.backends import Backend
 from dropbp.execution.bound import MemoryBound, kept_bound
 from dropbp.execution.branch_forward import attach_gradient_scaling, attach_no_grad_hooks
-from dropbp.execution.discovery import BERT_BRANCHES, Branch, ResidualProbe, holder
+from dropbp.execution.compile_guards import outside_graphs
+from dropbp.execution.discovery import BRANCH_ADVICE, Branch, ResidualProbe, holder
 from dropbp.execution.distributed import check_running_ddp_checkpointing
-from dropbp.execution.graphs import outside_graphs
 from dropbp.execution.patching import ForwardPatch
 from dropbp.execution.recompute import RecomputeCache, forward_region, in_backward, recomputed_region
 from dropbp.policy.drop_policy import DropPolicy
@@ -49,12 +50,19 @@ class StepListener(Protocol):
         """Undo whatever this listener installed: DropBP is being removed from the model."""
 
 
-class ExecutionSettings(Protocol):
-    """The settings of :class:`dropbp.options.DropBPOptions` the hooks read, through the policy that holds them."""
+@dataclass(frozen=True)
+class ExecutionSettings:
+    """The share of the options the hooks read, resolved by the controller whenever the options change: the drop
+    rate (the memory bound's size), importance weights, and whether the memory bound is on."""
 
-    drop_rate: float
-    unbiased: bool
-    bounded: bool
+    drop_rate: float = 0.0
+    unbiased: bool = False
+    bounded: bool = False
+
+    @classmethod
+    def of(cls, options: object) -> ExecutionSettings:
+        """The share of resolved options (a :class:`dropbp.options.DropBPOptions` after ``resolved``)."""
+        return cls(options.drop_rate, options.unbiased, bool(options.memory_bound))
 
 
 class StepHooks:
@@ -64,17 +72,20 @@ class StepHooks:
         model: the model whose training forwards are the steps.
         branches: in branch order; each branch's parts (its module, then its tail: post-norms between its
             output and the residual add) run without autograd when the branch drops.
-        policy: decides each step's pattern; its options (:class:`ExecutionSettings`) are read as each training
-            forward starts: ``unbiased`` (kept branches' incoming gradients scaled) and the memory bound
-            (:mod:`dropbp.execution.bound`).
+        policy: decides each step's pattern.
+        settings: what the hooks read of the options (:attr:`settings`, replaced by the controller when they
+            change), read as each training forward starts: ``unbiased`` (kept branches' incoming gradients scaled)
+            and the memory bound (:mod:`dropbp.execution.bound`).
     """
 
     def __init__(
         self,
         model: nn.Module,
         branches: Sequence[Branch],
+        *,
         policy: DropPolicy,
         backend: Backend,
+        settings: ExecutionSettings,
     ) -> None:
         parts = [b.parts for b in branches]
         self._model = model
@@ -83,6 +94,8 @@ class StepHooks:
         #: Per branch, one module holding every parameter of it (tail included).
         self.holders = [holder(branch) for branch in parts]
         self._policy = policy
+        #: The options' share the hooks read (the controller replaces it when the options change).
+        self.settings = settings
         #: Whether kept branches get importance weights in the forward under way (``unbiased``, read as it starts).
         self.weighting = False
         #: Training forwards that drew a pattern so far (the step counter).
@@ -241,19 +254,16 @@ class StepHooks:
         kept_scale = self._kept_scale(index)
         return lambda module: 1.0 if index in self.in_force() else kept_scale(module)  # dropped: no gradient
 
-    def _settings(self) -> ExecutionSettings:
-        return self._policy.options  # type: ignore[return-value]  (the policy holds the whole DropBPOptions)
-
     def kept_bound(self) -> int | None:
         """How many kept branches may store activations in a training forward now (None: the bound is off)."""
-        settings = self._settings()
+        settings = self.settings
         return kept_bound(settings.drop_rate, len(self._names)) if settings.bounded else None
 
     @outside_graphs
     def _on_model_forward(self, model: nn.Module, args: tuple) -> None:
         if in_backward():
             return  # checkpointing recomputes the whole model: the step's decision stands
-        self.weighting = self._settings().unbiased  # read once per forward, not at every branch call
+        self.weighting = self.settings.unbiased  # read once per forward, not at every branch call
         if self.forced is not None:
             self.dropped = self.forced  # calibration passes: a given pattern, no step taken
             self._recompute.begin_forward()
@@ -304,10 +314,7 @@ class StepHooks:
         raise ValueError(
             f"dropbp: with the branches {dropped} dropped, the model's output needs no gradient, so "
             "backward would fail: dropping them cut every path from the trainable parameters to the output. "
-            "A branch must be the f in x = x + f(x), a module whose output is then added to the residual "
-            "stream, not a module that adds the residual itself (a whole layer, or BERT's "
-            "encoder.layer.N.attention). For post-norm encoders name the modules inside the residual add, e.g. "
-            f"{BERT_BRANCHES}"
+            + BRANCH_ADVICE
         )
 
     def _trainable_branches(self) -> list[bool] | None:

@@ -23,9 +23,9 @@ from transformers.trainer_callback import CallbackHandler
 from dropbp.api import apply_options
 from dropbp.controller import DropBPController
 from dropbp.files import read_json, write_atomically
+from dropbp.integrations.forecast import forecast
 from dropbp.internals import prepared_inputs
 from dropbp.options import AUTO_WARMUP, TrainerOptions, takes_options
-from dropbp.policy.forecast import forecast
 
 __all__ = [
     "STATE_FILE",
@@ -43,8 +43,8 @@ STATE_FILE = "dropbp_state.json"
 
 
 def log_forecast(args: TrainingArguments, state: TrainerState, drop_rate: float) -> None:
-    """Log what the measured map forecasts for this run (:mod:`dropbp.policy.forecast`): a warning where DropBP is not
-    expected to reach full backprop's quality sooner, else at info level. Tokens per step come from the arguments'
+    """Log what the measured map forecasts for this run (:mod:`dropbp.integrations.forecast`): a warning where DropBP is
+    not expected to reach full backprop's quality sooner, else at info level. Tokens per step come from the arguments'
     sequence length where they name one (TRL's ``max_length``: at most that many)."""
     if state.max_steps < 1 or drop_rate == 0:
         return

@@ -306,20 +306,9 @@ class DropPolicy:
             "rates_follow_drop_rate": self._own_rates,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; all or nothing (a bad value changes no setting)."""
-        options = _replace(
-            self._options,
-            drop_rate=state["drop_rate"],
-            seed=state["seed"],
-            max_patterns=state["max_patterns"],
-            pattern=state["pattern"],
-            warmup_steps=state["warmup_steps"],
-            drop_schedule=state["drop_schedule"],
-            ramp=state["ramp"],
-            total_steps=state["total_steps"],
-            stratify=state["stratify"],
-        )
+    def load_state_dict(self, state: dict[str, Any], options: PolicySettings) -> None:
+        """Restore :meth:`state_dict` output: its rates under ``options`` (the state's settings as the controller
+        resolved them on its device); all or nothing (a bad value changes no setting)."""
         trial = DropPolicy(self._flops, _replace(options, total_steps=None))
         trial.set_rates(state["rates"])
         trial.use(options)

@@ -4,8 +4,8 @@ A schedule multiplies the rates by a factor in ``[0, 1]`` that depends only on t
 stays a pure function of (seed, step, rates) and a resumed run repeats an uninterrupted one. The controller uses
 :func:`warmup_factor` (``apply(..., warmup_steps=N)``, ``attach(trainer, warmup=0.2)``) and, when it knows the run's
 length (``apply(..., total_steps=T)``, ``attach`` always), a :class:`TimeSchedule`, which gives back later in the run
-what the warm-up left undropped, so that the mean rate over the run is the drop rate; :func:`anneal_factor` is the
-measured alternative the convergence benchmark compares against (applied there with ``ctl.set_rates`` each step).
+what the warm-up left undropped, so that the mean rate over the run is the drop rate (the annealed alternative the
+convergence benchmark compares against is :func:`dropbp.tools.compare.anneal_factor`).
 Why, and what was measured: docs/regime.md ("A drop rate that moves with training time"), docs/history.md.
 """
 
@@ -18,7 +18,6 @@ __all__ = [
     "DROP_SCHEDULES",
     "SCHEDULE_LEVELS",
     "TimeSchedule",
-    "anneal_factor",
     "warmup_factor",
 ]
 
@@ -48,17 +47,6 @@ def warmup_factor(step: int, warmup_steps: int, levels: int | None = None) -> fl
         return 1.0
     levels = warmup_steps if levels is None else levels
     return math.floor(levels * step / warmup_steps) / levels
-
-
-def anneal_factor(step: int, total_steps: int, fraction: float) -> float:
-    """The factor on every rate at ``step`` when the rates fall linearly to 0 over the last ``fraction``.
-
-    Args:
-        step: the optimizer step, counted from 0.
-        total_steps: the run's length in steps.
-        fraction: the share of the run, at its end, over which the rates fall.
-    """
-    return min(1.0, (total_steps - step) / (fraction * total_steps))
 
 
 def _rise(shape: str, position: float) -> float:

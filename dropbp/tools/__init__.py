@@ -1,4 +1,5 @@
 """The measurement tools: the ``dropbp`` command (demo, bench), the lockstep comparison engine, reports,
-text corpora and the offline pretrained model. The core never imports this package; the tools use
-the core only through its public API, and ask device questions of the backend.
+text corpora and the offline pretrained model. The core never imports this package. The tools use the core's public
+API and, where they measure the execution itself (``bench``, ``check_grads``, ``compare``), its internals; device
+questions go to the backend, and the tools' own (timers, reports, training dtype) to :mod:`.device_tools`.
 """

@@ -12,7 +12,6 @@ per configuration (``memory=True``). Why each choice, and recorded figures: docs
 
 from __future__ import annotations
 
-import json
 import statistics
 import subprocess
 import sys
@@ -27,10 +26,10 @@ from torch import nn
 from dropbp import apply
 from dropbp.backends import Backend
 from dropbp.execution.branch_forward import attach_no_grad_hooks
-from dropbp.files import write_atomically
 from dropbp.imports import require
 from dropbp.tools.compare import timing_verdict
 from dropbp.tools.device_tools import tools_for
+from dropbp.tools.report import finish_axes, save_figure, write_record
 
 __all__ = [
     "PRETRAINED",
@@ -42,40 +41,23 @@ __all__ = [
     "write_outputs",
 ]
 
+def _llama_shape(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int) -> dict:
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+    )
+
+
 # Llama-architecture shapes. "1b" is TinyLlama-1.1B's; "7b" is Llama-2-7B's layer with 4 layers.
 PRESETS: dict[str, dict] = {
-    "tiny": dict(
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=8192,
-    ),
-    "small": dict(
-        hidden_size=512,
-        intermediate_size=1376,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        vocab_size=8192,
-    ),
-    "1b": dict(
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=22,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        vocab_size=32000,
-    ),
-    "7b": dict(
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_hidden_layers=4,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        vocab_size=32000,
-    ),
+    "tiny": _llama_shape(256, 688, 4, 4, 4, 8192),
+    "small": _llama_shape(512, 1376, 8, 8, 8, 8192),
+    "1b": _llama_shape(2048, 5632, 22, 32, 4, 32000),
+    "7b": _llama_shape(4096, 11008, 4, 32, 32, 32000),
 }
 METHODS = ("full", "lora", "qlora")
 #: The real pretrained model (SmolLM2-135M-Instruct, 30 layers, 49k vocabulary), where it matters.
@@ -412,13 +394,8 @@ def _cpu_peak_rss(point: Point, config: str, dtype: torch.dtype) -> int:
 
 
 def write_outputs(results: dict, out: Path) -> list[Path]:
-    """JSON, a markdown table and a PNG (speedup against drop rate) into ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "bench.json", out / "bench.md", out / "bench.png"]
-    write_atomically(paths[0], json.dumps(results, indent=2) + "\n")
-    write_atomically(paths[1], markdown_table(results))
-    _plot(results, paths[2])
-    return paths
+    """JSON, a markdown table and a PNG (speedup against drop rate) into ``out`` (:func:`write_record`)."""
+    return write_record(out, "bench", results, markdown_table(results), _plot)
 
 
 def markdown_table(results: dict) -> str:
@@ -514,10 +491,5 @@ def _plot(results: dict, path: Path) -> None:
             rates = [0.0] + [r["drop_rate"] for r in rows]
             line = ax.plot(rates, [1.0] + [r["speedup"] for r in rows], marker="o", label=label)[0]
             ax.plot(rates, [1.0] + [r["ideal_speedup"] for r in rows], linestyle=":", color=line.get_color())
-    ax.set_xlabel("drop rate")
-    ax.set_ylabel("step speedup vs no library (dotted: ideal)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish_axes(ax, "drop rate", "step speedup vs no library (dotted: ideal)")
+    save_figure(fig, path)

@@ -25,7 +25,7 @@ from dropbp.backends import get as get_backend
 from dropbp.imports import require
 from dropbp.tools.bench import PRESETS, Point, build_model, measure_model
 from dropbp.tools.check_env import environment
-from dropbp.tools.check_grads import Probe, correctness_checks, saved_bytes
+from dropbp.tools.check_grads import Probe, correctness_checks, graph_saved_bytes
 from dropbp.tools.check_graphs import graph_checks
 from dropbp.tools.check_report import FAIL, CheckResult, Outcome, render, write
 from dropbp.tools.device_tools import tools_for
@@ -128,10 +128,11 @@ def _speed(probe: Probe, settings: CheckSettings, method: str, branches: int) ->
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, probe.model.config.vocab_size, (settings.batch_size, settings.seq_len), generator=g)
     big = Probe(probe.model, backend, ids.to(backend.device), probe.precision)
-    result["baseline"]["saved_bytes"] = saved_bytes(big.model, big.loss)
+    result["baseline"]["saved_bytes"] = graph_saved_bytes(big.model, big.loss)
     for row in result["rows"]:  # a mean over steps: a cut's depth, hence its saving, changes every step
         ctl = apply(big.model, row["drop_rate"], seed=0, pattern=row["pattern"], backend=backend)
-        row["saved_bytes"] = round(sum(saved_bytes(big.model, big.loss) for _ in range(SAVED_STEPS)) / SAVED_STEPS)
+        saved = [graph_saved_bytes(big.model, big.loss) for _ in range(SAVED_STEPS)]
+        row["saved_bytes"] = round(sum(saved) / SAVED_STEPS)
         ctl.remove()
     backend.graph_break()
     memory = (

@@ -22,7 +22,7 @@ from dropbp.backends import Backend
 from dropbp.internals import module_hooks
 from dropbp.tools.check_report import FAIL, PASS, Outcome
 
-__all__ = ["TOLERANCE", "Probe", "correctness_checks", "saved_bytes"]
+__all__ = ["TOLERANCE", "Probe", "correctness_checks", "graph_saved_bytes"]
 
 #: Largest allowed ``max|got - reference| / max|reference|`` per gradient tensor, by precision: fp32
 #: leaves only summation order (atomics on GPUs); bf16 autocast rounds every product to 8 bits.
@@ -237,7 +237,7 @@ def check_state_round_trip(probe: Probe, steps: int = 8) -> Outcome:
     return Outcome("state-round-trip", PASS, f"step {state['step']} and the next {steps} patterns restored")
 
 
-def saved_bytes(model: nn.Module, loss: Callable[[], torch.Tensor]) -> int:
+def graph_saved_bytes(model: nn.Module, loss: Callable[[], torch.Tensor]) -> int:
     """Bytes autograd saves for backward in one training forward (each storage counted once): the
     activation memory a dropped branch gives back, measurable on every device."""
     seen: dict[tuple, int] = {}

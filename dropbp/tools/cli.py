@@ -128,19 +128,14 @@ def _parser() -> argparse.ArgumentParser:
         help="peak-memory budget of --max-seq-len, e.g. 6GiB (default: half the available memory on the CPU; "
         "on devices, until out of memory)",
     )
-    bench.add_argument(
-        "--chunked-loss",
-        choices=["off", "on", "both"],
-        default="off",
-        help="memory runs with the plain loss, dropbp's chunked loss, or both",
-    )
-    bench.add_argument(
-        "--checkpointing",
-        choices=["off", "on", "both"],
-        default="off",
-        help="Hugging Face activation checkpointing (non-re-entrant, as the Trainer's gradient_checkpointing=True): "
-        "a dropped branch then also skips its recomputation (default off; both: every point with and without)",
-    )
+    off_on_both = {
+        "--chunked-loss": "memory runs with the plain loss, dropbp's chunked loss, or both",
+        "--checkpointing": "Hugging Face activation checkpointing (non-re-entrant, as the Trainer's "
+        "gradient_checkpointing=True): a dropped branch then also skips its recomputation (default off; both: every "
+        "point with and without)",
+    }
+    for flag, text in off_on_both.items():
+        bench.add_argument(flag, choices=["off", "on", "both"], default="off", help=text)
     bench.add_argument("--no-speed", action="store_true", help="skip the step-time grid (memory runs only)")
     bench.add_argument("--out", type=Path, default=Path("dropbp-bench"), help="folder for bench.json/.md/.png")
 

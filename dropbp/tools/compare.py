@@ -27,7 +27,6 @@ from dropbp.controller import DropBPController
 from dropbp.execution.dropped_grads import DEFAULT_DROPPED_GRADS
 from dropbp.options import AUTO_WARMUP
 from dropbp.policy.allocation import cut_cap, cut_rates
-from dropbp.policy.schedule import anneal_factor
 from dropbp.tools.device_tools import tools_for
 from dropbp.tools.frontier import equal_quality_speedup
 from dropbp.tools.textdata import TokenData
@@ -66,6 +65,17 @@ def lr_factor(step: int, steps: int, schedule: str, warmup_fraction: float = LR_
         return step / max(1, warmup)
     progress = (step - warmup) / max(1, steps - warmup)
     return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def anneal_factor(step: int, total_steps: int, fraction: float) -> float:
+    """The factor on every rate at ``step`` when the rates fall linearly to 0 over the last ``fraction``.
+
+    Args:
+        step: the optimizer step, counted from 0.
+        total_steps: the run's length in steps.
+        fraction: the share of the run, at its end, over which the rates fall.
+    """
+    return min(1.0, (total_steps - step) / (fraction * total_steps))
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Every figure comes from a real training step (micro-batch 1) in a fresh process (:mod:`dropbp.tools.memprobe`).
 :func:`memory_table`: per sequence length and configuration, the peak above the level after loading the model and
-optimizer, next to the exact saved-activation count of the same pattern (:mod:`dropbp.memory`), split into dropped
+optimizer, next to the exact saved-activation count of the same pattern (:mod:`dropbp.tools.memory`), split into dropped
 branches, kept branches and the rest. :func:`longest_sequence`: the longest length on the grid of
 :func:`grid_length` whose probe's measured absolute peak fits a budget (doubling, then bisection; each drop rate
 starts from the previous rate's longest). Every DropBP configuration uses ``pattern="uniform"``; rate 0 is the
@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from dropbp.files import write_atomically
+from dropbp.tools.report import finish_axes, save_figure, write_record
 
 __all__ = ["grid_length", "longest_sequence", "memory_table", "parse_size", "run_probe", "worst_case_seed"]
 
@@ -241,10 +241,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         style = "-" if chunked else "--"
         label = f"rate {rate}, {'chunked' if chunked else 'plain'} loss"
         left.plot(*zip(*sorted(pts), strict=True), marker="o", linestyle=style, label=label)
-    left.set_xlabel("sequence length (tokens)")
-    left.set_ylabel("peak memory above load (GiB)")
-    left.legend(fontsize=7)
-    left.grid(alpha=0.3)
+    finish_axes(left, "sequence length (tokens)", "peak memory above load (GiB)")
     for key, by_loss in (results.get("max_seq_len") or {}).items():
         for loss, by_rate in by_loss.items():
             right.plot(
@@ -253,20 +250,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
                 marker="o",
                 label=f"{key}, {loss} loss",
             )
-    right.set_xlabel("drop rate")
-    right.set_ylabel("longest trainable sequence (tokens)")
-    right.legend(fontsize=7)
-    right.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish_axes(right, "drop rate", "longest trainable sequence (tokens)")
+    save_figure(fig, path)
 
 
 def write(results: dict[str, Any], out: Path) -> list[Path]:
-    """memory.json, memory.md and memory.png into ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "memory.json", out / "memory.md", out / "memory.png"]
-    write_atomically(paths[0], json.dumps(results, indent=2) + "\n")
-    write_atomically(paths[1], markdown(results))
-    plot(results, paths[2])
-    return paths
+    """memory.json, memory.md and memory.png into ``out`` (:func:`write_record`)."""
+    return write_record(out, "memory", results, markdown(results), plot)

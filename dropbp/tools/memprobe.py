@@ -5,7 +5,7 @@ configuration) builds the model and optimizer, records the memory level, trains 
 and prints one JSON line: the peak above that level and the absolute peak (CPU: the high-water resident set
 ``VmHWM``, with glibc's mmap threshold fixed at 64 KiB; devices with an allocator: its peak). With a budget, a CPU
 probe stops as soon as its resident set passes it. Optionally it counts the saved activations of the same pattern
-(:mod:`dropbp.memory`). The spec may name the pattern shape (``"pattern"``, default uniform), the memory bound
+(:mod:`dropbp.tools.memory`). The spec may name the pattern shape (``"pattern"``, default uniform), the memory bound
 (``"memory_bound"``, default off), the seed and ``"checkpointing"``. Progress goes to stderr. Why: docs/memory.md.
 """
 
@@ -81,7 +81,7 @@ def _watch(budget: int, result: dict[str, Any]) -> None:
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     from dropbp import apply, backends
-    from dropbp.execution.chunked_loss import ChunkedLoss
+    from dropbp.chunked_loss import ChunkedLoss
     from dropbp.tools.bench import build_model
 
     backend = backends.get(spec.get("backend"))
@@ -158,7 +158,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 def _account(model, attached, ids: torch.Tensor, rate: float | None, chunked: bool) -> dict[str, int]:
     """Saved-activation bytes of the pattern the measured step used (the baseline: none dropped)."""
     from dropbp import apply
-    from dropbp.memory import saved_bytes
+    from dropbp.tools.memory import saved_bytes
 
     _say("counting saved activations")
     if rate is None:

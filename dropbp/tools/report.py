@@ -2,14 +2,53 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from dropbp.imports import require
+from dropbp.files import write_atomically
+from dropbp.imports import MissingDependency, require
 from dropbp.tools.compare import RunResult, loss_at_time, time_to_target, with_timed_tails
 
 __all__ = ["learning_rates_table", "plot_curves", "seeds_table", "steps_and_time_table"]
+
+
+def finish_axes(ax: object, xlabel: str, ylabel: str) -> None:
+    """Label one plot's axes, with a grid and a small legend."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def save_figure(fig: object, path: Path) -> Path:
+    """Lay ``fig`` out, write it to ``path`` (its folder made) and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_record(
+    out: Path, stem: str, results: dict, markdown: str, plot: Callable[[dict, Path], object]
+) -> list[Path]:
+    """``stem``.json, .md and .png into ``out``; the paths written. Without matplotlib the figures are still written
+    (JSON and table) and the plot is skipped, with a warning that says how to get it: no measurement is lost."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{stem}.json", out / f"{stem}.md", out / f"{stem}.png"]
+    write_atomically(paths[0], json.dumps(results, indent=2) + "\n")
+    write_atomically(paths[1], markdown)
+    try:
+        plot(results, paths[2])
+    except MissingDependency as missing:
+        warnings.warn(f"dropbp: {paths[2].name} not drawn, the figures are in {paths[0].name}: {missing}", stacklevel=2)
+        return paths[:2]
+    return paths
 
 
 def plot_curves(results: Sequence[RunResult], path: Path, title: str) -> Path:
@@ -31,11 +70,7 @@ def plot_curves(results: Sequence[RunResult], path: Path, title: str) -> Path:
         ax.grid(alpha=0.3)
     by_time.legend(fontsize=8)
     fig.suptitle(title + f" (dotted: {results[0].run.name}'s final loss)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _loss(value: float | None) -> str:

@@ -15,6 +15,7 @@ import logging
 import random
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -26,6 +27,7 @@ __all__ = [
     "CALIBRATION_METHODS",
     "OnePassUnavailable",
     "average_across_ranks",
+    "CalibrationJob",
     "exact_recompute",
     "measure",
     "one_pass",
@@ -200,15 +202,21 @@ def _gradient(
     return grads
 
 
-def one_pass(
-    closure: Closure,
-    params: Sequence[nn.Parameter],
-    branch_modules: Sequence[nn.Module],
-    force: ForcePattern,
-    gradnorm: bool,
-    boundary: Boundary,
-) -> list[float]:
+class CalibrationJob(NamedTuple):
+    """What a sensitivity measurement needs: the loss closure, the trainable parameters, the branch modules, how to
+    force a pattern, the ``gradnorm`` variant and the device's step boundary after each backward."""
+
+    closure: Closure
+    params: Sequence[nn.Parameter]
+    branch_modules: Sequence[nn.Module]
+    force: ForcePattern
+    gradnorm: bool
+    boundary: Boundary
+
+
+def one_pass(job: CalibrationJob) -> list[float]:
     """Sensitivities of every branch from one forward (see the module docstring)."""
+    closure, params, branch_modules, force, gradnorm, boundary = job
     _reseed(_draw_seed())  # the same randomness as the first pass of exact_recompute
     # The pattern stays forced through the backward passes too: activation checkpointing re-runs
     # branch forwards there, and they must see the same (empty) pattern as the forward did.
@@ -233,15 +241,9 @@ def one_pass(
     return result
 
 
-def exact_recompute(
-    closure: Closure,
-    params: Sequence[nn.Parameter],
-    branch_modules: Sequence[nn.Module],
-    force: ForcePattern,
-    gradnorm: bool,
-    boundary: Boundary,
-) -> list[float]:
+def exact_recompute(job: CalibrationJob) -> list[float]:
     """The research code's method: N + 1 forward/backward passes, reseeded identically each time."""
+    closure, params, branch_modules, force, gradnorm, boundary = job
     seed = _draw_seed()
 
     def gradient(pattern: frozenset[int]) -> list[torch.Tensor | None]:
@@ -307,21 +309,21 @@ def measure(
 
     ``closure`` and ``method`` are checked by the entry point, :meth:`dropbp.DropBPController.calibrate`.
     """
-    boundary = backend.graph_break
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("calibrate: the model has no trainable parameters (requires_grad=True)")
+    job = CalibrationJob(closure, params, branch_modules, force, gradnorm, backend.graph_break)
     modes = {m: m.training for m in model.modules()}
     model.train()
     try:
         sens = None
         if method == "one-pass":
             try:
-                sens = one_pass(closure, params, branch_modules, force, gradnorm, boundary)
+                sens = one_pass(job)
             except OnePassUnavailable as why:
                 log.warning("dropbp: calibrate falls back to exact-recompute (N + 1 passes): %s", why)
         if sens is None:
-            sens = exact_recompute(closure, params, branch_modules, force, gradnorm, boundary)
+            sens = exact_recompute(job)
     finally:
         for module, training in modes.items():
             module.training = training

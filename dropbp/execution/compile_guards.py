@@ -90,7 +90,7 @@ class EnclosingCompileWarning:
             "or compiled layers). Gradients of kept branches are exact, but a weight in front of a dropped branch "
             "(the norm before a dropped MLP) gets a zero gradient instead of none, so AdamW or momentum still moves "
             "it, unlike eager DropBP. For exact DropBP compile the branches instead: "
-            "dropbp.execution.graphs.compile_branches(ctl) (docs/scaling-out.md)",
+            "dropbp.execution.compile_guards.compile_branches(ctl) (docs/scaling-out.md)",
             RuntimeWarning,
             stacklevel=2,
         )
