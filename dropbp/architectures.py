@@ -9,12 +9,13 @@ __all__ = [
     "ATTENTION_HINTS",
     "ATTENTION_NAMES",
     "BERT_BRANCHES",
-    "KEY_VALUE_PROJECTIONS",
+    "EXPERTS",
     "LITGPT_BLOCK",
     "LITGPT_POST_NORMS",
     "MLP_NAMES",
     "OLDER_MLP_NAMES",
     "POST_NORMS",
+    "ROW_LOCAL_ATTENTION_PROJECTIONS",
     "SUPPORTED_ARCHITECTURES",
 ]
 
@@ -61,9 +62,13 @@ ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
 MLP_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe")
 ATTENTION_HINTS = ("attn", "attention")
 
-#: Linear maps of an attention branch whose output rows reach other tokens' outputs (keys and values, alone or fused
-#: with the queries): under token drops their backward runs on every row, since a dropped token's key and value
-#: still receive gradient from the kept tokens that attend to it. Every other linear map of a branch is row-local.
-KEY_VALUE_PROJECTIONS = (
-    "k_proj", "v_proj", "key", "value", "qkv_proj", "c_attn", "query_key_value", "Wqkv", "W_pack", "qkv",
-)  # fmt: skip
+#: The linear maps of an attention branch whose output row ``t`` reaches the branch's output only at row ``t``: the
+#: query and output projections, by child name. Under token drops their backward runs on the kept rows only. Keys and
+#: values (``k_proj``, ``v_proj``, fused ``qkv_proj``, GPT-2's ``c_attn``, GPT-NeoX's ``query_key_value``) reach
+#: every later token, so they keep full rows; a name not listed here keeps full rows too (exact, not cheaper). Every
+#: linear map of an MLP branch is row-local.
+ROW_LOCAL_ATTENTION_PROJECTIONS = ("q_proj", "o_proj", "query", "dense", "out_proj", "c_proj", "wo")
+
+#: The child of a mixture-of-experts MLP that holds its experts: their rows are the tokens routed to each, not the
+#: branch's rows, so token drops leave them on full rows.
+EXPERTS = "experts"

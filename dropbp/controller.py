@@ -24,12 +24,13 @@ from dropbp.backends import Backend
 from dropbp.checks import check_bool, check_choice, check_int
 from dropbp.chunked_loss import ChunkedLoss
 from dropbp.execution.compile_guards import EnclosingCompileWarning
-from dropbp.execution.discovery import Branch
+from dropbp.execution.discovery import Branch, row_local_linears
 from dropbp.execution.distributed import RunningDDPCheck, check_ddp
 from dropbp.execution.dropped_grads import DroppedGrads
 from dropbp.execution.frameworks import FrameworkWatch, calibration_closure, calibration_method, check_wrapper, unwrap
 from dropbp.execution.hooks import ExecutionSettings, StepHooks
 from dropbp.execution.patching import CleanCopies
+from dropbp.execution.token_backward import TokenDrops
 from dropbp.options import DropBPOptions
 from dropbp.policy import lr_compensation
 from dropbp.policy.allocation import allocate_rates
@@ -124,6 +125,12 @@ class DropBPController:
         self._hooks.listen(self._fill)
         self._hooks.listen(FrameworkWatch(model, self._hooks.holders, options.dropped_grads))
         self._hooks.listen(self._tally)
+        found = [row_local_linears(b) for b in self._found]
+        self._full_rows = [name for _, names in found for name in names]
+        parts = [b.parts for b in self._found]
+        self._tokens = TokenDrops(parts, [linears for linears, _ in found], backend, self._hooks.token_slot)
+        self._hooks.listen(self._tokens)
+        self._sync_token_drops(options)
         compile_warning = EnclosingCompileWarning()
         self._compile_handles = compile_warning.attach(model, [b.name for b in self._found])
         touched = [
@@ -132,9 +139,11 @@ class DropBPController:
             *compile_warning.layers,
             *self._hooks.bound.units,
             *([self._chunked.lm] if self._chunked else []),
+            *(linear.module for linears, _ in found for linear in linears),
         ]
         # copies and pickles come out clean
-        self._copies = CleanCopies(touched, lambda: [*self._hooks.handles, *self._compile_handles])
+        handles = lambda: [*self._hooks.handles, *self._compile_handles, *self._tokens.handles]  # noqa: E731
+        self._copies = CleanCopies(touched, handles)
         for module in (model, *self._modules):
             _ATTACHED[module] = weakref.ref(self)
         self._removed = False
@@ -160,6 +169,7 @@ class DropBPController:
         self._policy.use(resolved, reset_rates)
         self._given = given
         self._hooks.settings = ExecutionSettings.of(resolved)
+        self._sync_token_drops(resolved)
 
     def longest_warmup(self, total_steps: int, up_to: int) -> int:
         """The longest warm-up, at most ``up_to`` training forwards, whose time schedule over a run of
@@ -168,6 +178,24 @@ class DropBPController:
         says so). A pure function of the settings: nothing changes."""
         check_int("total_steps", total_steps, 1)
         return self._policy.longest_warmup(total_steps, check_int("up_to", up_to, 0))
+
+    def _sync_token_drops(self, options: DropBPOptions) -> None:
+        """Token drops' hooks go on the first time ``token_drop_rate`` is above 0 (and stay: at 0 they select
+        nothing, so the model computes exactly what it did without them)."""
+        if options.token_drop_rate > 0.0 and not self._tokens.installed:
+            self._tokens.install()
+            self._tokens.warn_full_rows(self._full_rows)
+
+    def token_weights(self) -> dict[str, torch.Tensor]:
+        """Per branch name, the weights of its most recent token selection (one per token row of its output:
+        ``1 / p`` where kept, 0 where its backward was skipped), for branches that made one."""
+        weights = self._tokens.last_weights
+        return {b.name: w for b, w in zip(self._found, weights, strict=True) if w is not None}
+
+    token_drop_rate = _setting(
+        "token_drop_rate", "The share of token rows whose backward each kept branch skips (token drops)."
+    )
+    token_selection = _setting("token_selection", "How token drops choose rows: 'gradient' or 'random'.")
 
     memory_bound = _setting(
         "memory_bound", "Whether the activation memory is bounded at every step (:mod:`dropbp.execution.bound`)."
@@ -412,6 +440,7 @@ class DropBPController:
         self._policy.load_state_dict(state, resolved)
         self._given = given
         self._hooks.settings = ExecutionSettings.of(resolved)
+        self._sync_token_drops(resolved)
         self._hooks.step = state["step"]
 
     # -- the device's step boundaries ------------------------------------------------------------

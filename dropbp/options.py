@@ -27,6 +27,7 @@ from dropbp.checks import check_bool, check_choice, check_fraction, check_int, c
 from dropbp.execution.dropped_grads import DEFAULT_DROPPED_GRADS, DROPPED_GRADS
 from dropbp.policy.sampler import SAMPLERS
 from dropbp.policy.schedule import DEFAULT_RAMP, DROP_SCHEDULES
+from dropbp.policy.token_selection import TOKEN_SELECTIONS
 
 #: ``memory_bound="auto"`` turns the bound on from this drop rate (or with ``chunked_loss``).
 AUTO_BOUND_RATE = 0.75
@@ -192,6 +193,25 @@ class DropBPOptions:
         ),
     )
 
+    token_drop_rate: float = field(
+        default=0.0,
+        metadata=_help(
+            """The share of token rows whose backward each kept branch skips, in [0, 1): the gradient arriving at
+            a kept branch's output keeps ``ceil((1 - rate) * rows)`` rows, drawn by ``token_selection`` and weighted
+            by their inverse probability (an unbiased estimate of the branch's backward), and the branch's
+            row-local linear maps run their backward on those rows only (:mod:`dropbp.execution.token_backward`).
+            Composes with ``drop_rate``; 0: off, nothing changes; ``ctl.token_drop_rate``, settable."""
+        ),
+    )
+    token_selection: str = field(
+        default="gradient",
+        metadata=_help(
+            """How token drops choose the rows: ``"gradient"`` (importance sampling: probability proportional to
+            each row's gradient norm at the branch output, capped at 1) or ``"random"`` (the same probability for
+            every row that carries gradient); ``ctl.token_selection``, settable."""
+        ),
+    )
+
     #: The value given to ``seed`` may be None (the Trainer integration: the run's own seed).
     _seed_may_be_none: ClassVar[bool] = False
 
@@ -231,6 +251,14 @@ class DropBPOptions:
         check_choice(key("drop_schedule"), self.drop_schedule, DROP_SCHEDULES)
         self._set("ramp", check_ramp(key("ramp"), self.ramp))
         check_int(key("stratify"), self.stratify, 1)
+        try:
+            self._set("token_drop_rate", check_fraction(key("token_drop_rate"), self.token_drop_rate))
+        except ValueError as error:
+            raise ValueError(
+                f"{error}: it is the share of token rows whose backward each kept branch skips; set it to e.g. 0.5, "
+                "or 0 for none"
+            ) from None
+        check_choice(key("token_selection"), self.token_selection, TOKEN_SELECTIONS)
         if self.stratify > 1 and (self.pattern != "cut" or self.max_patterns is not None):
             raise ValueError(
                 f"{key('stratify')}={self.stratify} stratifies cut patterns drawn afresh each step: it needs "

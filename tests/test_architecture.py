@@ -225,7 +225,7 @@ def test_the_architecture_tables_are_one_module_read_by_discovery_and_options():
     faces = ("dropbp", "dropbp/__init__")
     readers = sorted(n for n, p in _MODULES.items() if "dropbp.architectures" in _imports(p) and n not in faces)
     assert readers == ["dropbp/execution/discovery", "dropbp/options"]
-    tables = ("SUPPORTED_ARCHITECTURES", "POST_NORMS", "LITGPT_BLOCK", "KEY_VALUE_PROJECTIONS", "ATTENTION_NAMES")
+    tables = ("SUPPORTED_ARCHITECTURES", "POST_NORMS", "ROW_LOCAL_ATTENTION_PROJECTIONS", "EXPERTS", "MLP_NAMES")
     defined = {n for n, p in _MODULES.items() for t in tables if re.search(rf"^{t}\b.*=", p.read_text(), re.M)}
     assert defined == {"dropbp/architectures"}
 

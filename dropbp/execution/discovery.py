@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -18,19 +19,23 @@ from dropbp.architectures import (
     ATTENTION_HINTS,
     ATTENTION_NAMES,
     BERT_BRANCHES,
+    EXPERTS,
     LITGPT_BLOCK,
     LITGPT_POST_NORMS,
     MLP_NAMES,
     OLDER_MLP_NAMES,
     POST_NORMS,
+    ROW_LOCAL_ATTENTION_PROJECTIONS,
     SUPPORTED_ARCHITECTURES,
 )
 
 __all__ = [
     "Branch",
     "ResidualProbe",
+    "RowLocalLinear",
     "branch_flops",
     "find_branches",
+    "row_local_linears",
 ]
 
 log = logging.getLogger("dropbp")
@@ -87,6 +92,43 @@ class Branch:
 
     def __repr__(self) -> str:
         return f"Branch(name={self.name!r}, kind={self.kind!r}, flops={self.flops!r}, rate={self.rate!r})"
+
+
+class RowLocalLinear(NamedTuple):
+    """A linear map inside a branch whose backward can run on the branch's kept token rows (token drops)."""
+
+    name: str  # its path below the branch module
+    module: nn.Module
+    transposed: bool  # transformers' Conv1D: ``x @ weight + bias``
+
+
+def _gatherable(module: nn.Module) -> bool | None:
+    """Whether ``module`` is a linear map token drops can gather (True), a linear layer they cannot (False: a
+    4-bit or otherwise replaced forward), or no linear layer (None)."""
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+        return tuple(module.weight.shape) == (module.nx, module.nf)
+    if isinstance(module, nn.Linear):
+        plain = type(module).forward is nn.Linear.forward and module.weight.is_floating_point()
+        return plain and tuple(module.weight.shape) == (module.out_features, module.in_features)
+    return None
+
+
+def row_local_linears(branch: Branch) -> tuple[list[RowLocalLinear], list[str]]:
+    """The linear maps of ``branch`` whose output row ``t`` reaches its output only at row ``t`` (all of an MLP
+    branch; an attention branch's query and output projections, :data:`ROW_LOCAL_ATTENTION_PROJECTIONS`), and
+    the names of such layers whose backward cannot be gathered (they run full rows)."""
+    found, full = [], []
+    for name, module in branch.module.named_modules():
+        if not name or (branch.kind == "attn" and name.split(".")[0] not in ROW_LOCAL_ATTENTION_PROJECTIONS):
+            continue
+        if EXPERTS in name.split("."):  # an expert's rows are the tokens routed to it, not the branch's
+            continue
+        gatherable = _gatherable(module)
+        if gatherable:
+            found.append(RowLocalLinear(name, module, type(module).__name__ == "Conv1D"))
+        elif gatherable is False:
+            full.append(f"{branch.name}.{name}")
+    return found, full
 
 
 def holder(parts: Sequence[nn.Module]) -> nn.Module:

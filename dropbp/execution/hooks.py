@@ -33,6 +33,7 @@ from dropbp.execution.discovery import BRANCH_ADVICE, Branch, ResidualProbe, hol
 from dropbp.execution.distributed import check_running_ddp_checkpointing
 from dropbp.execution.patching import ForwardPatch
 from dropbp.execution.recompute import RecomputeCache, forward_region, in_backward, recomputed_region
+from dropbp.execution.token_backward import RowSlot
 from dropbp.policy.drop_policy import DropPolicy
 from dropbp.policy.lr_compensation import compensation
 
@@ -58,11 +59,21 @@ class ExecutionSettings:
     drop_rate: float = 0.0
     unbiased: bool = False
     bounded: bool = False
+    seed: int = 0
+    token_drop_rate: float = 0.0
+    token_selection: str = "gradient"
 
     @classmethod
     def of(cls, options: object) -> ExecutionSettings:
         """The share of resolved options (a :class:`dropbp.options.DropBPOptions` after ``resolved``)."""
-        return cls(options.drop_rate, options.unbiased, bool(options.memory_bound))
+        return cls(
+            options.drop_rate,
+            options.unbiased,
+            bool(options.memory_bound),
+            options.seed,
+            options.token_drop_rate,
+            options.token_selection,
+        )
 
 
 class StepHooks:
@@ -253,6 +264,18 @@ class StepHooks:
         """:meth:`_kept_scale`, asking whether the branch is kept (for a tail's hook, after the branch ran)."""
         kept_scale = self._kept_scale(index)
         return lambda module: 1.0 if index in self.in_force() else kept_scale(module)  # dropped: no gradient
+
+    def token_slot(self, index: int) -> RowSlot | None:
+        """The token selection a call of branch ``index`` now makes (:mod:`dropbp.execution.token_backward`): None
+        where it makes none (token drops off, the branch dropped, calibration's forced forwards, outside a training
+        forward of the model or its recomputation)."""
+        settings = self.settings
+        if settings.token_drop_rate <= 0.0 or self.forced is not None:
+            return None
+        if not (self._forward or in_backward()) or index in self.in_force():
+            return None
+        key = (settings.seed, max(0, self.step - 1), index)  # the forward under way has counted its step
+        return RowSlot(key, settings.token_drop_rate, settings.token_selection)
 
     def kept_bound(self) -> int | None:
         """How many kept branches may store activations in a training forward now (None: the bound is off)."""

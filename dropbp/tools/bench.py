@@ -160,13 +160,13 @@ class _Bench:
         if config == "all_dropped":
             return [h for m in self.branch_modules for h in attach_no_grad_hooks(m, lambda: True)]
         pattern, rate = _parse(config)
-        return [apply(self.model, rate, seed=seed, seq_len=self.seq_len, backend=self.backend, **_shape(pattern))]
+        return [apply(self.model, seed=seed, seq_len=self.seq_len, backend=self.backend, **_shape(pattern, rate))]
 
     @staticmethod
     def dropped_fraction(config: str, attached: list) -> tuple[float, float]:
         """The FLOP-weighted fraction of the branches dropped by the step just timed under ``config``, and the
         fraction its pattern drops at that step in expectation (``attached``: what :meth:`attach` returned)."""
-        if config in ("baseline", "all_dropped"):
+        if config in ("baseline", "all_dropped") or config.startswith(TOKENS):
             whole = float(config == "all_dropped")
             return whole, whole
         ctl = attached[0]  # attached for this one step: its tally holds that step alone
@@ -194,7 +194,8 @@ class _Bench:
 
 
 def _configs(rates: Sequence[float], patterns: Sequence[str]) -> list[str]:
-    return ["baseline", "all_dropped", *[f"{p}@{r}" for p in patterns for r in rates]]
+    floor = [f"{TOKENS}@{TOKEN_FLOOR}"] if any(p.startswith(TOKENS) for p in patterns) else []
+    return ["baseline", "all_dropped", *floor, *[f"{p}@{r}" for p in patterns for r in rates]]
 
 
 def _parse(config: str) -> tuple[str, float]:
@@ -204,15 +205,23 @@ def _parse(config: str) -> tuple[str, float]:
 
 #: What a pattern name of the bench may add to the shape: the memory bound on or off (else ``apply``'s default).
 BOUND_SUFFIXES = {":bounded": True, ":unbounded": False}
+#: The bench's pattern name for token drops (the rate is ``token_drop_rate``, no branch drops; ``tokens:random``:
+#: random selection) and the rate of its floor: every row-local linear map's backward on one row, which the ideal
+#: of token drops is measured from.
+TOKENS = "tokens"
+TOKEN_FLOOR = 0.999
 
 
-def _shape(pattern: str) -> dict[str, object]:
-    """``apply``'s options for a bench pattern name: ``"cut"``, ``"uniform"``, either with a suffix of
-    :data:`BOUND_SUFFIXES` (``"cut:bounded"``)."""
+def _shape(pattern: str, rate: float) -> dict[str, object]:
+    """``apply``'s options for a bench pattern name at ``rate``: ``"cut"``, ``"uniform"``, either with a suffix of
+    :data:`BOUND_SUFFIXES` (``"cut:bounded"``), or ``"tokens"`` / ``"tokens:random"`` (token drops at ``rate``)."""
+    if pattern.startswith(TOKENS):
+        selection = pattern.removeprefix(TOKENS).removeprefix(":") or "gradient"
+        return {"drop_rate": 0.0, "token_drop_rate": rate, "token_selection": selection}
     for suffix, bound in BOUND_SUFFIXES.items():
         if pattern.endswith(suffix):
-            return {"pattern": pattern.removesuffix(suffix), "memory_bound": bound}
-    return {"pattern": pattern}
+            return {"drop_rate": rate, "pattern": pattern.removesuffix(suffix), "memory_bound": bound}
+    return {"drop_rate": rate, "pattern": pattern}
 
 
 def refused_configs(model: nn.Module, configs: Sequence[str], seq_len: int, backend: Backend) -> dict[str, str]:
@@ -224,7 +233,7 @@ def refused_configs(model: nn.Module, configs: Sequence[str], seq_len: int, back
             continue
         pattern, rate = _parse(config)
         try:
-            apply(model, rate, seq_len=seq_len, backend=backend, **_shape(pattern)).remove()
+            apply(model, seq_len=seq_len, backend=backend, **_shape(pattern, rate)).remove()
         except ValueError as err:
             refused[config] = str(err)
     return refused
@@ -324,14 +333,19 @@ def _summarise(point: Point, configs: Sequence[str], times, drawn, peaks, model:
     total = {c: [sum(t) for t in times[c]] for c in times}
     f, b, o = (phase("baseline", i) for i in range(3))
     b0, o0 = phase("all_dropped", 1), phase("all_dropped", 2)
+    floor = f"{TOKENS}@{TOKEN_FLOOR}"
+    b_rest = phase(floor, 1) if floor in times else None  # the backward with every row-local linear map on one row
     base_step = statistics.median(total["baseline"])
     timing = timing_verdict(total["baseline"])
     tokens = point.batch_size * point.seq_len
     rows = []
-    for name in configs[2:]:
+    for name in [c for c in configs[2:] if c != floor]:
         pattern, r = _parse(name)
         step = statistics.median(total[name])
-        ideal = f + b0 + o0 + (1 - r) * (b - b0 + o - o0)
+        if pattern.startswith(TOKENS):  # the row-local linear maps' backward scaled by the kept share, the rest as is
+            ideal = f + o + b_rest + (1 - r) * (b - b_rest)
+        else:
+            ideal = f + b0 + o0 + (1 - r) * (b - b0 + o - o0)
         paired = [x / y for x, y in zip(total["baseline"], total[name], strict=True)]
         dropped = [d for d, _ in drawn[name]]
         expected = statistics.mean(e for _, e in drawn[name])
@@ -370,6 +384,7 @@ def _summarise(point: Point, configs: Sequence[str], times, drawn, peaks, model:
             "optimizer_s": o,
         },
         "all_dropped": {"backward_s": b0, "optimizer_s": o0},
+        "token_floor": None if b_rest is None else {"token_drop_rate": TOKEN_FLOOR, "backward_s": b_rest},
         "rows": rows,
         "timing": timing,
     }
@@ -430,7 +445,8 @@ def markdown_table(results: dict) -> str:
         lines += [
             "",
             "Phases of the baseline step (medians): forward F, backward B, backward with every branch dropped B0, "
-            "optimizer O; for 4-bit models, D = dequantising every 4-bit weight once.",
+            "optimizer O; for 4-bit models, D = dequantising every 4-bit weight once; for token drops, Bt = the "
+            "backward with every row-local linear map on one row (their ideal: F + O + Bt + (1 - rate)(B - Bt)).",
             "",
             *[f"- {_label(p)}: {_phases(p)}" for p in phased],
         ]
@@ -469,6 +485,8 @@ def _phases(p: dict) -> str:
     )
     if base.get("dequantize_s") is not None:
         text += f"; D {base['dequantize_s']:.3f} s ({p['four_bit_layers']} 4-bit layers)"
+    if p.get("token_floor"):
+        text += f"; Bt {p['token_floor']['backward_s']:.3f} s (token drops with one row per row-local linear map)"
     return text
 
 

@@ -95,7 +95,9 @@ def _parser() -> argparse.ArgumentParser:
         default=["uniform"],
         help="pattern shapes to time at each rate: uniform (the paper's; steady step time) and/or cut "
         "(dropbp.apply's default; rates a cut cannot reach on the preset are reported as refused); a suffix "
-        ":bounded or :unbounded sets the memory bound (default: apply's, on from 0.75)",
+        ":bounded or :unbounded sets the memory bound (default: apply's, on from 0.75); tokens (token drops at each "
+        "rate, importance-sampled by the gradient, no branch drops; tokens:random for random rows), whose ideal is "
+        "measured from the backward with every row-local linear map on one row",
     )
     bench.add_argument("--seq-lens", nargs="+", type=_positive, default=[128], help="tokens per sequence (default 128)")
     bench.add_argument("--batch-sizes", nargs="+", type=_positive, default=[2], help="sequences per step (default 2)")
@@ -238,14 +240,15 @@ def _bench(args: argparse.Namespace) -> int:
     import torch
 
     from dropbp import __version__
-    from dropbp.tools.bench import BOUND_SUFFIXES, METHODS, PRESETS, PRETRAINED, Point, measure, write_outputs
+    from dropbp.tools.bench import BOUND_SUFFIXES, METHODS, PRESETS, PRETRAINED, TOKENS, Point, measure, write_outputs
     from dropbp.tools.membench import parse_size
 
     _check_choices(args.presets, [*PRESETS, PRETRAINED], "preset")
     _check_choices(args.methods, METHODS, "method")
     if "qlora" in args.methods:  # before anything runs: a grid fails here, not after its other methods
         require("bitsandbytes", "dropbp bench --methods qlora")
-    _check_choices(args.patterns, [f"{p}{s}" for p in ("uniform", "cut") for s in ("", *BOUND_SUFFIXES)], "pattern")
+    shapes = [f"{p}{s}" for p in ("uniform", "cut") for s in ("", *BOUND_SUFFIXES)]
+    _check_choices(args.patterns, [*shapes, TOKENS, f"{TOKENS}:random"], "pattern")
     budget = None
     if args.memory_budget is not None:
         try:

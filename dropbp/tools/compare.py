@@ -111,6 +111,8 @@ class Run:
     steps: int | None = None  # overrides the run's number of optimizer steps
     max_patterns: int | None = None  # apply()'s pattern bound (a lazy-graph device's pool, on the CPU)
     stratified: bool = False  # apply()'s stratify= the run's micro-batches per optimizer step (stratified cuts)
+    token_drop_rate: float = 0.0  # apply()'s token drops (with drop_rate=0.0: token drops alone)
+    token_selection: str = "gradient"
 
 
 @dataclass
@@ -195,6 +197,8 @@ def run_options(run: Run, baseline_steps: int, own_steps: int, accumulation: int
         "ramp": run.ramp,
         "max_patterns": run.max_patterns,
         "stratify": accumulation if run.stratified else 1,
+        "token_drop_rate": run.token_drop_rate,
+        "token_selection": run.token_selection,
     }
 
 

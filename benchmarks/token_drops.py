@@ -1,0 +1,398 @@
+"""Token drops against full backprop at its best batch and against branch drops (issue 49), on the map's proxy.
+
+The proxy, corpus, learning-rate grid, seeds and frontier measure are the map's (``where_it_pays.py``, whose docstring
+says how): a 6-layer Llama-shaped byte-level model pre-trained on the standard library's source, fully fine-tuned on
+Python's help text, each arm at its own best learning rate from one grid (seed 0), then complete runs (each its own
+warm-up and cosine decay) on 3 seeds. Arms at each cell (``L`` optimizer steps of ``T`` tokens):
+
+- ``full``: full backprop at ``T`` tokens per step, complete runs at L/2, L and 2L steps (the map's own runs);
+- ``full-half``: full backprop at ``T/2`` tokens per step, runs at L, 2L and 4L steps (the same times): the batch a user
+  who tunes it would also try; **full backprop at its best batch** is the lower envelope of both frontiers;
+- ``tokens<r>``: token drops at ``token_drop_rate=r`` (importance sampling on the gradient's row norms), no branch
+  drops;
+- ``tokens-random<r>``: the same with random rows (the control);
+- ``branch<r>``: DropBP's shipped default (cut patterns with warm-up), the map's own runs;
+- ``both<r>``: branch drops and token drops at ``r`` each.
+
+Each DropBP arm runs at L steps and at its equal-time budget (the steps its modelled step speedup buys in L full
+steps). Time is MODELLED on SmolLM2-135M's measured CPU steps (``--cost-record``, a ``dropbp bench`` record with
+``--patterns tokens ...``, full fine-tuning, 512 tokens): a micro-batch of 512 tokens costs ``F + B0 + (1 - f)(B - B0)
+* t(r)`` plus the optimizer, ``f`` the branch FLOPs dropped and ``t(r)`` the measured cost of a branch's backward under
+token drops relative to full (``(step(r) - F - O - B0) / (B - B0)`` from the record's token rows). The map's reused
+runs are re-timed with the same record, so every arm shares one clock. Runs are appended to
+``results/token_drops/runs.jsonl`` (the map's runs are read from ``results/where_it_pays/runs.jsonl``).
+
+    python benchmarks/token_drops.py --cells 100x1k --workers 2      # runs (resumable)
+    python benchmarks/token_drops.py --report                          # token_drops.md / .json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass
+from datetime import date
+from multiprocessing import get_context
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+OUT = RESULTS / "token_drops"
+MAP_RUNS = RESULTS / "where_it_pays" / "runs.jsonl"
+COST_RECORD = RESULTS / "bench_tokens_cpu" / "full" / "bench.json"
+RATES = (0.5, 0.75)
+SEEDS = (0, 1, 2)
+
+
+def _map_module():
+    spec = importlib.util.spec_from_file_location("where_it_pays", HERE / "where_it_pays.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["where_it_pays"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+wip = _map_module()
+MAP_COST = wip.StepCost.from_bench(wip.COST_RECORD)
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    drop_rate: float | None  # None: full backprop, no library
+    token_drop_rate: float = 0.0
+    token_selection: str = "gradient"
+    half_batch: bool = False
+
+    @property
+    def map_key(self) -> str | None:
+        """The arm's name in the map's run keys, where the map ran it."""
+        if self.drop_rate is None and not self.half_batch:
+            return "full"
+        if self.drop_rate and not self.token_drop_rate:
+            return f"dropbp{self.drop_rate:g}"
+        return None
+
+
+ARMS = [
+    Arm("full", None),
+    Arm("full-half", None, half_batch=True),
+    *(Arm(f"tokens{r:g}", 0.0, r) for r in RATES),
+    *(Arm(f"tokens-random{r:g}", 0.0, r, "random") for r in RATES),
+    *(Arm(f"branch{r:g}", r) for r in RATES),
+    Arm("both0.5", 0.5, 0.5),
+]
+BY_NAME = {a.name: a for a in ARMS}
+
+
+@dataclass(frozen=True)
+class Cost:
+    """SmolLM2-135M's measured step components (one micro-batch of ``tokens``) and the token-drop backward ratios."""
+
+    forward: float
+    backward: float
+    backward_all_dropped: float
+    optimizer: float
+    tokens: int
+    token_ratio: dict[str, float]  # "0.5" -> t(r), "random0.5" -> t(r) with random rows
+
+    @classmethod
+    def from_bench(cls, path: Path) -> Cost:
+        point = json.loads(path.read_text())["points"][0]
+        base = point["baseline"]
+        f, b, o, b0 = base["forward_s"], base["backward_s"], base["optimizer_s"], point["all_dropped"]["backward_s"]
+        ratios = {}
+        for row in point["rows"]:
+            if row["pattern"].startswith("tokens"):
+                random = "random" if row["pattern"].endswith(":random") else ""
+                ratios[f"{random}{row['drop_rate']:g}"] = (row["step_s"] - f - o - b0) / (b - b0)
+        return cls(f, b, b0, o, point["seq_len"] * point["batch_size"], ratios)
+
+    def step_seconds(self, arm: Arm, dropped_fraction: float, tokens_per_step: int) -> float:
+        ratio = 1.0
+        if arm.token_drop_rate:
+            key = ("random" if arm.token_selection == "random" else "") + f"{arm.token_drop_rate:g}"
+            ratio = self.token_ratio[key]
+        branch = (1 - dropped_fraction) * (self.backward - self.backward_all_dropped) * ratio
+        micro = self.forward + self.backward_all_dropped + branch
+        return micro * tokens_per_step / self.tokens + self.optimizer
+
+    def speedup(self, arm: Arm, tokens_per_step: int) -> float:
+        expected = arm.drop_rate or 0.0
+        full = self.step_seconds(BY_NAME["full"], 0.0, tokens_per_step)
+        return full / self.step_seconds(arm, expected, _tokens(arm, tokens_per_step))
+
+
+def _tokens(arm: Arm, cell_tokens: int) -> int:
+    return cell_tokens // 2 if arm.half_batch else cell_tokens
+
+
+def budgets(arm: Arm, cell, cost: Cost) -> list[int]:
+    """The complete runs' lengths in optimizer steps (the first is the sweep's)."""
+    if arm.drop_rate is None:
+        scale = 2 if arm.half_batch else 1
+        return [cell.steps * scale, cell.steps * scale // 2, cell.steps * scale * 2]
+    if arm.map_key:  # the map's own runs: its equal-time budget (re-timed here, as every arm, on one clock)
+        return [wip.equal_time_steps(MAP_COST, cell, arm.drop_rate), cell.steps]
+    return [round(cell.steps * cost.speedup(arm, cell.tokens)), cell.steps]
+
+
+def key(cell, arm: Arm, lr: float, steps: int, seed: int) -> str:
+    return f"{cell.name}/{arm.map_key or arm.name}/lr{lr:g}/steps{steps}/seed{seed}"
+
+
+def load_runs() -> dict[str, dict]:
+    return {**wip.load_done(MAP_RUNS), **wip.load_done(OUT / "runs.jsonl")}
+
+
+def sweep(done: dict[str, dict], cell, arm: Arm, cost: Cost) -> dict[float, float]:
+    steps = budgets(arm, cell, cost)[0]
+    return {lr: done[k]["final_loss"] for lr in grid(done, cell, cost) if (k := key(cell, arm, lr, steps, 0)) in done}
+
+
+def grid(done: dict[str, dict], cell, cost: Cost) -> list[float]:
+    """The map's grid, widened by 2x at an edge where any arm's best lies (at most twice), once every arm ran it."""
+    points = list(wip.LR_GRID)
+    while len(points) < len(wip.LR_GRID) + wip.MAX_WIDENING:
+        rows = []
+        for arm in ARMS:
+            steps = budgets(arm, cell, cost)[0]
+            rows.append({lr: done[k]["final_loss"] for lr in points if (k := key(cell, arm, lr, steps, 0)) in done})
+        if any(len(r) < len(points) for r in rows):
+            break
+        bests = {min(r, key=r.get) for r in rows}
+        if points[-1] in bests:
+            points.append(points[-1] * 2)
+        elif points[0] in bests:
+            points.insert(0, points[0] / 2)
+        else:
+            break
+    return points
+
+
+def best_lr(done: dict[str, dict], cell, arm: Arm, cost: Cost) -> float | None:
+    points = grid(done, cell, cost)
+    rows = sweep(done, cell, arm, cost)
+    if len(rows) < len(points):
+        return None
+    best = min(points, key=rows.get)
+    edge = best in (points[0], points[-1]) and len(points) < len(wip.LR_GRID) + wip.MAX_WIDENING
+    return None if edge else best
+
+
+def jobs(done: dict[str, dict], cell, cost: Cost) -> list[tuple[Arm, float, int, int]]:
+    """What is left to run: the sweep (seed 0, each arm's first budget), then each arm's complete runs."""
+    todo = []
+    for arm in ARMS:
+        steps = budgets(arm, cell, cost)[0]
+        todo += [(arm, lr, steps, 0) for lr in grid(done, cell, cost)]
+    for arm in ARMS:
+        lr = best_lr(done, cell, arm, cost)
+        if lr is not None:
+            todo += [(arm, lr, steps, seed) for seed in SEEDS for steps in budgets(arm, cell, cost)]
+    return [j for j in dict.fromkeys(todo) if key(cell, j[0], j[1], j[2], j[3]) not in done]
+
+
+def train(cell_name: str, tokens: int, arm: Arm, lr: float, steps: int, seed: int, proxy: str) -> dict:
+    """One complete run on the pre-trained proxy (one thread)."""
+    torch.set_num_threads(1)
+    import transformers
+    from transformers import LlamaForCausalLM
+
+    from dropbp import backends
+    from dropbp.tools.compare import Run, compare
+    from dropbp.tools.textdata import pydoc_topics
+
+    transformers.logging.set_verbosity_error()
+    model = LlamaForCausalLM(wip.proxy_config())
+    model.load_state_dict(torch.load(proxy, weights_only=True))
+    data = pydoc_topics(wip.ByteTokenizer(), wip.SEQ_LEN, max_val_windows=wip.VAL_WINDOWS)
+    options = {}
+    if arm.drop_rate is not None:
+        options = {"pattern": "cut", "schedule": "warmup", "drop_schedule": "constant"}  # the shipped default
+        options |= {"token_drop_rate": arm.token_drop_rate, "token_selection": arm.token_selection}
+    run = Run(arm.name, arm.drop_rate, lr=lr, steps=steps, **options)
+    sequences = _tokens(arm, tokens) // wip.SEQ_LEN
+    started = time.perf_counter()
+    [result] = compare(
+        model,
+        [run],
+        data,
+        steps=steps,
+        lr=lr,
+        batch_size=sequences,
+        backend=backends.get("cpu"),
+        eval_every=max(1, steps // 5),
+        seed=seed,
+        accumulation=max(1, sequences // wip.MICRO_SEQUENCES),
+        lr_schedule="cosine",
+        weight_decay=wip.WEIGHT_DECAY,
+    )
+    return {
+        "cell": cell_name,
+        "tokens": _tokens(arm, tokens),
+        "arm": arm.name,
+        "rate": arm.drop_rate,
+        "token_drop_rate": arm.token_drop_rate,
+        "token_selection": arm.token_selection,
+        "lr": lr,
+        "steps": steps,
+        "seed": seed,
+        "final_loss": result.val_loss[-1],
+        "mean_dropped_fraction": sum(result.dropped_fractions) / len(result.dropped_fractions),
+        "wall_s": time.perf_counter() - started,
+        "val_loss": result.val_loss,
+    }
+
+
+def run_cells(cells: list, workers: int, cost: Cost) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    log = OUT / "runs.jsonl"
+    proxy = str(wip.pretrained_proxy())
+    started = time.perf_counter()
+    running: dict[Future, tuple] = {}
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        while True:
+            done = load_runs()
+            busy = {key(c, *j) for c, j in running.values()}
+            ready = [(c, j) for c in cells for j in jobs(done, c, cost) if key(c, *j) not in busy]
+            while ready and len(running) < workers:
+                cell, job = ready.pop(0)
+                arm, lr, steps, seed = job
+                running[pool.submit(train, cell.name, cell.tokens, arm, lr, steps, seed, proxy)] = (cell, job)
+            if not running:
+                break
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                cell, job = running.pop(future)
+                row = {"key": key(cell, *job), **future.result()}
+                with log.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                print(
+                    f"[{time.perf_counter() - started:6.0f} s] {row['key']}: loss {row['final_loss']:.4f} "
+                    f"({row['wall_s']:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+
+def _modelled(row: dict, arm: Arm, cost: Cost) -> float:
+    return row["steps"] * cost.step_seconds(arm, row.get("mean_dropped_fraction", 0.0), row["tokens"])
+
+
+def cell_report(cell, done: dict[str, dict], cost: Cost) -> dict | None:
+    """Per arm: its learning rate and, per budget, the speedup at equal quality over the seeds against full
+    backprop at the cell's batch and at its best batch; None until every complete run is in."""
+    from dropbp.tools.frontier import equal_quality_speedup, over_seeds
+
+    lrs = {arm.name: best_lr(done, cell, arm, cost) for arm in ARMS}
+    if None in lrs.values():
+        return None
+    rows = {}
+    for arm in ARMS:
+        found = [done.get(key(cell, arm, lrs[arm.name], s, seed)) for seed in SEEDS for s in budgets(arm, cell, cost)]
+        if None in found:
+            return None
+        rows[arm.name] = found
+    front = {name: {s: [] for s in SEEDS} for name in ("full", "best")}
+    for name in ("full", "full-half"):
+        for r in rows[name]:
+            point = (_modelled(r, BY_NAME[name], cost), r["final_loss"])
+            front["best"][r["seed"]].append(point)
+            if name == "full":
+                front["full"][r["seed"]].append(point)
+    report = {"cell": cell.name, "steps": cell.steps, "tokens": cell.tokens, "lr": lrs, "arms": {}}
+    full_step = cost.step_seconds(BY_NAME["full"], 0.0, cell.tokens)
+    for arm in ARMS:
+        if arm.drop_rate is None:
+            report["arms"][arm.name] = {
+                str(s): [r["final_loss"] for r in rows[arm.name] if r["steps"] == s] for s in budgets(arm, cell, cost)
+            }
+            continue
+        per_budget = {}
+        for steps in budgets(arm, cell, cost):
+            runs = sorted((r for r in rows[arm.name] if r["steps"] == steps), key=lambda r: r["seed"])
+            entry = {"final_loss": [r["final_loss"] for r in runs], "step_speedup": cost.speedup(arm, cell.tokens)}
+            for name in ("full", "best"):
+                readings = [equal_quality_speedup(front[name][r["seed"]], _modelled(r, arm, cost), r["final_loss"])
+                            for r in runs]  # fmt: skip
+                entry[name] = over_seeds(readings)
+                if name == "best":  # full backprop steps (best batch) to the same loss per step of this arm
+                    entry["step_worth"] = sum(
+                        x.value * _modelled(r, arm, cost) / (steps * full_step)
+                        for x, r in zip(readings, runs, strict=True)
+                    ) / len(runs)
+            per_budget[str(steps)] = entry
+        report["arms"][arm.name] = per_budget
+    return report
+
+
+def _cell_text(entry: dict) -> str:
+    text = f"{entry['mean']:.2f}x [{entry['low']:.2f}, {entry['high']:.2f}]"
+    return text + (f" ({entry['bounded']} bound)" if entry.get("bounded") else "")
+
+
+def report(cost: Cost) -> None:
+    done = load_runs()
+    names = sorted({r["cell"] for r in wip.load_done(OUT / "runs.jsonl").values()})
+    cells = [wip.Cell.parse(n) for n in names]
+    figures = [f for c in cells if (f := cell_report(c, done, cost)) is not None]
+    record = {
+        "benchmark": "token_drops",
+        "date": date.today().isoformat(),
+        "cost_record": str(COST_RECORD.relative_to(HERE.parent)),
+        "cost": asdict(cost),
+        "seeds": SEEDS,
+        "lr_grid": wip.LR_GRID,
+        "torch": torch.__version__,
+        "cells": figures,
+    }
+    (OUT / "token_drops.json").write_text(json.dumps(record, indent=2) + "\n")
+    lines = [
+        "Speedup at equal quality (mean [95% interval] over 3 seeds) of each arm against full backprop at the cell's "
+        "batch and at its best of two batches (the cell's and half of it), on the map's proxy; each arm at its own "
+        "best learning rate from one grid. Time modelled on SmolLM2-135M's measured CPU steps "
+        f"({record['cost_record']}). "
+        "Method: benchmarks/token_drops.py.",
+        "",
+        "| cell | arm | lr | steps | step speedup | vs full backprop | vs full backprop at its best batch | "
+        "worth of a step (best batch) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for f in figures:
+        for arm in ARMS:
+            if arm.drop_rate is None:
+                losses = "; ".join(f"{s} steps {sum(v) / len(v):.4f}" for s, v in f["arms"][arm.name].items())
+                lines.append(f"| {f['cell']} | {arm.name} | {f['lr'][arm.name]:g} | {losses} | 1.00x | | | |")
+                continue
+            for steps, e in f["arms"][arm.name].items():
+                lines.append(
+                    f"| {f['cell']} | {arm.name} | {f['lr'][arm.name]:g} | {steps} | {e['step_speedup']:.2f}x | "
+                    f"{_cell_text(e['full'])} | **{_cell_text(e['best'])}** | {e['step_worth']:.2f} |"
+                )
+    (OUT / "token_drops.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cells", nargs="+", type=wip.Cell.parse, default=[])
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--cost-record", type=Path, default=COST_RECORD)
+    parser.add_argument("--report", action="store_true")
+    args = parser.parse_args()
+    cost = Cost.from_bench(args.cost_record)
+    if args.cells:
+        run_cells(args.cells, args.workers, cost)
+    if args.report:
+        report(cost)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""Token drops: a kept branch's backward on the token rows that carry its gradient (``token_drop_rate``).
+
+What it computes. In a training forward, each kept branch's output passes through :class:`_SelectRows` (an identity).
+In backward, the gradient ``g`` arriving there (one row per token) is replaced by ``w * g``: the selection rule
+(:mod:`dropbp.policy.token_selection`) keeps rows with probability ``p_t`` and ``w_t = 1 / p_t`` on the kept rows, 0
+elsewhere, so every gradient the branch produces (its parameters', and what it passes down through its input) is an
+unbiased estimate of full backprop's. The residual stream is untouched. Exactly: every parameter's gradient equals
+the unmodified model's in which each kept branch's output ``y`` is replaced by
+``y.detach() + (w * y - (w * y).detach())`` (same values, gradient ``w * g``), for the weights recorded
+(:attr:`TokenDrops.last_weights`).
+
+Why it is cheaper. Rows of ``w * g`` outside the kept set are zero, and stay zero through the branch's row-local
+linear maps (every linear map of an MLP branch; an attention branch's query and output projections, named in
+:data:`dropbp.architectures.ROW_LOCAL_ATTENTION_PROJECTIONS`, with LoRA's A and B inside them): their backward
+(:class:`_RowGatheredLinear`) runs on the kept rows only - weight gradients from those rows, input gradients for them,
+zeros elsewhere - so its cost scales with the kept share. Keys and values reach every later token, so their projections
+keep full rows (a dropped token's key still gets gradient from the kept queries that read it). A linear map whose rows
+are not the branch's (a mixture-of-experts expert) or whose backward cannot be gathered (a 4-bit layer) runs full
+rows; the result is the same, only not cheaper. How many rows are gathered is the backend's part
+(:meth:`dropbp.backends.Backend.kept_row_count`: lazy-graph devices round up to a few fixed counts, so selections share
+compiled graphs).
+
+The random order and offset of a selection come from a generator seeded by (seed, step, branch): a selection is a
+function of them and the gradient, so a run resumed from ``ctl.state_dict()`` repeats it. Calibration's forced
+forwards, eval and no-grad forwards select nothing.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from dropbp.backends import Backend
+from dropbp.execution.compile_guards import outside_graphs
+from dropbp.execution.discovery import RowLocalLinear
+from dropbp.policy.token_selection import keep_count, selection_weights
+
+__all__ = ["RowSlot", "TokenDrops"]
+
+
+class RowSlot:
+    """One kept branch call's selection: its key for the generator, filled in backward by the branch output's
+    :class:`_SelectRows` (``weights`` per row, ``index`` the rows gathered), read by the branch's linear maps."""
+
+    __slots__ = ("key", "rate", "rule", "rows", "weights", "index")
+
+    def __init__(self, key: tuple[int, int, int], rate: float, rule: str) -> None:
+        self.key, self.rate, self.rule = key, rate, rule
+        self.rows: int | None = None  # rows of the branch output (set when the branch returns)
+        self.weights: torch.Tensor | None = None
+        self.index: torch.Tensor | None = None
+
+
+class _SelectRows(torch.autograd.Function):
+    """Identity forward; in backward, draws the branch's selection from the gradient that arrives and returns it
+    weighted (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, slot: RowSlot, select: Callable[[torch.Tensor, RowSlot], None]) -> torch.Tensor:
+        ctx.slot, ctx.select = slot, select
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        rows = grad.reshape(-1, grad.shape[-1])
+        ctx.select(rows, ctx.slot)
+        return (rows * ctx.slot.weights.to(rows.dtype)[:, None]).view_as(grad), None, None
+
+
+class _RowGatheredLinear(torch.autograd.Function):
+    """A linear map's output (computed by the module) whose backward runs on the rows its branch kept.
+
+    ``output = x @ weight.T + bias`` (``transposed``: ``x @ weight + bias``, transformers' ``Conv1D``). In backward,
+    with ``K`` the slot's gathered rows: ``dx[K] = g[K] @ W``, zeros elsewhere; ``dW = g[K].T @ x[K]``;
+    ``db = g[K].sum(0)``; in the gradient's dtype (bf16 under autocast), as autocast's own backward computes them.
+    Without a selection (the output's gradient came another way) or with rows that are not the branch's: full rows.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        output: torch.Tensor,
+        slot: RowSlot,
+        transposed: bool,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.slot, ctx.transposed = slot, transposed
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        dtype = grad.dtype
+        g = grad.reshape(-1, grad.shape[-1])
+        inputs = x.reshape(-1, x.shape[-1])
+        index = ctx.slot.index if ctx.slot.rows == g.shape[0] else None
+        kept = g if index is None else g.index_select(0, index)
+        matrix = weight.t() if ctx.transposed else weight  # (out, in)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            part = kept @ matrix.to(dtype)
+            if index is not None:
+                part = part.new_zeros(g.shape[0], part.shape[1]).index_copy(0, index, part)
+            grad_x = part.to(x.dtype).view_as(x)
+        if ctx.needs_input_grad[1]:
+            rows = inputs if index is None else inputs.index_select(0, index)
+            grad = kept.t() @ rows.to(dtype)  # (out, in)
+            grad_w = (grad.t() if ctx.transposed else grad).to(weight.dtype)
+        if ctx.needs_input_grad[2]:
+            grad_b = kept.sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+class TokenDrops:
+    """Token drops on the branches of one model, installed while ``token_drop_rate > 0`` (see the module docstring).
+
+    Args:
+        parts: per branch, its module then its tail (the last part's output is what the residual add receives).
+        linears: per branch, its row-local linear maps (:func:`dropbp.execution.discovery.row_local_linears`).
+        backend: answers how many rows a device gathers.
+        call: per branch, ``call(index)`` gives ``(seed, step, settings)`` for a call of it now, or None where it
+            selects nothing (dropped, calibration, eval or no grad).
+    """
+
+    def __init__(
+        self,
+        parts: Sequence[Sequence[nn.Module]],
+        linears: Sequence[Sequence[RowLocalLinear]],
+        backend: Backend,
+        call: Callable[[int], RowSlot | None],
+    ) -> None:
+        self._parts = [list(p) for p in parts]
+        self._linears = [list(found) for found in linears]
+        self._backend = backend
+        self._call = call
+        self._slots: list[RowSlot | None] = [None] * len(self._parts)
+        self._handles: list[RemovableHandle] = []
+        self._warned_full_rows = False
+        #: Per branch, the weights of its most recent selection (``1 / p`` on kept rows, 0 elsewhere), or None.
+        self.last_weights: list[torch.Tensor | None] = [None] * len(self._parts)
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._handles)
+
+    @property
+    def handles(self) -> list[RemovableHandle]:
+        return self._handles
+
+    def install(self) -> None:
+        """Put the hooks on (once)."""
+        if self._handles:
+            return
+        for index, parts in enumerate(self._parts):
+            self._handles.append(parts[0].register_forward_pre_hook(self._begin(index)))
+            self._handles.append(parts[-1].register_forward_hook(self._end(index)))
+            for linear in self._linears[index]:
+                self._handles.append(linear.module.register_forward_hook(self._gathered(index, linear.transposed)))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._slots = [None] * len(self._parts)
+
+    def _begin(self, index: int) -> Callable[..., None]:
+        @outside_graphs
+        def begin(module: nn.Module, args: tuple) -> None:
+            self._slots[index] = self._call(index) if torch.is_grad_enabled() and module.training else None
+
+        return begin
+
+    def _end(self, index: int) -> Callable[..., object]:
+        @outside_graphs
+        def end(module: nn.Module, args: tuple, output: object) -> object:
+            slot, self._slots[index] = self._slots[index], None
+            if slot is None or not torch.is_grad_enabled():
+                return None
+            first = output[0] if isinstance(output, tuple) else output
+            if not (torch.is_tensor(first) and first.requires_grad):
+                return None
+            slot.rows = first.numel() // first.shape[-1]
+            selected = _SelectRows.apply(first, slot, self._selector(index))
+            return (selected, *output[1:]) if isinstance(output, tuple) else selected
+
+        return end
+
+    def _gathered(self, index: int, transposed: bool) -> Callable[..., object]:
+        @outside_graphs
+        def gathered(module: nn.Module, args: tuple, output: object) -> object:
+            slot = self._slots[index]
+            if slot is None or not torch.is_grad_enabled() or not args or not torch.is_tensor(output):
+                return None
+            x = args[0]
+            if not torch.is_tensor(x) or not (x.requires_grad or module.weight.requires_grad):
+                return None
+            return _RowGatheredLinear.apply(x, module.weight, module.bias, output.detach(), slot, transposed)
+
+        return gathered
+
+    def _selector(self, index: int) -> Callable[[torch.Tensor, RowSlot], None]:
+        def select(rows: torch.Tensor, slot: RowSlot) -> None:
+            count = rows.shape[0]
+            keep = keep_count(count, slot.rate)
+            generator = torch.Generator().manual_seed(hash(slot.key) & (2**63 - 1))
+            order = torch.randperm(count, generator=generator).to(rows.device, non_blocking=True)
+            offset = torch.rand(1, generator=generator).to(rows.device, non_blocking=True)
+            norms = torch.linalg.vector_norm(rows.float(), dim=1)
+            weights = selection_weights(norms, keep, slot.rule, order, offset)
+            gathered = self._backend.kept_row_count(keep, count)
+            slot.weights = weights
+            slot.index = torch.topk(weights, gathered, sorted=False).indices.sort().values
+            self.last_weights[index] = weights.detach()
+
+        return select
+
+    def on_training_forward(self, pattern: frozenset[int]) -> None:
+        """Nothing per step: each kept branch call asks for its selection when it runs."""
+
+    def on_remove(self) -> None:
+        self.remove()
+
+    def warn_full_rows(self, names: Sequence[str]) -> None:
+        """Once: the linear maps named run full rows under token drops (their backward cannot be gathered)."""
+        if self._warned_full_rows or not names:
+            return
+        self._warned_full_rows = True
+        warnings.warn(
+            f"dropbp: token drops run the backward of {len(names)} linear map(s) on full rows, e.g. {names[0]!r} "
+            "(a layer whose backward dropbp cannot gather: a 4-bit or otherwise replaced linear layer): their "
+            "gradients are the same, only not cheaper. Said once.",
+            stacklevel=2,
+        )

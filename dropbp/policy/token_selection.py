@@ -1,0 +1,83 @@
+"""Which token rows of a kept branch's backward run, and with what weight: numbers only.
+
+A branch's backward is linear in the gradient arriving at its output, one row per token. Keeping a row ``t`` with
+probability ``p_t`` and scaling it by ``1 / p_t`` gives an unbiased estimate of the branch's whole backward (its
+parameters' gradients and the gradient it passes down). The rules (``token_selection``):
+
+- ``"gradient"`` (importance sampling, VCAS's rule): ``p_t`` proportional to the row's gradient norm, capped at 1
+  (:func:`inclusion_probabilities`): rows that carry more gradient are kept more often, so a kept row is worth more;
+- ``"random"`` (the control): the same probability for every row that carries any gradient.
+
+Rows whose gradient is exactly zero (padding, and tokens nothing downstream reads) get ``p_t = 0``: never kept. Exactly
+``keep`` rows are drawn (fewer only when fewer rows carry gradient), by systematic sampling over a random order
+(:func:`systematic_sample`): each row's marginal is exactly ``p_t`` and the count is fixed, so the shapes that follow
+are static. The random order and offset come from the caller (a generator seeded by seed, step and branch), so a
+selection is a function of them and the gradient: it resumes exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["TOKEN_SELECTIONS", "inclusion_probabilities", "keep_count", "selection_weights", "systematic_sample"]
+
+#: The selection rules, the default first.
+TOKEN_SELECTIONS = ("gradient", "random")
+_TINY = 1e-30
+
+
+def keep_count(rows: int, token_drop_rate: float) -> int:
+    """Rows a branch's backward keeps at ``token_drop_rate``: ``ceil((1 - rate) * rows)``, at least 1."""
+    return max(1, min(rows, math.ceil(round((1.0 - token_drop_rate) * rows, 6))))
+
+
+def inclusion_probabilities(scores: torch.Tensor, keep: int) -> torch.Tensor:
+    """``p_t = min(1, c * scores_t)`` with ``c`` such that ``sum p = keep`` (capped probability proportional to size).
+
+    ``scores`` are non-negative, one per row. Where fewer than ``keep`` rows have a positive score, every such row gets
+    1 (and the rest 0). Vectorised with static shapes: the rows capped at 1 are the ``j`` largest, for the smallest
+    ``j`` whose remaining ``keep - j`` can be spread over the other rows without any exceeding 1.
+    """
+    scores = scores.float()
+    ordered, _ = torch.sort(scores, descending=True)
+    tail = torch.flip(torch.cumsum(torch.flip(ordered, (0,)), 0), (0,))[:keep].clamp_min(_TINY)  # sum from j on
+    capped = torch.arange(keep, device=scores.device, dtype=scores.dtype)
+    scale = (keep - capped) / tail  # c_j: the factor with the j largest rows capped
+    fits = scale * ordered[:keep] <= 1.0  # the largest uncapped row stays at most 1
+    first = torch.argmax(fits.to(torch.int8))  # the smallest j that fits (one always does: j = keep - 1 or a zero)
+    return torch.clamp(scale[first] * scores, max=1.0)
+
+
+def systematic_sample(probabilities: torch.Tensor, order: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """A 0/1 mask with ``P(row t) = probabilities[t]`` and ``floor``/``ceil`` of ``sum p`` rows in all.
+
+    Walks the rows in ``order`` (a permutation) and takes row ``t`` where the running sum of probabilities crosses
+    ``offset + m`` for an integer ``m`` (``offset`` uniform in ``[0, 1)``): systematic sampling. Each row is taken at
+    most once (``p_t <= 1``).
+    """
+    walked = probabilities[order]
+    after = torch.cumsum(walked, 0) - offset
+    before = after - walked
+    taken = (torch.floor(after) > torch.floor(before)).to(probabilities.dtype)
+    mask = torch.zeros_like(probabilities)
+    return mask.scatter(0, order, taken)
+
+
+def selection_weights(
+    row_norms: torch.Tensor, keep: int, rule: str, order: torch.Tensor, offset: torch.Tensor
+) -> torch.Tensor:
+    """Per row, ``1 / p_t`` where the row is kept and 0 elsewhere: the factor on its gradient.
+
+    Args:
+        row_norms: the norm of each row's gradient at the branch output.
+        keep: how many rows to keep (:func:`keep_count`).
+        rule: one of :data:`TOKEN_SELECTIONS`.
+        order: a random permutation of the rows; offset: a uniform number in ``[0, 1)`` (one-element tensor).
+    """
+    carries = row_norms > 0
+    scores = row_norms if rule == "gradient" else carries.to(row_norms.dtype)
+    probabilities = inclusion_probabilities(scores, keep)
+    taken = systematic_sample(probabilities, order, offset)
+    return torch.where(taken > 0, 1.0 / probabilities.clamp_min(_TINY), torch.zeros_like(probabilities))

@@ -1,0 +1,225 @@
+"""Token drops (``token_drop_rate``): exact against a hand-written reference, unbiased, resumable, off at 0.
+
+The reference never imports dropbp's mechanism: for the weights a run recorded (``ctl.token_weights()``), the plain
+model's branch outputs ``y`` are replaced by ``y.detach() + (w * y - (w * y).detach())`` (same values; gradient ``w``
+times the arriving one) with forward hooks, and every parameter's gradient must match.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import assert_same_grads, batch, loss_and_grads, tiny_model, with_lora
+from dropbp.backends.base import LazyGraphBackend
+
+import dropbp
+from dropbp.policy.token_selection import inclusion_probabilities, keep_count, selection_weights, systematic_sample
+
+MOE = {"qwen3_moe": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)}  # fmt: skip
+
+
+def _model(arch: str, method: str, checkpointing: bool, layers: int = 3) -> torch.nn.Module:
+    model = tiny_model(arch, layers=layers, **MOE.get(arch, {}))
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return with_lora(model) if method == "lora" else model
+
+
+def _weighted_outputs(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> list:
+    """The reference: each named branch's output with its gradient multiplied row by row by ``weights``."""
+
+    def hook(name: str):
+        def weighted(module, args, output):
+            y = output[0] if isinstance(output, tuple) else output
+            w = weights[name].to(y.dtype).view(*y.shape[:-1], 1)
+            y = y.detach() + (w * y - (w * y).detach())
+            return (y, *output[1:]) if isinstance(output, tuple) else y
+
+        return weighted
+
+    modules = dict(model.named_modules())
+    return [modules[name].register_forward_hook(hook(name)) for name in weights]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "ckpt"])
+@pytest.mark.parametrize("method", ["full", "lora"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gpt_neox", "qwen3_moe", "phi3"])
+def test_gradients_equal_the_reference_for_the_recorded_selection(arch, method, checkpointing):
+    model = _model(arch, method, checkpointing)
+    ids = batch(1, size=2, length=12)
+    ctl = dropbp.apply(model, 0.5, token_drop_rate=0.5, seed=4)
+    for step in range(3):  # branch drops and token drops together, three patterns
+        loss, got = loss_and_grads(model, ids)
+        weights = ctl.token_weights()
+        dropped = set(ctl.last_dropped)
+        assert weights and not dropped & set(weights)  # dropped branches select nothing
+        for w in weights.values():
+            assert int((w > 0).sum()) == keep_count(24, 0.5)
+        ctl.remove()
+        handles = _weighted_outputs(model, weights)
+        from conftest import detach_outputs
+
+        handles += detach_outputs(model, tuple(dropped))
+        plain_loss, want = loss_and_grads(model, ids)
+        for h in handles:
+            h.remove()
+        assert torch.equal(loss, plain_loss)
+        assert_same_grads(got, want, atol=1e-5)
+        ctl = dropbp.apply(model, 0.5, token_drop_rate=0.5, seed=4)
+        ctl.load_state_dict(ctl.state_dict() | {"step": step + 1})
+
+
+def test_the_row_local_linear_maps_run_on_the_kept_rows(monkeypatch):
+    """The query, output and MLP projections' backward gathers the kept rows; keys and values keep all rows."""
+    from dropbp.execution import token_backward
+
+    seen: list[int] = []
+    real = torch.Tensor.index_select
+
+    def counting(self, dim, index):
+        seen.append(index.numel())
+        return real(self, dim, index)
+
+    model = tiny_model("llama", layers=2)
+    ctl = dropbp.apply(model, 0.0, token_drop_rate=0.75)
+    monkeypatch.setattr(torch.Tensor, "index_select", counting)
+    ids = batch(0, size=2, length=16)
+    model(input_ids=ids, labels=ids).loss.backward()
+    monkeypatch.undo()
+    kept = keep_count(32, 0.75)
+    # per layer: q and o (attention) and gate, up, down (MLP): the gradient rows and the input rows of each
+    assert seen == [kept] * (2 * 5 * 2)
+    assert token_backward.TokenDrops  # the module the gathering lives in
+    assert set(ctl.token_weights()) == {b.name for b in ctl.branches}
+
+
+def test_rate_zero_is_the_model_without_the_library():
+    model = tiny_model("llama")
+    ids = batch(2)
+    _, want = loss_and_grads(model, ids)
+    ctl = dropbp.apply(model, 0.0, token_drop_rate=0.0)
+    _, got = loss_and_grads(model, ids)
+    assert_same_grads(got, want, atol=0.0)
+    assert ctl.token_weights() == {}
+    ctl.token_drop_rate = 0.5  # switched on later: from the next step
+    loss_and_grads(model, ids)
+    assert len(ctl.token_weights()) == len(ctl.branches)
+    ctl.token_drop_rate = 0.0  # and off again: exactly the plain model
+    _, again = loss_and_grads(model, ids)
+    assert_same_grads(again, want, atol=0.0)
+
+
+def test_eval_and_no_grad_forwards_select_nothing():
+    model = tiny_model("llama")
+    ctl = dropbp.apply(model, 0.0, token_drop_rate=0.5)
+    ids = batch(3)
+    with torch.no_grad():
+        model(input_ids=ids)
+    model.eval()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert ctl.token_weights() == {} and ctl.step == 0
+    model.train()
+    with ctl.forcing(frozenset()):  # calibration's forced forwards measure plain gradients
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert ctl.token_weights() == {}
+
+
+def test_a_resumed_run_repeats_the_selections():
+    ids = [batch(s) for s in range(5)]
+
+    def run(model, ctl, steps):
+        out = []
+        for i in steps:
+            loss_and_grads(model, ids[i])
+            out.append({k: v.clone() for k, v in ctl.token_weights().items()})
+        return out
+
+    model = tiny_model("llama")
+    ctl = dropbp.apply(model, 0.5, token_drop_rate=0.5, seed=9)
+    run(model, ctl, range(3))
+    state = ctl.state_dict()
+    straight = run(model, ctl, range(3, 5))
+    ctl.remove()
+    resumed = dropbp.apply(model, 0.5, token_drop_rate=0.5, seed=0)
+    resumed.load_state_dict(state)
+    again = run(model, resumed, range(3, 5))
+    for a, b in zip(straight, again, strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("rule", ["gradient", "random"])
+def test_the_weighted_selection_is_unbiased(rule):
+    """Over many selections the weighted gradient's mean approaches full backprop's (within 4 standard errors per
+    coordinate on average); without the weights it does not."""
+    model = tiny_model("llama", layers=2)
+    ids = batch(5, size=2, length=16)
+    _, full = loss_and_grads(model, ids)
+    ctl = dropbp.apply(model, 0.0, token_drop_rate=0.75, token_selection=rule)
+    name = "model.layers.0.mlp.down_proj.weight"
+    samples = []
+    for seed in range(300):
+        ctl.seed = seed
+        _, got = loss_and_grads(model, ids)
+        samples.append(got[name])
+    stack = torch.stack(samples)
+    mean, error = stack.mean(0), stack.std(0) / math.sqrt(len(samples))
+    z = ((mean - full[name]).abs() / error.clamp_min(1e-12)).mean()
+    assert z < 2.0  # unbiased: about 0.8 for a normal mean
+    unweighted = (stack.mean(0) * (1 - 0.75)).sub(full[name]).abs().div(error.clamp_min(1e-12)).mean()
+    assert unweighted > 4.0  # the same samples read without the 1/p weights: biased, and the test sees it
+
+
+def test_selection_weights_have_expectation_one_on_rows_that_carry_gradient():
+    norms = torch.tensor([5.0, 0.0, 1.0, 1.0, 0.5, 3.0, 0.0, 2.0])
+    total = torch.zeros(8)
+    g = torch.Generator().manual_seed(0)
+    draws = 4000
+    for _ in range(draws):
+        order, offset = torch.randperm(8, generator=g), torch.rand(1, generator=g)
+        w = selection_weights(norms, 3, "gradient", order, offset)
+        assert int((w > 0).sum()) == 3 and float(w[1]) == float(w[6]) == 0.0
+        total += w
+    mean = total / draws
+    assert torch.allclose(mean[norms > 0], torch.ones(6), atol=0.08)
+
+
+def test_inclusion_probabilities_sum_to_the_count_capped_at_one():
+    p = inclusion_probabilities(torch.tensor([100.0, 1.0, 1.0, 1.0]), 2)
+    assert torch.allclose(p, torch.tensor([1.0, 1 / 3, 1 / 3, 1 / 3]))
+    p = inclusion_probabilities(torch.tensor([2.0, 0.0, 1.0, 0.0]), 3)  # fewer rows carry gradient than asked
+    assert torch.equal(p, torch.tensor([1.0, 0.0, 1.0, 0.0]))
+    p = inclusion_probabilities(torch.rand(50, generator=torch.Generator().manual_seed(1)), 20)
+    assert math.isclose(float(p.sum()), 20.0, rel_tol=1e-5) and float(p.max()) <= 1.0
+    mask = systematic_sample(p, torch.randperm(50), torch.tensor([0.3]))
+    assert int(mask.sum()) == 20
+
+
+def test_a_lazy_graph_device_gathers_fixed_row_counts():
+    class Lazy(LazyGraphBackend):
+        name = "stand-in"
+        device = torch.device("cpu")
+        autocast_dtype = torch.float32
+        unavailable_reason = classmethod(lambda cls: None)
+
+        def mark_step(self) -> None: ...
+
+    lazy = Lazy()
+    counts = {lazy.kept_row_count(k, 512) for k in range(1, 513)}
+    assert counts == {64 * i for i in range(1, 9)} and lazy.kept_row_count(65, 512) == 128
+    assert dropbp.backends.get("cpu").kept_row_count(65, 512) == 65
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "match"),
+    [
+        ("token_drop_rate", 1.0, "token_drop_rate must be .* the share of token rows whose backward each kept"),
+        ("token_drop_rate", -0.1, "token_drop_rate must be"),
+        ("token_selection", "largest", "token_selection must be one of"),
+    ],
+)
+def test_bad_token_options_say_what_to_do(option, value, match):
+    with pytest.raises(ValueError, match=match):
+        dropbp.apply(tiny_model("llama"), 0.5, **{option: value})
