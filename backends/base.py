@@ -3,9 +3,9 @@
 A dropped branch runs under ``torch.no_grad()`` on every device (``dropbp/execution/branch_forward.py``); what differs
 per device is listed here: where tensors live, how to wait for queued work, memory figures, autocast, the collective
 library, the step boundaries and pattern bound of a lazily compiled device (:class:`LazyGraphBackend`), how the memory
-bound recomputes kept branches (:meth:`Backend.checkpoint`) and restores random state, and how many token rows a
-token-dropped backward runs on (:meth:`Backend.kept_row_count`). What only the measurement tools ask (timers,
-environment reports, the dtype benchmarks train in, graph counts) is in :mod:`dropbp.tools.device_tools`.
+bound recomputes kept branches (:meth:`Backend.checkpoint`) and restores random state, and how a token-dropped backward
+gathers its rows (:meth:`Backend.kept_row_count`, :meth:`Backend.place_rows`). What only the measurement tools ask
+(timers, environment reports, the dtype benchmarks train in, graph counts) is in :mod:`dropbp.tools.device_tools`.
 Adding a device (its steps, built in or as a plugin): docs/backends.md, "Adding a device".
 """
 
@@ -174,6 +174,11 @@ class Backend(ABC):
         rounds it up to a few fixed counts (:class:`LazyGraphBackend`), so that selections share compiled graphs."""
         return kept
 
+    def place_rows(self, part: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
+        """A ``(rows, width)`` tensor of zeros with ``part``'s rows at ``index`` (distinct): the input gradient of a
+        token-dropped linear map. Eager devices copy the rows in (``index_copy``)."""
+        return part.new_zeros(rows, part.shape[1]).index_copy(0, index, part)
+
     def __repr__(self) -> str:
         return f"<dropbp backend {self.name!r} on {self.device}>"
 
@@ -206,3 +211,9 @@ class LazyGraphBackend(Backend):
             return kept
         bucket = -(-rows // ROW_BUCKETS)
         return min(rows, -(-kept // bucket) * bucket)
+
+    def place_rows(self, part: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
+        """``scatter_add`` into zeros (the indices are distinct, so it places each row once): an operation lazy graphs
+        compile (``index_copy`` falls back to the host on the lazy engine, cutting the graph)."""
+        spread = index.view(-1, 1).expand(-1, part.shape[1])
+        return part.new_zeros(rows, part.shape[1]).scatter_add(0, spread, part)

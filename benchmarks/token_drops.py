@@ -9,16 +9,17 @@ warm-up and cosine decay) on 3 seeds. Arms at each cell (``L`` optimizer steps o
 - ``full-half``: full backprop at ``T/2`` tokens per step, runs at L, 2L and 4L steps (the same times): the batch a user
   who tunes it would also try; **full backprop at its best batch** is the lower envelope of both frontiers;
 - ``tokens<r>``: token drops at ``token_drop_rate=r`` (importance sampling on the gradient's row norms), no branch
-  drops;
-- ``tokens-random<r>``: the same with random rows (the control);
-- ``branch<r>``: DropBP's shipped default (cut patterns with warm-up), the map's own runs;
-- ``both<r>``: branch drops and token drops at ``r`` each.
+  drops, at 0.3, 0.5 and 0.75;
+- ``tokens-random<r>``: the same with random rows (the control), at 0.3 and 0.5;
+- ``branch<r>``: DropBP's shipped default (cut patterns with warm-up), the map's own runs, at 0.5 and 0.75;
+- ``both0.5+tokens<r>``: branch drops at 0.5 and token drops at 0.3 or 0.5 on the kept branches.
 
 Each DropBP arm runs at L steps and at its equal-time budget (the steps its modelled step speedup buys in L full
 steps). Time is MODELLED on SmolLM2-135M's measured CPU steps (``--cost-record``, a ``dropbp bench`` record with
-``--patterns tokens ...``, full fine-tuning, 512 tokens): a micro-batch of 512 tokens costs ``F + B0 + (1 - f)(B - B0)
+``--patterns tokens``, full fine-tuning, 512 tokens): a micro-batch of 512 tokens costs ``F + B0 + (1 - f)(B - B0)
 * t(r)`` plus the optimizer, ``f`` the branch FLOPs dropped and ``t(r)`` the measured cost of a branch's backward under
-token drops relative to full (``(step(r) - F - O - B0) / (B - B0)`` from the record's token rows). The map's reused
+token drops relative to full (``(step(r) - F - O - B0) / (B - B0)`` from the record's token rows; random rows run the
+same operations, so both rules share it). The map's reused
 runs are re-timed with the same record, so every arm shares one clock. Runs are appended to
 ``results/token_drops/runs.jsonl`` (the map's runs are read from ``results/where_it_pays/runs.jsonl``).
 
@@ -46,7 +47,8 @@ RESULTS = HERE / "results"
 OUT = RESULTS / "token_drops"
 MAP_RUNS = RESULTS / "where_it_pays" / "runs.jsonl"
 COST_RECORD = RESULTS / "bench_tokens_cpu" / "full" / "bench.json"
-RATES = (0.5, 0.75)
+RATES = (0.5, 0.75)  # branch drops: the map's rates
+TOKEN_RATES = (0.3, 0.5, 0.75)  # importance-sampled token drops; the random control at the first two
 SEEDS = (0, 1, 2)
 
 
@@ -83,10 +85,11 @@ class Arm:
 ARMS = [
     Arm("full", None),
     Arm("full-half", None, half_batch=True),
-    *(Arm(f"tokens{r:g}", 0.0, r) for r in RATES),
-    *(Arm(f"tokens-random{r:g}", 0.0, r, "random") for r in RATES),
+    *(Arm(f"tokens{r:g}", 0.0, r) for r in TOKEN_RATES),
+    *(Arm(f"tokens-random{r:g}", 0.0, r, "random") for r in TOKEN_RATES[:2]),
     *(Arm(f"branch{r:g}", r) for r in RATES),
-    Arm("both0.5", 0.5, 0.5),
+    Arm("both0.5+tokens0.3", 0.5, 0.3),
+    Arm("both0.5+tokens0.5", 0.5, 0.5),
 ]
 BY_NAME = {a.name: a for a in ARMS}
 
@@ -100,7 +103,7 @@ class Cost:
     backward_all_dropped: float
     optimizer: float
     tokens: int
-    token_ratio: dict[str, float]  # "0.5" -> t(r), "random0.5" -> t(r) with random rows
+    token_ratio: dict[str, float]  # "0.5" -> t(r) (either rule: the same operations)
 
     @classmethod
     def from_bench(cls, path: Path) -> Cost:
@@ -109,16 +112,14 @@ class Cost:
         f, b, o, b0 = base["forward_s"], base["backward_s"], base["optimizer_s"], point["all_dropped"]["backward_s"]
         ratios = {}
         for row in point["rows"]:
-            if row["pattern"].startswith("tokens"):
-                random = "random" if row["pattern"].endswith(":random") else ""
-                ratios[f"{random}{row['drop_rate']:g}"] = (row["step_s"] - f - o - b0) / (b - b0)
+            if row["pattern"] == "tokens":
+                ratios[f"{row['drop_rate']:g}"] = (row["step_s"] - f - o - b0) / (b - b0)
         return cls(f, b, b0, o, point["seq_len"] * point["batch_size"], ratios)
 
     def step_seconds(self, arm: Arm, dropped_fraction: float, tokens_per_step: int) -> float:
         ratio = 1.0
         if arm.token_drop_rate:
-            key = ("random" if arm.token_selection == "random" else "") + f"{arm.token_drop_rate:g}"
-            ratio = self.token_ratio[key]
+            ratio = self.token_ratio[f"{arm.token_drop_rate:g}"]
         branch = (1 - dropped_fraction) * (self.backward - self.backward_all_dropped) * ratio
         micro = self.forward + self.backward_all_dropped + branch
         return micro * tokens_per_step / self.tokens + self.optimizer
@@ -134,7 +135,18 @@ def _tokens(arm: Arm, cell_tokens: int) -> int:
 
 
 def budgets(arm: Arm, cell, cost: Cost) -> list[int]:
-    """The complete runs' lengths in optimizer steps (the first is the sweep's)."""
+    """The complete runs' lengths in optimizer steps (the first is the sweep's), fixed the first time a cell runs
+    (``budgets.json``): a later cost record re-times the runs, it does not move them."""
+    path = OUT / "budgets.json"
+    fixed = json.loads(path.read_text()) if path.exists() else {}
+    if arm.name not in fixed.get(cell.name, {}):
+        fixed.setdefault(cell.name, {})[arm.name] = _budgets(arm, cell, cost)
+        OUT.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(fixed, indent=1) + "\n")
+    return fixed[cell.name][arm.name]
+
+
+def _budgets(arm: Arm, cell, cost: Cost) -> list[int]:
     if arm.drop_rate is None:
         scale = 2 if arm.half_batch else 1
         return [cell.steps * scale, cell.steps * scale // 2, cell.steps * scale * 2]
@@ -318,7 +330,11 @@ def cell_report(cell, done: dict[str, dict], cost: Cost) -> dict | None:
         per_budget = {}
         for steps in budgets(arm, cell, cost):
             runs = sorted((r for r in rows[arm.name] if r["steps"] == steps), key=lambda r: r["seed"])
-            entry = {"final_loss": [r["final_loss"] for r in runs], "step_speedup": cost.speedup(arm, cell.tokens)}
+            entry = {
+                "final_loss": [r["final_loss"] for r in runs],
+                "step_speedup": cost.speedup(arm, cell.tokens),
+                "equal_time": steps == budgets(arm, cell, cost)[0],
+            }
             for name in ("full", "best"):
                 readings = [equal_quality_speedup(front[name][r["seed"]], _modelled(r, arm, cost), r["final_loss"])
                             for r in runs]  # fmt: skip

@@ -331,3 +331,44 @@ def test_the_device_bound_holds_through_setters_and_states_from_other_devices():
     assert auto.memory_bound is False
     auto.load_state_dict(state)
     assert auto.memory_bound is True and auto.max_kept_branches == 1
+
+
+def test_token_drops_on_the_engine_are_exact_and_compile_no_graph_per_selection():
+    """Token drops gather a fixed number of rows (:meth:`LazyGraphBackend.kept_row_count`), so a selection is data in
+    the same graph: exact against the CPU reference, and the compiled graphs stop with the patterns."""
+    backend = LazyEngineBackend()
+    model = own_model()
+    reference = copy.deepcopy(model)
+    model = model.to("lazy")
+    ctl = dropbp.apply(model, 0.5, seed=1, token_drop_rate=0.5, backend=backend)
+    for step in range(3):
+        model.zero_grad(set_to_none=True)
+        ids = batch(step)
+        assert ctl.backward(model(input_ids=ids.to("lazy"), labels=ids.to("lazy")).loss)
+        grads = {n: None if p.grad is None else p.grad.cpu() for n, p in model.named_parameters()}
+        weights = {name: w.cpu() for name, w in ctl.token_weights().items() if name not in ctl.last_dropped}
+        handles = detach_outputs(reference, ctl.last_dropped)
+        modules = dict(reference.named_modules())
+        for name, w in weights.items():
+
+            def weighted(module, args, output, w=w):
+                y = output[0] if isinstance(output, tuple) else output
+                scale = w.view(*y.shape[:-1], 1)
+                y = y.detach() + (scale * y - (scale * y).detach())
+                return (y, *output[1:]) if isinstance(output, tuple) else y
+
+            handles.append(modules[name].register_forward_hook(weighted))
+        _, want = loss_and_grads(reference, ids)
+        for h in handles:
+            h.remove()
+        assert_same_grads(grads, want, atol=1e-5)
+
+    def graphs(**options) -> list[int]:  # a run of its own (a new vocabulary): graphs counted from its start
+        model = own_model().to("lazy")
+        ctl = dropbp.apply(model, 0.5, seed=0, backend=backend, **options)
+        torch._lazy.mark_step()
+        return train(model, ctl, Breaks(backend), steps=40, micro_batches=1)
+
+    branches_only, with_tokens = graphs(), graphs(token_drop_rate=0.5)
+    # the same patterns compile no more graphs with token drops, and nothing new once every pattern has run
+    assert with_tokens[-1] <= branches_only[-1] and with_tokens[-10:] == [with_tokens[-1]] * 10, with_tokens

@@ -105,6 +105,7 @@ class StepHooks:
         #: Per branch, one module holding every parameter of it (tail included).
         self.holders = [holder(branch) for branch in parts]
         self._policy = policy
+        self._backend = backend
         #: The options' share the hooks read (the controller replaces it when the options change).
         self.settings = settings
         #: Whether kept branches get importance weights in the forward under way (``unbiased``, read as it starts).
@@ -275,7 +276,7 @@ class StepHooks:
         if not (self._forward or in_backward()) or index in self.in_force():
             return None
         key = (settings.seed, max(0, self.step - 1), index)  # the forward under way has counted its step
-        return RowSlot(key, settings.token_drop_rate, settings.token_selection)
+        return RowSlot(key, settings.token_drop_rate, settings.token_selection, self._backend.place_rows)
 
     def kept_bound(self) -> int | None:
         """How many kept branches may store activations in a training forward now (None: the bound is off)."""

@@ -46,10 +46,18 @@ class RowSlot:
     """One kept branch call's selection: its key for the generator, filled in backward by the branch output's
     :class:`_SelectRows` (``weights`` per row, ``index`` the rows gathered), read by the branch's linear maps."""
 
-    __slots__ = ("key", "rate", "rule", "rows", "weights", "index")
+    __slots__ = ("key", "rate", "rule", "place_rows", "rows", "weights", "index")
 
-    def __init__(self, key: tuple[int, int, int], rate: float, rule: str) -> None:
+    def __init__(
+        self,
+        key: tuple[int, int, int],
+        rate: float,
+        rule: str,
+        place_rows: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
+    ) -> None:
         self.key, self.rate, self.rule = key, rate, rule
+        #: the backend's way to put gathered rows back in place (:meth:`dropbp.backends.Backend.place_rows`)
+        self.place_rows = place_rows
         self.rows: int | None = None  # rows of the branch output (set when the branch returns)
         self.weights: torch.Tensor | None = None
         self.index: torch.Tensor | None = None
@@ -108,7 +116,7 @@ class _RowGatheredLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             part = kept @ matrix.to(dtype)
             if index is not None:
-                part = part.new_zeros(g.shape[0], part.shape[1]).index_copy(0, index, part)
+                part = ctx.slot.place_rows(part, index, g.shape[0])
             grad_x = part.to(x.dtype).view_as(x)
         if ctx.needs_input_grad[1]:
             rows = inputs if index is None else inputs.index_select(0, index)
@@ -213,7 +221,7 @@ class TokenDrops:
             generator = torch.Generator().manual_seed(hash(slot.key) & (2**63 - 1))
             order = torch.randperm(count, generator=generator).to(rows.device, non_blocking=True)
             offset = torch.rand(1, generator=generator).to(rows.device, non_blocking=True)
-            norms = torch.linalg.vector_norm(rows.float(), dim=1)
+            norms = rows.float().pow(2).sum(1).sqrt()
             weights = selection_weights(norms, keep, slot.rule, order, offset)
             gathered = self._backend.kept_row_count(keep, count)
             slot.weights = weights

@@ -11,8 +11,9 @@ parameters' gradients and the gradient it passes down). The rules (``token_selec
 Rows whose gradient is exactly zero (padding, and tokens nothing downstream reads) get ``p_t = 0``: never kept. Exactly
 ``keep`` rows are drawn (fewer only when fewer rows carry gradient), by systematic sampling over a random order
 (:func:`systematic_sample`): each row's marginal is exactly ``p_t`` and the count is fixed, so the shapes that follow
-are static. The random order and offset come from the caller (a generator seeded by seed, step and branch), so a
-selection is a function of them and the gradient: it resumes exactly.
+are static. Only operations a lazy-graph device compiles into its graph are used (no indexing by a tensor read on the
+host, no scatter or ``where``). The random order and offset come from the caller (a generator seeded by seed, step and
+branch), so a selection is a function of them and the gradient: it resumes exactly.
 """
 
 from __future__ import annotations
@@ -43,11 +44,14 @@ def inclusion_probabilities(scores: torch.Tensor, keep: int) -> torch.Tensor:
     scores = scores.float()
     ordered, _ = torch.sort(scores, descending=True)
     tail = torch.flip(torch.cumsum(torch.flip(ordered, (0,)), 0), (0,))[:keep].clamp_min(_TINY)  # sum from j on
-    capped = torch.arange(keep, device=scores.device, dtype=scores.dtype)
+    capped = torch.cumsum(torch.ones_like(tail), 0) - 1  # j = 0, 1, ..., keep - 1
     scale = (keep - capped) / tail  # c_j: the factor with the j largest rows capped
     fits = scale * ordered[:keep] <= 1.0  # the largest uncapped row stays at most 1
-    first = torch.argmax(fits.to(torch.int8))  # the smallest j that fits (one always does: j = keep - 1 or a zero)
-    return torch.clamp(scale[first] * scores, max=1.0)
+    # the smallest j that fits (one always does: j = keep - 1, or a row of score 0), as a one-hot mask: reductions and
+    # element-wise operations only, so that a lazy-graph device compiles one graph whatever j is (indexing by j does
+    # not: it reads j on the host and bakes it into the graph)
+    first = fits & (torch.cumsum(fits.to(scores.dtype), 0) == 1)
+    return torch.clamp((scale * first).sum() * scores, max=1.0)
 
 
 def systematic_sample(probabilities: torch.Tensor, order: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
@@ -57,12 +61,11 @@ def systematic_sample(probabilities: torch.Tensor, order: torch.Tensor, offset: 
     ``offset + m`` for an integer ``m`` (``offset`` uniform in ``[0, 1)``): systematic sampling. Each row is taken at
     most once (``p_t <= 1``).
     """
-    walked = probabilities[order]
+    walked = probabilities.index_select(0, order)
     after = torch.cumsum(walked, 0) - offset
     before = after - walked
     taken = (torch.floor(after) > torch.floor(before)).to(probabilities.dtype)
-    mask = torch.zeros_like(probabilities)
-    return mask.scatter(0, order, taken)
+    return taken.index_select(0, torch.argsort(order))  # back to row order
 
 
 def selection_weights(
@@ -80,4 +83,4 @@ def selection_weights(
     scores = row_norms if rule == "gradient" else carries.to(row_norms.dtype)
     probabilities = inclusion_probabilities(scores, keep)
     taken = systematic_sample(probabilities, order, offset)
-    return torch.where(taken > 0, 1.0 / probabilities.clamp_min(_TINY), torch.zeros_like(probabilities))
+    return taken / probabilities.clamp_min(_TINY)  # taken is 0 or 1, and 1 only where p > 0
