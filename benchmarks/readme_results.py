@@ -33,6 +33,22 @@ MAP = RESULTS / "where_it_pays" / "map.json"
 EQ_BEGIN = "<!-- smollm2-equal-quality: made by benchmarks/readme_results.py -->"
 EQ_END = "<!-- end of smollm2-equal-quality -->"
 SMOLLM2_EQUAL_QUALITY = RESULTS / "smollm2_equal_quality.json"
+ARMS_BEGIN = "<!-- arms-table: made by benchmarks/readme_results.py -->"
+ARMS_END = "<!-- end of arms-table -->"
+TOKEN_DROPS = RESULTS / "token_drops" / "token_drops.json"
+TOKEN_PAGE = ROOT / "docs" / "token-drops.md"
+TOKEN_BENCH = RESULTS / "bench_tokens_cpu"
+TBENCH_BEGIN = "<!-- token-bench-table: made by benchmarks/readme_results.py -->"
+TBENCH_END = "<!-- end of token-bench-table -->"
+TFRONT_BEGIN = "<!-- token-frontier-table: made by benchmarks/readme_results.py -->"
+TFRONT_END = "<!-- end of token-frontier-table -->"
+#: How the arms of benchmarks/token_drops.py read in a table.
+ARM_NAMES = {
+    "tokens": "token drops {r}, by gradient",
+    "tokens-random": "token drops {r}, random rows",
+    "branch": "branch drops {r} (DropBP)",
+    "both0.5+tokens": "branch drops 0.5 + token drops {r}",
+}
 
 #: (setting, the records of its seeds: stems under benchmarks/results)
 SETTINGS = [
@@ -258,6 +274,110 @@ def claims_table() -> str:
     return "\n".join(lines)
 
 
+def _arm_name(arm: str) -> str:
+    for prefix in sorted(ARM_NAMES, key=len, reverse=True):
+        rate = arm.removeprefix(prefix)
+        if arm.startswith(prefix) and rate.replace(".", "").isdigit():
+            return ARM_NAMES[prefix].format(r=rate)
+    return arm
+
+
+def _reading(entry: dict) -> str:
+    """Mean [interval]; where seeds ended outside full backprop's budgets, their readings are bounds: "at most" above
+    the shortest budget's loss, "at least" below the longest's."""
+    text = f"{entry['mean']:.2f}x [{entry['low']:.2f}, {entry['high']:.2f}]"
+    kinds = sorted({s["bound"] for s in entry["per_seed"] if s["bound"] != "exact"})
+    if kinds:
+        text += f" ({entry['bounded']} of {entry['seeds']} seeds {' or '.join(kinds)})"
+    return text
+
+
+def arms_table() -> str:
+    """README's first table: every arm of benchmarks/token_drops.py at its equal-time budget, best first, against
+    full backprop at its best of two batches."""
+    record = json.loads(TOKEN_DROPS.read_text())
+    lines = [
+        ARMS_BEGIN,
+        "| what is dropped (proxy, 100 steps x 1k tokens) | lr | step speedup | worth of a step | speedup at equal "
+        "quality against full backprop at its best batch |",
+        "|---|---|---|---|---|",
+    ]
+    for cell in record["cells"]:
+        rows = []
+        for arm, budgets in cell["arms"].items():
+            equal = next((b for b in budgets.values() if isinstance(b, dict) and b.get("equal_time")), None)
+            if equal is not None:
+                rows.append((equal["best"]["mean"], arm, equal))
+        for _, arm, e in sorted(rows, key=lambda r: -r[0]):
+            lines.append(
+                f"| {_arm_name(arm)} | {cell['lr'][arm]:g} | {e['step_speedup']:.2f}x | {e['step_worth']:.2f} | "
+                f"**{_reading(e['best'])}** |"
+            )
+        full = ", ".join(f"{cell['lr'][a]:g} ({a.replace('full-half', 'half batch').replace('full', 'full batch')})"
+                         for a in ("full", "full-half"))  # fmt: skip
+        lines.append(f"| nothing (full backprop; its learning rates) | {full} | 1.00x | 1.00 | 1.00x |")
+    cost = record["cost"]
+    lines += [
+        "",
+        "Conditions: the map's proxy (a 6-layer Llama-shaped byte-level model, full fine-tuning on Python's help "
+        f"text), cell {', '.join(c['cell'] for c in record['cells'])}; each arm at its own best learning rate from "
+        f"one grid, at its equal-time budget, {len(record['seeds'])} seeds (mean [95% interval]); full backprop at "
+        "its best of two batches (the cell's and half of it). Time modelled on SmolLM2-135M's measured step on 2 CPU "
+        f"cores (full fine-tuning, {cost['tokens']} tokens: {record['cost_record']}). A step pays only when step "
+        "speedup x worth > 1. [docs/token-drops.md](docs/token-drops.md).",
+        ARMS_END,
+    ]
+    return "\n".join(lines)
+
+
+def token_frontier_table() -> str:
+    """docs/token-drops.md: every arm and budget of benchmarks/token_drops.py against full backprop at the cell's
+    batch and at its best of two."""
+    record = json.loads(TOKEN_DROPS.read_text())
+    lines = [
+        TFRONT_BEGIN,
+        "| cell | arm | lr | steps | step speedup | vs full backprop | vs full backprop at its best batch | "
+        "worth of a step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for cell in record["cells"]:
+        for arm, budgets in cell["arms"].items():
+            lr = cell["lr"][arm]
+            if arm.startswith("full"):
+                losses = ", ".join(f"{s} steps {sum(v) / len(v):.4f}" for s, v in budgets.items())
+                lines.append(f"| {cell['cell']} | full backprop{' at half the batch' * ('half' in arm)} | {lr:g} | "
+                             f"{losses} (mean final loss) | 1.00x | | | |")  # fmt: skip
+                continue
+            for steps, e in budgets.items():
+                lines.append(
+                    f"| {cell['cell']} | {_arm_name(arm)} | {lr:g} | {steps}{' (equal time)' * e['equal_time']} | "
+                    f"{e['step_speedup']:.2f}x | {_reading(e['full'])} | **{_reading(e['best'])}** | "
+                    f"{e['step_worth']:.2f} |"
+                )
+    lines.append(TFRONT_END)
+    return "\n".join(lines)
+
+
+def token_bench_table() -> str:
+    """docs/token-drops.md: token-level step times against their ideal, per ``dropbp bench`` record."""
+    lines = [
+        TBENCH_BEGIN,
+        "| method | activation checkpointing | token drop rate | step speedup | ideal | efficiency | rounds |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for path in sorted(TOKEN_BENCH.glob("*/bench.json")):
+        record = json.loads(path.read_text())
+        for point in record["points"]:
+            for row in point["rows"]:
+                lines.append(
+                    f"| {point['method']} | {'on' if point.get('checkpointing') else 'off'} | {row['drop_rate']:g} | "
+                    f"{row['speedup']:.2f}x | {row['ideal_speedup']:.2f}x | {row['efficiency']:.2f} | "
+                    f"{record['rounds']} |"
+                )
+    lines.append(TBENCH_END)
+    return "\n".join(lines)
+
+
 def between(text: str, begin: str, end: str) -> str | None:
     """The part of ``text`` from ``begin`` to ``end`` (markers included), or None."""
     if begin not in text or end not in text:
@@ -276,7 +396,11 @@ def main() -> None:
     parser.add_argument("--write", action="store_true", help="replace the tables in README.md and docs/results.md")
     args = parser.parse_args()
     made = {
-        README: {(CLAIMS_BEGIN, CLAIMS_END): claims_table()},
+        README: {(ARMS_BEGIN, ARMS_END): arms_table(), (CLAIMS_BEGIN, CLAIMS_END): claims_table()},
+        TOKEN_PAGE: {
+            (TBENCH_BEGIN, TBENCH_END): token_bench_table(),
+            (TFRONT_BEGIN, TFRONT_END): token_frontier_table(),
+        },
         RESULTS_PAGE: {(MAP_BEGIN, MAP_END): map_table(), (EQ_BEGIN, EQ_END): smollm2_table(), (BEGIN, END): table()},
     }
     for page, tables in made.items():

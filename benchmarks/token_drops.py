@@ -169,23 +169,18 @@ def sweep(done: dict[str, dict], cell, arm: Arm, cost: Cost) -> dict[float, floa
 
 
 def grid(done: dict[str, dict], cell, cost: Cost) -> list[float]:
-    """The map's grid, widened by 2x at an edge where any arm's best lies (at most twice), once every arm ran it."""
-    points = list(wip.LR_GRID)
-    while len(points) < len(wip.LR_GRID) + wip.MAX_WIDENING:
-        rows = []
+    """The map's grid, widened as the map widens it (``where_it_pays.widened_grid``) over every arm here."""
+
+    lrs = {r["lr"] for r in done.values() if r["cell"] == cell.name}
+
+    def sweeps() -> list[dict[float, float]]:
+        found = []
         for arm in ARMS:
             steps = budgets(arm, cell, cost)[0]
-            rows.append({lr: done[k]["final_loss"] for lr in points if (k := key(cell, arm, lr, steps, 0)) in done})
-        if any(len(r) < len(points) for r in rows):
-            break
-        bests = {min(r, key=r.get) for r in rows}
-        if points[-1] in bests:
-            points.append(points[-1] * 2)
-        elif points[0] in bests:
-            points.insert(0, points[0] / 2)
-        else:
-            break
-    return points
+            found.append({lr: done[k]["final_loss"] for lr in lrs if (k := key(cell, arm, lr, steps, 0)) in done})
+        return found
+
+    return wip.widened_grid(sweeps)
 
 
 def best_lr(done: dict[str, dict], cell, arm: Arm, cost: Cost) -> float | None:
@@ -284,14 +279,7 @@ def run_cells(cells: list, workers: int, cost: Cost) -> None:
             for future in finished:
                 cell, job = running.pop(future)
                 row = {"key": key(cell, *job), **future.result()}
-                with log.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
-                print(
-                    f"[{time.perf_counter() - started:6.0f} s] {row['key']}: loss {row['final_loss']:.4f} "
-                    f"({row['wall_s']:.0f} s)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                wip.record_run(log, row, row["key"], started, f"{row['wall_s']:.0f} s")
 
 
 def _modelled(row: dict, arm: Arm, cost: Cost) -> float:

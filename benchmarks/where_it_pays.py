@@ -33,6 +33,7 @@ import json
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from datetime import date
@@ -227,17 +228,15 @@ def _sweep_rows(done: dict[str, dict], cell: Cell, rate: float | None, variant: 
     }
 
 
-def lr_grid(done: dict[str, dict], cell: Cell) -> list[float]:
-    """The cell's learning-rate grid, the same for every arm: :data:`LR_GRID`, widened by a factor of 2 at an
-    edge where any arm's best lies (at most :data:`MAX_WIDENING` times), once every arm has run the grid so far."""
+def widened_grid(sweeps: Callable[[], list[dict[float, float]]]) -> list[float]:
+    """:data:`LR_GRID`, widened by a factor of 2 at an edge where any arm's best lies (at most :data:`MAX_WIDENING`
+    times), once every arm has run the grid so far; ``sweeps()`` gives each arm's learning rate -> final loss."""
     grid = list(LR_GRID)
-    arms = [(None, DEFAULT), *((rate, DEFAULT) for rate in RATES)]
-    arms += [(rate, v) for v in VARIANTS if v != DEFAULT for rate in RATES if _sweep_rows(done, cell, rate, v)]
     while len(grid) < len(LR_GRID) + MAX_WIDENING:
-        sweeps = [_sweep_rows(done, cell, rate, variant) for rate, variant in arms]
-        if any(not set(grid) <= set(sweep) for sweep in sweeps):
+        found = sweeps()
+        if any(not set(grid) <= set(sweep) for sweep in found):
             break  # the grid so far is still running
-        bests = {min(grid, key=sweep.__getitem__) for sweep in sweeps}
+        bests = {min(grid, key=sweep.__getitem__) for sweep in found}
         if grid[-1] in bests:
             grid.append(grid[-1] * 2)
         elif grid[0] in bests:
@@ -245,6 +244,13 @@ def lr_grid(done: dict[str, dict], cell: Cell) -> list[float]:
         else:
             break
     return grid
+
+
+def lr_grid(done: dict[str, dict], cell: Cell) -> list[float]:
+    """The cell's learning-rate grid, the same for every arm (:func:`widened_grid`)."""
+    arms = [(None, DEFAULT), *((rate, DEFAULT) for rate in RATES)]
+    arms += [(rate, v) for v in VARIANTS if v != DEFAULT for rate in RATES if _sweep_rows(done, cell, rate, v)]
+    return widened_grid(lambda: [_sweep_rows(done, cell, rate, variant) for rate, variant in arms])
 
 
 def sweep_jobs(cell: Cell, cost: StepCost, done: dict[str, dict], variant: str = DEFAULT) -> list[Job]:
@@ -351,6 +357,14 @@ def load_done(path: Path) -> dict[str, dict]:
     return {row["key"]: row for row in rows}
 
 
+def record_run(log: Path, row: dict, key: str, started: float, detail: str) -> None:
+    """Append a finished run to ``log`` and say so on stderr, with the time since ``started``."""
+    with log.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    elapsed = time.perf_counter() - started
+    print(f"[{elapsed:6.0f} s] {key}: loss {row['final_loss']:.4f}, {detail}", file=sys.stderr, flush=True)
+
+
 def run_map(cells: list[Cell], workers: int, out: Path, cost: StepCost, variant: str = DEFAULT) -> None:
     """Run every cell's sweep, then its complete runs, ``workers`` at a time, cells in the order given (DropBP's arms
     as ``variant``; full backprop's runs are the default runner's)."""
@@ -382,14 +396,8 @@ def run_map(cells: list[Cell], workers: int, out: Path, cost: StepCost, variant:
                 job = running.pop(future)
                 row = future.result()
                 done[job.key] = row
-                with log.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
-                print(
-                    f"[{time.perf_counter() - started:6.0f} s] {job.key}: loss {row['final_loss']:.4f}, "
-                    f"modelled {row['modelled_s']:.0f} s, proxy {row['wall_s']:.0f} s",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                detail = f"modelled {row['modelled_s']:.0f} s, proxy {row['wall_s']:.0f} s"
+                record_run(log, row, job.key, started, detail)
 
 
 # -- the report --------------------------------------------------------------------------------------------------

@@ -217,13 +217,11 @@ class DropBPOptions:
 
     def __post_init__(self) -> None:
         key = _PREFIX.get().__add__
-        try:
-            self._set("drop_rate", check_fraction(key("drop_rate"), self.drop_rate))
-        except ValueError as error:
-            raise ValueError(
-                f"{error}: it is the fraction of the residual branches' backward passes skipped per step; "
-                "set it to e.g. 0.5 (the paper uses 0.5 to 0.875)"
-            ) from None
+        self._rate(
+            "drop_rate",
+            "it is the fraction of the residual branches' backward passes skipped per step; set it to e.g. 0.5 (the "
+            "paper uses 0.5 to 0.875)",
+        )
         if self.seed is not None or not self._seed_may_be_none:
             check_int(key("seed"), self.seed, 0)
         if self.branches is not None:
@@ -251,13 +249,10 @@ class DropBPOptions:
         check_choice(key("drop_schedule"), self.drop_schedule, DROP_SCHEDULES)
         self._set("ramp", check_ramp(key("ramp"), self.ramp))
         check_int(key("stratify"), self.stratify, 1)
-        try:
-            self._set("token_drop_rate", check_fraction(key("token_drop_rate"), self.token_drop_rate))
-        except ValueError as error:
-            raise ValueError(
-                f"{error}: it is the share of token rows whose backward each kept branch skips; set it to e.g. 0.5, "
-                "or 0 for none"
-            ) from None
+        self._rate(
+            "token_drop_rate",
+            "it is the share of token rows whose backward each kept branch skips; set it to e.g. 0.5, or 0 for none",
+        )
         check_choice(key("token_selection"), self.token_selection, TOKEN_SELECTIONS)
         if self.stratify > 1 and (self.pattern != "cut" or self.max_patterns is not None):
             raise ValueError(
@@ -265,6 +260,13 @@ class DropBPOptions:
                 f"pattern='cut' (got {self.pattern!r}) and max_patterns=None (got {self.max_patterns!r}; a pattern "
                 "pool's cycle is already stratified). Set stratify=1 or change those."
             )
+
+    def _rate(self, name: str, meaning: str) -> None:
+        """Check the rate ``name`` is in [0, 1) and store it as a float; the error says what it means."""
+        try:
+            self._set(name, check_fraction(_PREFIX.get() + name, getattr(self, name)))
+        except ValueError as error:
+            raise ValueError(f"{error}: {meaning}") from None
 
     def _set(self, name: str, value: Any) -> None:
         """Store a checked value in its normal form (a float for a number given as an int, a tuple of names)."""

@@ -78,10 +78,27 @@ def test_the_readme_opens_with_the_claims_table_made_from_the_records():
     text = README.read_text()
     made = results.claims_table()
     assert results.between(text, results.CLAIMS_BEGIN, results.CLAIMS_END) == made
-    first_40 = "\n".join(text.splitlines()[:40])
-    assert made in first_40 and "Conditions:" in made
+    first_60 = "\n".join(text.splitlines()[:60])
+    assert made in first_60 and "Conditions:" in made
     for claim in ("44% less", "1.5x faster", "6.2x longer"):
         assert claim in made
+
+
+def test_the_readme_leads_with_the_arms_table_and_the_token_page_tables_are_the_records():
+    """README's first table: every arm of benchmarks/token_drops.py (token drops, branch drops, both) against full
+    backprop at its best batch, best first, made from the record; docs/token-drops.md's step times and frontier too."""
+    results = _readme_results()
+    text = README.read_text()
+    made = results.arms_table()
+    assert results.between(text, results.ARMS_BEGIN, results.ARMS_END) == made
+    assert text.index(results.ARMS_BEGIN) < text.index(results.CLAIMS_BEGIN) and text.index("|") > text.index(
+        results.ARMS_BEGIN
+    )
+    means = [float(line.split("**")[1].split("x")[0]) for line in made.splitlines() if line.count("**") == 2]
+    assert means == sorted(means, reverse=True) and len(means) >= 8
+    page = results.TOKEN_PAGE.read_text()
+    assert results.between(page, results.TBENCH_BEGIN, results.TBENCH_END) == results.token_bench_table()
+    assert results.between(page, results.TFRONT_BEGIN, results.TFRONT_END) == results.token_frontier_table()
 
 
 def test_no_figure_in_the_readme_has_two_values():

@@ -94,8 +94,8 @@ class StepHooks:
         model: nn.Module,
         branches: Sequence[Branch],
         *,
-        policy: DropPolicy,
         backend: Backend,
+        policy: DropPolicy,
         settings: ExecutionSettings,
     ) -> None:
         parts = [b.parts for b in branches]
