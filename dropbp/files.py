@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +17,10 @@ __all__ = ["read_json", "write_atomically"]
 
 
 def write_atomically(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path``: into a temporary file beside it, flushed to disk, then renamed over it."""
-    temporary = f"{os.fspath(path)}.tmp-{os.getpid()}"
+    """Write ``text`` to ``path``: into a temporary file beside it, flushed to disk, then renamed over it. The
+    temporary name is the writer's own (process, thread and a random part), so concurrent writers never share one:
+    the file ends holding one writer's whole text."""
+    temporary = f"{os.fspath(path)}.tmp-{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}"
     try:
         with open(temporary, "w") as f:
             f.write(text)

@@ -289,3 +289,50 @@ def test_a_damaged_forecast_map_is_refused_naming_the_path(tmp_path):
     path.write_text('{"conditions": "cut sh')
     with pytest.raises(ValueError, match=rf"{re.escape(str(path))} is not valid JSON .*reinstall dropbp"):
         measured_map(path)
+
+
+@pytest.mark.parametrize(
+    ("steps", "tokens", "rate", "error"),
+    [
+        (float("nan"), 1024, 0.5, TypeError),
+        (True, 1024, 0.5, TypeError),
+        (2.5, 1024, 0.5, TypeError),
+        (100, float("inf"), 0.5, TypeError),
+        (100, 1024, float("nan"), ValueError),
+        (100, 1024, -1, ValueError),
+        (100, 1024, 5, ValueError),
+    ],
+)
+def test_the_forecast_refuses_what_is_not_a_run(steps, tokens, rate, error):
+    """Reliability round 5 (F): NaN, bools, fractional steps, infinite token counts and rates outside [0, 1) were
+    accepted (or failed with "math domain error"); each is now refused naming the argument."""
+    from dropbp.integrations.forecast import forecast
+
+    with pytest.raises(error, match="optimizer_steps|tokens_per_step|drop_rate"):
+        forecast(steps, tokens, rate)
+
+
+def test_concurrent_writers_of_one_file_never_lose_a_write(tmp_path):
+    """Reliability round 5 (E): two threads writing the same file shared one temporary name, so one returned
+    success while the file held the other's text and the other hit FileNotFoundError. Every write now completes, and
+    the file holds one writer's whole text."""
+    import threading
+
+    from dropbp.files import write_atomically
+
+    path, errors = tmp_path / "state.json", []
+    texts = [f"{i}" * 200_000 for i in range(8)]
+
+    def write(text: str) -> None:
+        try:
+            for _ in range(5):
+                write_atomically(path, text)
+        except Exception as error:  # noqa: BLE001 - the test reports any failure of a writer
+            errors.append(error)
+
+    threads = [threading.Thread(target=write, args=(t,)) for t in texts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and path.read_text() in texts and not list(tmp_path.glob("*.tmp-*"))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from dropbp.checks import check_fraction, check_int
 from dropbp.files import read_json
 
 __all__ = ["Forecast", "forecast", "measured_map"]
@@ -46,10 +47,10 @@ def forecast(
 ) -> Forecast:
     """The forecast for a run of ``optimizer_steps`` steps of ``tokens_per_step`` tokens (None: not known, the
     run length alone decides) at ``drop_rate``, from ``table`` (default: :func:`measured_map`)."""
-    if optimizer_steps < 1:
-        raise ValueError(f"optimizer_steps must be at least 1, got {optimizer_steps}")
-    if tokens_per_step is not None and tokens_per_step < 1:
-        raise ValueError(f"tokens_per_step must be at least 1 or None, got {tokens_per_step}")
+    check_int("optimizer_steps", optimizer_steps, 1)
+    if tokens_per_step is not None:
+        check_int("tokens_per_step", tokens_per_step, 1)
+    drop_rate = check_fraction("drop_rate", drop_rate)
     table = measured_map() if table is None else table
     cells = table["cells"]
     if not cells:
