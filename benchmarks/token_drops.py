@@ -146,6 +146,13 @@ def budgets(arm: Arm, cell, cost: Cost) -> list[int]:
     return fixed[cell.name][arm.name]
 
 
+def cell_arms(cell) -> list[Arm]:
+    """The arms a cell runs: those given when it first ran (``--arms``; all by default), as ``budgets.json`` holds."""
+    path = OUT / "budgets.json"
+    fixed = json.loads(path.read_text()).get(cell.name, {}) if path.exists() else {}
+    return [arm for arm in ARMS if arm.name in fixed] or ARMS
+
+
 def _budgets(arm: Arm, cell, cost: Cost) -> list[int]:
     if arm.drop_rate is None:
         scale = 2 if arm.half_batch else 1
@@ -175,7 +182,7 @@ def grid(done: dict[str, dict], cell, cost: Cost) -> list[float]:
 
     def sweeps() -> list[dict[float, float]]:
         found = []
-        for arm in ARMS:
+        for arm in cell_arms(cell):
             steps = budgets(arm, cell, cost)[0]
             found.append({lr: done[k]["final_loss"] for lr in lrs if (k := key(cell, arm, lr, steps, 0)) in done})
         return found
@@ -196,10 +203,10 @@ def best_lr(done: dict[str, dict], cell, arm: Arm, cost: Cost) -> float | None:
 def jobs(done: dict[str, dict], cell, cost: Cost) -> list[tuple[Arm, float, int, int]]:
     """What is left to run: the sweep (seed 0, each arm's first budget), then each arm's complete runs."""
     todo = []
-    for arm in ARMS:
+    for arm in cell_arms(cell):
         steps = budgets(arm, cell, cost)[0]
         todo += [(arm, lr, steps, 0) for lr in grid(done, cell, cost)]
-    for arm in ARMS:
+    for arm in cell_arms(cell):
         lr = best_lr(done, cell, arm, cost)
         if lr is not None:
             todo += [(arm, lr, steps, seed) for seed in SEEDS for steps in budgets(arm, cell, cost)]
@@ -291,11 +298,12 @@ def cell_report(cell, done: dict[str, dict], cost: Cost) -> dict | None:
     backprop at the cell's batch and at its best batch; None until every complete run is in."""
     from dropbp.tools.frontier import equal_quality_speedup, over_seeds
 
-    lrs = {arm.name: best_lr(done, cell, arm, cost) for arm in ARMS}
+    arms = cell_arms(cell)
+    lrs = {arm.name: best_lr(done, cell, arm, cost) for arm in arms}
     if None in lrs.values():
         return None
     rows = {}
-    for arm in ARMS:
+    for arm in arms:
         found = [done.get(key(cell, arm, lrs[arm.name], s, seed)) for seed in SEEDS for s in budgets(arm, cell, cost)]
         if None in found:
             return None
@@ -309,7 +317,7 @@ def cell_report(cell, done: dict[str, dict], cost: Cost) -> dict | None:
                 front["full"][r["seed"]].append(point)
     report = {"cell": cell.name, "steps": cell.steps, "tokens": cell.tokens, "lr": lrs, "arms": {}}
     full_step = cost.step_seconds(BY_NAME["full"], 0.0, cell.tokens)
-    for arm in ARMS:
+    for arm in arms:
         if arm.drop_rate is None:
             report["arms"][arm.name] = {
                 str(s): [r["final_loss"] for r in rows[arm.name] if r["steps"] == s] for s in budgets(arm, cell, cost)
@@ -370,7 +378,7 @@ def report(cost: Cost) -> None:
         "|---|---|---|---|---|---|---|---|",
     ]
     for f in figures:
-        for arm in ARMS:
+        for arm in [BY_NAME[name] for name in f["arms"]]:
             if arm.drop_rate is None:
                 losses = "; ".join(f"{s} steps {sum(v) / len(v):.4f}" for s, v in f["arms"][arm.name].items())
                 lines.append(f"| {f['cell']} | {arm.name} | {f['lr'][arm.name]:g} | {losses} | 1.00x | | | |")
@@ -390,8 +398,14 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--cost-record", type=Path, default=COST_RECORD)
     parser.add_argument("--report", action="store_true")
+    parser.add_argument(
+        "--arms", nargs="+", choices=list(BY_NAME), help="a new cell's arms (default all; full backprop's always)"
+    )
     args = parser.parse_args()
     cost = Cost.from_bench(args.cost_record)
+    for cell in args.cells:  # a new cell's arms are fixed with its budgets
+        for name in dict.fromkeys(["full", "full-half", *(args.arms or BY_NAME)]):
+            budgets(BY_NAME[name], cell, cost)
     if args.cells:
         run_cells(args.cells, args.workers, cost)
     if args.report:

@@ -25,6 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import dropbp
 from dropbp import backends
+from dropbp.tools.cli import positive, rate, sequence_length
 from dropbp.tools.device_tools import tools_for
 
 
@@ -57,12 +58,12 @@ def build_model(layers: int, hidden: int, seq_len: int) -> torch.nn.Module:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", help="cpu, cuda, hpu, xpu or auto (default: $DROPBP_BACKEND, else auto)")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--drop-rate", type=float, default=0.5)
+    parser.add_argument("--steps", type=positive, default=40)
+    parser.add_argument("--drop-rate", type=rate, default=0.5)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--seq-len", type=sequence_length, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=10)

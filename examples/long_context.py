@@ -21,6 +21,7 @@ import transformers
 from peft import LoraConfig, get_peft_model
 
 import dropbp
+from dropbp.tools.cli import positive, rate, sequence_length
 from dropbp.tools.device_tools import tools_for
 
 
@@ -47,9 +48,9 @@ def model_and_ids(name: str, seq_len: int) -> tuple[torch.nn.Module, torch.Tenso
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="a local path, a hub id, or 'tiny'")
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--max-steps", type=int, default=10)
-    parser.add_argument("--drop-rate", type=float, default=0.875)
+    parser.add_argument("--seq-len", type=sequence_length, default=4096)
+    parser.add_argument("--max-steps", type=positive, default=10)
+    parser.add_argument("--drop-rate", type=rate, default=0.875)
     args = parser.parse_args(argv)
 
     backend = dropbp.backends.get()  # DROPBP_BACKEND, else the first device found

@@ -26,6 +26,7 @@ from peft import LoraConfig
 
 import dropbp
 from dropbp.integrations.hf import DropBPCallback
+from dropbp.tools.cli import positive, rate, sequence_length
 
 
 class StepTimes(transformers.TrainerCallback):
@@ -114,10 +115,10 @@ def train(args: argparse.Namespace, drop_rate: float | None) -> list[float]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="a local path, a hub id, or 'tiny'")
-    parser.add_argument("--max-steps", type=int, default=40)
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--drop-rate", type=float, default=0.5)
+    parser.add_argument("--max-steps", type=positive, default=40)
+    parser.add_argument("--seq-len", type=sequence_length, default=512)
+    parser.add_argument("--batch-size", type=positive, default=2)
+    parser.add_argument("--drop-rate", type=rate, default=0.5)
     parser.add_argument("--out", default="sft_lora_out", help="the trainers' output folder (nothing is saved)")
     args = parser.parse_args(argv)
     if args.max_steps < 2:

@@ -55,3 +55,21 @@ def test_the_gaudi_recipe_says_which_backends_it_runs_on(tmp_path):
         env={**os.environ, "DROPBP_BACKEND": "cpu"},
     )
     assert result.returncode != 0 and "DROPBP_BACKEND=hpu (Gaudi) or DROPBP_BACKEND=lazy" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "said"),
+    [
+        ("finetune.py", ("--steps", "0"), "--steps: expected a positive integer, got '0'"),
+        ("finetune.py", ("--seq-len", "1"), "--seq-len: expected a sequence length of at least 2 tokens"),
+        ("long_context.py", ("--seq-len", "1"), "--seq-len: expected a sequence length of at least 2 tokens"),
+        ("sft_lora.py", ("--drop-rate", "1.5"), "--drop-rate: expected a drop rate in [0, 1), got '1.5'"),
+    ],
+)
+def test_the_examples_refuse_bad_input_before_they_run(tmp_path, name, args, said):
+    """Reliability round 5 (F): ``--steps 0`` divided by zero at the end, ``--seq-len 1`` trained on NaN losses and
+    exited 0, ``--drop-rate 1.5`` ran the whole baseline first; each is now refused as the command line is read."""
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, cwd=tmp_path, timeout=300
+    )
+    assert result.returncode == 2 and said in result.stderr, result.stderr[-2000:]

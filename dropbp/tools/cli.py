@@ -41,9 +41,11 @@ def _number(convert: type, ok, expected: str):
     return parse
 
 
-_positive = _number(int, lambda v: v >= 1, "a positive integer")
+#: argparse types, also for the examples' command lines: checked when parsed, before anything runs.
+positive = _number(int, lambda v: v >= 1, "a positive integer")
 _non_negative = _number(int, lambda v: v >= 0, "an integer >= 0")
-_rate = _number(float, lambda v: 0 <= v < 1, "a drop rate in [0, 1)")
+rate = _number(float, lambda v: 0 <= v < 1, "a drop rate in [0, 1)")
+sequence_length = _number(int, lambda v: v >= 2, "a sequence length of at least 2 tokens (the loss needs a next token)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -57,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="fine-tune a real LLM three ways and compare (no downloads)")
     demo.add_argument("--backend", help="cpu, cuda, hpu, xpu or auto (default: $DROPBP_BACKEND, else auto)")
-    demo.add_argument("--steps", type=_positive, help="baseline optimizer steps (default 40; --quick: 10)")
+    demo.add_argument("--steps", type=positive, help="baseline optimizer steps (default 40; --quick: 10)")
     demo.add_argument(
         "--quick",
         action="store_true",
@@ -85,7 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--rates",
         nargs="+",
-        type=_rate,
+        type=rate,
         default=[0.0, 0.5, 0.75, 0.875],
         help="drop rates to time against no library (default: 0 0.5 0.75 0.875; 0 measures the library's overhead)",
     )
@@ -99,11 +101,11 @@ def _parser() -> argparse.ArgumentParser:
         "rate, importance-sampled by the gradient, no branch drops; tokens:random for random rows), whose ideal is "
         "measured from the backward with every row-local linear map on one row",
     )
-    bench.add_argument("--seq-lens", nargs="+", type=_positive, default=[128], help="tokens per sequence (default 128)")
-    bench.add_argument("--batch-sizes", nargs="+", type=_positive, default=[2], help="sequences per step (default 2)")
+    bench.add_argument("--seq-lens", nargs="+", type=positive, default=[128], help="tokens per sequence (default 128)")
+    bench.add_argument("--batch-sizes", nargs="+", type=positive, default=[2], help="sequences per step (default 2)")
     bench.add_argument(
         "--rounds",
-        type=_positive,
+        type=positive,
         default=10,
         help="timed rounds; each runs every configuration once, in rotating order (default 10)",
     )
@@ -156,8 +158,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     check.add_argument("--dtype", choices=["fp32", "bf16"], help="default: fp32 on CPU, bf16 (autocast) elsewhere")
     check.add_argument("--quick", action="store_true", help="shorter speed measurement (seconds on a CPU)")
-    check.add_argument("--seq-len", type=_positive, help="tokens per sequence in the speed measurement")
-    check.add_argument("--batch-size", type=_positive, help="sequences per step in the speed measurement")
+    check.add_argument("--seq-len", type=positive, help="tokens per sequence in the speed measurement")
+    check.add_argument("--batch-size", type=positive, help="sequences per step in the speed measurement")
     check.add_argument("--out", type=Path, default=Path("dropbp-check"), help="folder for check.json and check.md")
     return parser
 
