@@ -336,3 +336,28 @@ def test_concurrent_writers_of_one_file_never_lose_a_write(tmp_path):
     for t in threads:
         t.join()
     assert not errors and path.read_text() in texts and not list(tmp_path.glob("*.tmp-*"))
+
+
+def test_a_broken_framework_entry_point_is_refused_at_every_apply(tmp_path):
+    """Reliability round 5 (E): the loader marked itself done before loading, so the first ``apply`` raised and the
+    second succeeded silently without dropbp's own DeepSpeed support. Every ``apply`` now says what is broken."""
+    import subprocess
+    import sys
+
+    info = tmp_path / "fake_dropbp_framework-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-dropbp-framework\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[dropbp.frameworks]\nbroken = fake_dropbp_framework_missing:framework\n")
+    code = (
+        "import torch, dropbp\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(2, 2))\n"
+        "for _ in range(2):\n"
+        "    try:\n"
+        "        dropbp.apply(model, 0.0, branches=['0'])\n"
+        "        print('applied')\n"
+        "    except RuntimeError as error:\n"
+        "        print('refused:', str(error).splitlines()[0][:60])\n"
+    )
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300).stdout
+    assert out.splitlines() == ["refused: dropbp framework integration 'broken' ('fake_dropbp_framewor"] * 2, out

@@ -73,16 +73,19 @@ def register(framework: Framework) -> None:
 def _registered() -> list[Framework]:
     """Every registered framework, the declared ones (:data:`ENTRY_POINT_GROUP`) loaded on the first call."""
     global _declared_loaded
-    if not _declared_loaded:
-        _declared_loaded = True
+    if not _declared_loaded:  # marked loaded only once every declared one loaded: a failure says so at every call
+        loaded = []
         for ep in entry_points(group=ENTRY_POINT_GROUP):
             try:
-                register(ep.load())
+                loaded.append(ep.load())
             except Exception as exc:  # a broken integration must say which, not fail somewhere later
                 raise RuntimeError(
                     f"dropbp framework integration {ep.name!r} ({ep.value!r}) failed to import: "
                     f"{type(exc).__name__}: {exc}; reinstall the package that provides it"
                 ) from exc
+        _declared_loaded = True
+        for framework in loaded:
+            register(framework)
     return _REGISTERED
 
 
