@@ -36,7 +36,11 @@ def start() -> None:
     """Start the engine with its TorchScript backend and register its device module (once per process)."""
     global _started
     if not _started:
-        torch_lazy().ts_backend.init()
+        try:
+            torch_lazy().ts_backend.init()
+        except RuntimeError as error:  # started already, by the user (as PyTorch's docs do): it runs as it is
+            if "multiple backend fallbacks" not in str(error):
+                raise
         register_device_module("lazy", DEVICE_MODULE)
         _started = True
 

@@ -372,3 +372,23 @@ def test_token_drops_on_the_engine_are_exact_and_compile_no_graph_per_selection(
     branches_only, with_tokens = graphs(), graphs(token_drop_rate=0.5)
     # the same patterns compile no more graphs with token drops, and nothing new once every pattern has run
     assert with_tokens[-1] <= branches_only[-1] and with_tokens[-10:] == [with_tokens[-1]] * 10, with_tokens
+
+
+def test_an_engine_the_user_started_first_is_used_as_it_is():
+    """Reliability round 5 (E): ``apply(backend="lazy")`` after the user started the engine (as PyTorch's docs do)
+    crashed with "multiple backend fallbacks"; it now trains on the running engine."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, torch._lazy.ts_backend, transformers, dropbp\n"
+        "torch._lazy.ts_backend.init()\n"
+        "config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,\n"
+        "    num_attention_heads=2, vocab_size=40)\n"
+        "model = transformers.LlamaForCausalLM(config).to('lazy')\n"
+        "ctl = dropbp.apply(model, 0.5, backend='lazy')\n"
+        "ids = torch.randint(0, 40, (1, 8)).to('lazy')\n"
+        "print('trained', ctl.backward(model(input_ids=ids, labels=ids).loss))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "trained True" in result.stdout, result.stderr[-2000:]
