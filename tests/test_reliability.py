@@ -361,3 +361,24 @@ def test_a_broken_framework_entry_point_is_refused_at_every_apply(tmp_path):
     env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300).stdout
     assert out.splitlines() == ["refused: dropbp framework integration 'broken' ('fake_dropbp_framewor"] * 2, out
+
+
+def test_the_demo_without_matplotlib_says_so_before_it_measures(monkeypatch, capsys, tmp_path):
+    """Reliability round 5 (F): ``dropbp demo`` without matplotlib measured for about 15 minutes, then exited 2 writing
+    nothing. It now stops at once, in one line, before any model is built."""
+    from dropbp import imports
+    from dropbp.tools import cli, demo
+
+    def missing(module, *args, **kwargs):
+        if module == "matplotlib":
+            raise imports.MissingDependency("dropbp demo needs matplotlib: pip install matplotlib")
+        return imports.require(module, *args, **kwargs)
+
+    def measured(*args, **kwargs):
+        raise AssertionError("the demo measured before saying what it lacks")
+
+    monkeypatch.setattr(cli, "require", missing)
+    monkeypatch.setattr(demo, "run_demo", measured)
+    assert cli.main(["demo", "--out", str(tmp_path / "d"), "--backend", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "matplotlib" in err

@@ -223,6 +223,8 @@ def _demo(args: argparse.Namespace) -> int:
     if args.steps is not None:
         settings = DemoSettings(**{**settings.__dict__, "steps": args.steps})
     backend = _backend(args.backend)
+    if settings.convergence:  # its plot: say so before anything is measured, not after 15 minutes
+        require("matplotlib", "dropbp demo (its convergence plot; --quick draws none)")
     with _removed_if_left_empty(args.out) as out:
         try:
             with _warnings_after_the_bar():
