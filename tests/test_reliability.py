@@ -382,3 +382,26 @@ def test_the_demo_without_matplotlib_says_so_before_it_measures(monkeypatch, cap
     assert cli.main(["demo", "--out", str(tmp_path / "d"), "--backend", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "matplotlib" in err
+
+
+def test_a_deep_copy_of_a_parametrized_branch_is_clean():
+    """Reliability round 5 (D): with ``torch.nn.utils.parametrize`` on a branch (``weight_norm``), the class's own
+    ``__deepcopy__`` copied dropbp's hooks into the copy (EMA, teacher), which then got 4x gradients. The copy is now
+    the model as it was before ``apply``: no dropbp hook, the plain model's gradients."""
+    import copy
+
+    from conftest import assert_same_grads, batch, loss_and_grads, tiny_model
+
+    model = tiny_model("llama", layers=2)
+    for layer in model.model.layers:
+        torch.nn.utils.parametrizations.weight_norm(layer.mlp.down_proj)
+    plain = copy.deepcopy(model)
+    hooks = lambda m: sum(len(x._forward_hooks) + len(x._forward_pre_hooks) for x in m.modules())  # noqa: E731
+    before = hooks(model)
+    ctl = dropbp.apply(model, 0.5, token_drop_rate=0.5)  # token drops hook the (parametrized) down projections
+    clone = copy.deepcopy(model)
+    assert hooks(clone) == before and ctl.model is model
+    ids = batch(0)
+    _, want = loss_and_grads(plain, ids)
+    _, got = loss_and_grads(clone, ids)
+    assert_same_grads(got, want)

@@ -22,6 +22,7 @@ keeps its controller. :meth:`CleanCopies.remove` takes the ``__getstate__`` attr
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 from collections.abc import Callable, Iterable
@@ -35,6 +36,7 @@ __all__ = ['CleanCopies', 'ForwardPatch', 'map_output', 'mark_patch']
 
 _PREVIOUS = "_dropbp_previous"
 _GETSTATE = "__getstate__"
+_DEEPCOPY = "__deepcopy__"
 
 
 def mark_patch(forward: Callable[..., Any], previous: Callable[[], Callable[..., Any] | None]) -> None:
@@ -88,6 +90,8 @@ class CleanCopies:
         self._previous = [vars(m).get(_GETSTATE) for m in self._modules]
         for module, previous in zip(self._modules, self._previous, strict=True):
             module.__dict__[_GETSTATE] = self._getstate_for(module, previous)
+            if _DEEPCOPY in vars(type(module)):  # e.g. torch.nn.utils.parametrize's classes: they skip __getstate__
+                module.__dict__[_DEEPCOPY] = self._deepcopy_for(module, previous)
 
     def _getstate_for(self, module: nn.Module, previous: Callable[[], dict] | None) -> Callable[[], dict[str, Any]]:
         def getstate() -> dict[str, Any]:
@@ -95,10 +99,29 @@ class CleanCopies:
 
         return getstate
 
-    def clean_state(self, module: nn.Module, previous: Callable[[], dict] | None = None) -> dict[str, Any]:
-        """``module``'s state as it would be copied without dropbp, less everything dropbp added."""
-        state = dict(type(module).__getstate__(module) if previous is None else previous())
+    def _deepcopy_for(self, module: nn.Module, previous: Callable[[], dict] | None) -> Callable[[dict], nn.Module]:
+        """An instance ``__deepcopy__`` for a class that has its own (which copies ``__dict__`` as it is, dropbp's
+        hooks included): the class's way, from the clean state."""
+
+        def deepcopy(memo: dict) -> nn.Module:
+            if id(module) in memo:
+                return memo[id(module)]
+            replica = module.__new__(type(module))
+            memo[id(module)] = replica
+            replica.__dict__ = copy.deepcopy(self.clean_state(module, previous, dict(vars(module))), memo)
+            return replica
+
+        return deepcopy
+
+    def clean_state(
+        self, module: nn.Module, previous: Callable[[], dict] | None = None, state: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """``module``'s state as it would be copied without dropbp (``state``: what the class's own copy takes, by
+        default its ``__getstate__``), less everything dropbp added."""
+        if state is None:
+            state = dict(type(module).__getstate__(module) if previous is None else previous())
         state.pop(_GETSTATE, None)
+        state.pop(_DEEPCOPY, None)
         if previous is not None:
             state[_GETSTATE] = previous
         ours = _entries(self._handles())
@@ -117,6 +140,7 @@ class CleanCopies:
     def remove(self) -> None:
         """Copies are the class's own again (call once dropbp's hooks and patches are gone)."""
         for module, previous in zip(self._modules, self._previous, strict=True):
+            module.__dict__.pop(_DEEPCOPY, None)
             if previous is None:
                 module.__dict__.pop(_GETSTATE, None)
             else:
