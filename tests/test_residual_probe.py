@@ -20,17 +20,39 @@ OWN_RESIDUAL = {
 }
 
 
+@pytest.mark.parametrize("pattern", ["cut", "uniform"])
 @pytest.mark.parametrize("arch", sorted(OWN_RESIDUAL))
-def test_a_branch_that_adds_the_residual_itself_is_refused_every_time(arch):
+def test_a_branch_that_takes_the_residual_is_refused_at_apply(arch, pattern):
+    """BLOOM's and MPT's branches take the residual as an argument (``forward(hidden_states, residual)``): refused
+    before any step, whatever the pattern shape. Reliability round 5 (G): the probe alone saw only calls with a graph,
+    so an MPT MLP dropped at step 0 under uniform patterns was never probed and trained with the residual stream cut."""
     config, kind = OWN_RESIDUAL[arch]
     model = tiny_model(arch, layers=3, **config)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "not among the tested architectures"
-        dropbp.apply(model, 0.5, seed=0, warmup_steps=0)
-    for step in range(2):  # refused again, not only once
         with pytest.raises(ValueError, match=rf"branch '.+' \(({kind})\) adds the residual itself.*branches=\[") as e:
-            model(input_ids=batch(step), labels=batch(step))
-        assert "x = x + f(x)" in str(e.value)
+            dropbp.apply(model, 0.5, seed=0, warmup_steps=0, pattern=pattern)
+    assert "x = x + f(x)" in str(e.value)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())  # nothing left attached
+
+
+class _AddsItsInput(torch.nn.Module):
+    """A branch that adds its input without naming it ``residual``: only its graph shows it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.lin(x)
+
+
+def test_a_branch_that_adds_its_input_is_refused_at_its_first_call_with_a_graph():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), _AddsItsInput(), _AddsItsInput()).train()
+    dropbp.apply(model, 0.0, branches=["1", "2"])
+    for _ in range(2):  # refused again, not only once
+        with pytest.raises(ValueError, match=r"branch '1' \(_AddsItsInput\) adds the residual itself"):
+            model(torch.randn(2, 8))
     assert torch.is_grad_enabled()
 
 

@@ -8,6 +8,7 @@ the attention and the MLP of every decoder layer. Hugging Face models are recogn
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -252,6 +253,8 @@ def find_branches(model: nn.Module, names: list[str] | None, seq_len: int) -> li
         found = [(name, kind, ()) for name, kind in _explicit(names, modules)]
     else:
         found = _detect(model)
+    for name, _, _ in found:
+        _check_takes_no_residual(name, modules[name])
     width, share = _attention_width(model), _expert_share(model)
     return [
         Branch(
@@ -386,6 +389,29 @@ def _adds_an_input(output: torch.Tensor, inputs: Sequence[torch.Tensor]) -> bool
     return False
 
 
+def _adds_the_residual(name: str, module: nn.Module) -> ValueError:
+    return ValueError(
+        f"dropbp: branch {name!r} ({type(module).__name__}) adds the residual itself: its output is one of its "
+        "inputs plus what it computes, so dropping it would cut the residual stream and every layer below "
+        "it would get no gradient. A branch is the f in x = x + f(x), a module whose output is added to the "
+        "residual outside it. Pass branches=[...] naming such modules (for this architecture, the "
+        "projections inside it whose sum with the residual happens in the layer), or train it without "
+        "dropbp (README: 'Which modules are branches')"
+    )
+
+
+def _check_takes_no_residual(name: str, module: nn.Module) -> None:
+    """Refuse, before any step, a branch whose ``forward`` takes the residual as an argument (BLOOM's attention and
+    MLP, MPT's MLP: ``forward(hidden_states, residual, ...)``): it adds it itself. Branches that add an input
+    without naming it so are found at their first call with a graph (:class:`ResidualProbe`)."""
+    try:
+        parameters = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return
+    if "residual" in parameters:
+        raise _adds_the_residual(name, module)
+
+
 class ResidualProbe:
     """Checks, on each branch's first call that builds a graph, that the branch does not add the residual itself.
 
@@ -412,14 +438,7 @@ class ResidualProbe:
             if not self._pending:
                 self.remove()
             return
-        raise ValueError(
-                f"dropbp: branch {name!r} ({type(module).__name__}) adds the residual itself: its output is one of its "
-                "inputs plus what it computes, so dropping it would cut the residual stream and every layer below "
-                "it would get no gradient. A branch is the f in x = x + f(x), a module whose output is added to the "
-                "residual outside it. Pass branches=[...] naming such modules (for this architecture, the "
-                "projections inside it whose sum with the residual happens in the layer), or train it without "
-                "dropbp (README: 'Which modules are branches')"
-            )
+        raise _adds_the_residual(name, module)
 
     def remove(self) -> None:
         for handle in self.handles:
