@@ -403,9 +403,11 @@ def main() -> None:
     )
     args = parser.parse_args()
     cost = Cost.from_bench(args.cost_record)
-    for cell in args.cells:  # a new cell's arms are fixed with its budgets
-        for name in dict.fromkeys(["full", "full-half", *(args.arms or BY_NAME)]):
-            budgets(BY_NAME[name], cell, cost)
+    fixed = json.loads((OUT / "budgets.json").read_text()) if (OUT / "budgets.json").exists() else {}
+    for cell in args.cells:  # a new cell's arms are fixed with its budgets; a cell that ran keeps its own
+        if cell.name not in fixed:
+            for name in dict.fromkeys(["full", "full-half", *(args.arms or BY_NAME)]):
+                budgets(BY_NAME[name], cell, cost)
     if args.cells:
         run_cells(args.cells, args.workers, cost)
     if args.report:

@@ -50,9 +50,9 @@ def test_the_verdict_follows_the_interval():
 
 
 def test_bad_input_is_refused():
-    with pytest.raises(ValueError, match="optimizer_steps must be at least 1"):
+    with pytest.raises(ValueError, match="optimizer_steps must be an int >= 1, got 0"):
         forecast(0, 1024, 0.5, TABLE)
-    with pytest.raises(ValueError, match="tokens_per_step must be at least 1 or None"):
+    with pytest.raises(ValueError, match="tokens_per_step must be an int >= 1, got 0"):
         forecast(10, 0, 0.5, TABLE)
     with pytest.raises(ValueError, match="no cells"):
         forecast(10, 10, 0.5, {"conditions": "", "cells": []})
