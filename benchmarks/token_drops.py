@@ -353,7 +353,7 @@ def _cell_text(entry: dict) -> str:
 def report(cost: Cost) -> None:
     done = load_runs()
     names = sorted({r["cell"] for r in wip.load_done(OUT / "runs.jsonl").values()})
-    cells = [wip.Cell.parse(n) for n in names]
+    cells = sorted((wip.Cell.parse(n) for n in names), key=lambda c: (c.tokens, c.steps))
     figures = [f for c in cells if (f := cell_report(c, done, cost)) is not None]
     record = {
         "benchmark": "token_drops",
