@@ -164,12 +164,7 @@ class DropBPController:
         if fixed:
             raise ValueError(f"{', '.join(fixed)} cannot change after apply: remove() and apply again")
         reset_rates = not {"drop_rate", "pattern"}.isdisjoint(change)  # set, even to its value: as apply does
-        given = dataclasses.replace(self._given, **change)
-        resolved = given.resolved(self.backend)
-        self._policy.use(resolved, reset_rates)
-        self._given = given
-        self._hooks.settings = ExecutionSettings.of(resolved)
-        self._sync_token_drops(resolved)
+        self._use(dataclasses.replace(self._given, **change), lambda resolved: self._policy.use(resolved, reset_rates))
 
     def longest_warmup(self, total_steps: int, up_to: int) -> int:
         """The longest warm-up, at most ``up_to`` training forwards, whose time schedule over a run of
@@ -178,6 +173,16 @@ class DropBPController:
         says so). A pure function of the settings: nothing changes."""
         check_int("total_steps", total_steps, 1)
         return self._policy.longest_warmup(total_steps, check_int("up_to", up_to, 0))
+
+    def _use(self, given: DropBPOptions, policy_takes: Callable[[DropBPOptions], None]) -> None:
+        """Options as given from now on: resolved on the backend (a state saved on an unbounded device keeps this
+        device's bound), handed to the policy by ``policy_takes`` (all or nothing: it raises before anything
+        changes), then to the hooks and token drops."""
+        resolved = given.resolved(self.backend)
+        policy_takes(resolved)
+        self._given = given
+        self._hooks.settings = ExecutionSettings.of(resolved)
+        self._sync_token_drops(resolved)
 
     def _sync_token_drops(self, options: DropBPOptions) -> None:
         """Token drops' hooks go on the first time ``token_drop_rate`` is above 0 (and stay: at 0 they select
@@ -436,11 +441,7 @@ class DropBPController:
                 f"this model has {len(names)} starting {names[:2]}"
             )
         given = dataclasses.replace(self._given, **{name: state[name] for name in POLICY_STATE})
-        resolved = given.resolved(self.backend)  # a state saved on an unbounded device keeps this device's bound
-        self._policy.load_state_dict(state, resolved)
-        self._given = given
-        self._hooks.settings = ExecutionSettings.of(resolved)
-        self._sync_token_drops(resolved)
+        self._use(given, lambda resolved: self._policy.load_state_dict(state, resolved))
         self._hooks.step = state["step"]
 
     # -- the device's step boundaries ------------------------------------------------------------

@@ -268,3 +268,25 @@ def test_4bit_layers_run_full_rows_said_once_and_lora_stays_exact(monkeypatch):
     assert len([w for w in seen if "full rows" in str(w.message)]) == 1
     for step in range(2):
         _matches_reference(model, ctl, reference, batch(step))
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_grad_mode_is_restored_when_a_gathered_linear_map_raises(monkeypatch, error):
+    """A row-gathered linear map computes its output without autograd; an exception in it (Ctrl-C included) leaves
+    grad mode as it was, and the next step is exact."""
+    import copy
+
+    model = tiny_model("llama", layers=2)
+    reference = copy.deepcopy(model)
+    ctl = dropbp.apply(model, 0.0, token_drop_rate=0.5)
+    down = model.model.layers[1].mlp.down_proj
+
+    def broken(x):
+        raise error("stop")
+
+    monkeypatch.setattr(down, "forward", broken)
+    with pytest.raises(error):
+        model(input_ids=batch(0), labels=batch(0))
+    assert torch.is_grad_enabled()
+    monkeypatch.undo()
+    _matches_reference(model, ctl, reference, batch(1))

@@ -171,7 +171,7 @@ class TokenDrops:
             self._handles.append(parts[0].register_forward_pre_hook(self._begin(index)))
             self._handles.append(parts[-1].register_forward_hook(self._end(index)))
             for linear in self._linears[index]:
-                self._handles.append(linear.module.register_forward_hook(self._gathered(index, linear.transposed)))
+                self._handles += self._gathered(linear.module, index, linear.transposed)
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -201,18 +201,34 @@ class TokenDrops:
 
         return end
 
-    def _gathered(self, index: int, transposed: bool) -> Callable[..., object]:
-        @outside_graphs
-        def gathered(module: nn.Module, args: tuple, output: object) -> object:
-            slot = self._slots[index]
-            if slot is None or not torch.is_grad_enabled() or not args or not torch.is_tensor(output):
-                return None
-            x = args[0]
-            if not torch.is_tensor(x) or not (x.requires_grad or module.weight.requires_grad):
-                return None
-            return _RowGatheredLinear.apply(x, module.weight, module.bias, output.detach(), slot, transposed)
+    def _gathered(self, linear: nn.Module, index: int, transposed: bool) -> list[RemovableHandle]:
+        """Hooks that make ``linear``'s output, in a call of branch ``index`` that selects rows, one whose backward
+        is :class:`_RowGatheredLinear`'s: the module computes its output without autograd (no graph to throw away),
+        then the output is wrapped. Grad mode is put back after the call even if it raises (``always_call``); a
+        ``KeyboardInterrupt`` is the model's guarded forward's to undo (:mod:`dropbp.execution.hooks`)."""
+        calls: list[RowSlot | None] = []  # per call under way: the slot it gathers for, or None
 
-        return gathered
+        @outside_graphs
+        def before(module: nn.Module, args: tuple) -> None:
+            slot = self._slots[index]
+            x = args[0] if args else None
+            wanted = (torch.is_tensor(x) and (x.requires_grad or module.weight.requires_grad)) or False
+            gathers = slot is not None and torch.is_grad_enabled() and wanted
+            if gathers:
+                torch.set_grad_enabled(False)
+            calls.append(slot if gathers else None)
+
+        @outside_graphs
+        def after(module: nn.Module, args: tuple, output: object) -> object:
+            slot = calls.pop()
+            if slot is None:
+                return None
+            torch.set_grad_enabled(True)
+            if not torch.is_tensor(output):  # the call raised (always_call), or an output that is not one tensor
+                return None
+            return _RowGatheredLinear.apply(args[0], module.weight, module.bias, output, slot, transposed)
+
+        return [linear.register_forward_pre_hook(before), linear.register_forward_hook(after, always_call=True)]
 
     def _selector(self, index: int) -> Callable[[torch.Tensor, RowSlot], None]:
         def select(rows: torch.Tensor, slot: RowSlot) -> None:
