@@ -11,6 +11,9 @@ warm-up and cosine decay) on 3 seeds. Arms at each cell (``L`` optimizer steps o
 - ``tokens<r>``: token drops at ``token_drop_rate=r`` (importance sampling on the gradient's row norms), no branch
   drops, at 0.3, 0.5 and 0.75;
 - ``tokens-random<r>``: the same with random rows (the control), at 0.3 and 0.5;
+- ``tokens-residual<r>``: importance from the forward (the norm of the row a branch adds, TokenDrop's), at 0.3 and 0.5;
+- ``tokens-cumulative<r>``: TokenDrop's cumulative selection (the topmost kept branch's rows, by gradient, kept in
+  every branch below), at 0.3 and 0.5;
 - ``branch<r>``: DropBP's shipped default (cut patterns with warm-up), the map's own runs, at 0.5 and 0.75;
 - ``both0.5+tokens<r>``: branch drops at 0.5 and token drops at 0.3 or 0.5 on the kept branches.
 
@@ -87,6 +90,8 @@ ARMS = [
     Arm("full-half", None, half_batch=True),
     *(Arm(f"tokens{r:g}", 0.0, r) for r in TOKEN_RATES),
     *(Arm(f"tokens-random{r:g}", 0.0, r, "random") for r in TOKEN_RATES[:2]),
+    *(Arm(f"tokens-residual{r:g}", 0.0, r, "residual") for r in TOKEN_RATES[:2]),
+    *(Arm(f"tokens-cumulative{r:g}", 0.0, r, "cumulative") for r in TOKEN_RATES[:2]),
     *(Arm(f"branch{r:g}", r) for r in RATES),
     Arm("both0.5+tokens0.3", 0.5, 0.3),
     Arm("both0.5+tokens0.5", 0.5, 0.5),
@@ -147,7 +152,8 @@ def budgets(arm: Arm, cell, cost: Cost) -> list[int]:
 
 
 def cell_arms(cell) -> list[Arm]:
-    """The arms a cell runs: those given when it first ran (``--arms``; all by default), as ``budgets.json`` holds."""
+    """The arms a cell runs: those given when it first ran or added since (``--arms``; all by default), as
+    ``budgets.json`` holds."""
     path = OUT / "budgets.json"
     fixed = json.loads(path.read_text()).get(cell.name, {}) if path.exists() else {}
     return [arm for arm in ARMS if arm.name in fixed] or ARMS
@@ -399,13 +405,16 @@ def main() -> None:
     parser.add_argument("--cost-record", type=Path, default=COST_RECORD)
     parser.add_argument("--report", action="store_true")
     parser.add_argument(
-        "--arms", nargs="+", choices=list(BY_NAME), help="a new cell's arms (default all; full backprop's always)"
+        "--arms",
+        nargs="+",
+        choices=list(BY_NAME),
+        help="a new cell's arms (default all; full backprop's always), or arms to add to a cell that ran",
     )
     args = parser.parse_args()
     cost = Cost.from_bench(args.cost_record)
     fixed = json.loads((OUT / "budgets.json").read_text()) if (OUT / "budgets.json").exists() else {}
-    for cell in args.cells:  # a new cell's arms are fixed with its budgets; a cell that ran keeps its own
-        if cell.name not in fixed:
+    for cell in args.cells:  # a cell's arms are fixed with their budgets when first given; --arms adds arms
+        if cell.name not in fixed or args.arms:
             for name in dict.fromkeys(["full", "full-half", *(args.arms or BY_NAME)]):
                 budgets(BY_NAME[name], cell, cost)
     if args.cells:

@@ -200,7 +200,9 @@ class DropBPController:
     token_drop_rate = _setting(
         "token_drop_rate", "The share of token rows whose backward each kept branch skips (token drops)."
     )
-    token_selection = _setting("token_selection", "How token drops choose rows: 'gradient' or 'random'.")
+    token_selection = _setting(
+        "token_selection", "How token drops choose rows: 'gradient', 'residual', 'random' or 'cumulative'."
+    )
 
     memory_bound = _setting(
         "memory_bound", "Whether the activation memory is bounded at every step (:mod:`dropbp.execution.bound`)."

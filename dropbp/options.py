@@ -207,8 +207,11 @@ class DropBPOptions:
         default="gradient",
         metadata=_help(
             """How token drops choose the rows: ``"gradient"`` (importance sampling: probability proportional to
-            each row's gradient norm at the branch output, capped at 1) or ``"random"`` (the same probability for
-            every row that carries gradient); ``ctl.token_selection``, settable."""
+            each row's gradient norm at the branch output, capped at 1), ``"residual"`` (proportional to the norm of
+            the row the branch adds in the forward, TokenDrop's importance), ``"random"`` (the same probability for
+            every row that carries gradient) or ``"cumulative"`` (the topmost kept branch's ``"gradient"`` rows and
+            weights, kept by every branch below: TokenDrop's cumulative selection; biased, a measured control); see
+            :mod:`dropbp.policy.token_selection`; ``ctl.token_selection``, settable."""
         ),
     )
 

@@ -151,7 +151,7 @@ def test_a_resumed_run_repeats_the_selections():
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("rule", ["gradient", "random"])
+@pytest.mark.parametrize("rule", ["gradient", "residual", "random"])
 def test_the_weighted_selection_is_unbiased(rule):
     """Over many selections the weighted gradient's mean approaches full backprop's (within 4 standard errors per
     coordinate on average); without the weights it does not."""
@@ -171,6 +171,55 @@ def test_the_weighted_selection_is_unbiased(rule):
     assert z < 2.0  # unbiased: about 0.8 for a normal mean
     unweighted = (stack.mean(0) * (1 - 0.75)).sub(full[name]).abs().div(error.clamp_min(1e-12)).mean()
     assert unweighted > 4.0  # the same samples read without the 1/p weights: biased, and the test sees it
+
+
+@pytest.mark.parametrize("rule", ["residual", "cumulative"])
+def test_the_forward_and_cumulative_rules_match_the_reference_for_their_selection(rule):
+    """The recorded weights of TokenDrop's two rules give the reference's gradients, as the default rule's do."""
+    model = _model("llama", "lora", checkpointing=False)
+    ids = batch(2, size=2, length=12)
+    ctl = dropbp.apply(model, 0.0, token_drop_rate=0.5, token_selection=rule, seed=3)
+    loss, got = loss_and_grads(model, ids)
+    weights = ctl.token_weights()
+    ctl.remove()
+    handles = _weighted_outputs(model, weights)
+    plain_loss, want = loss_and_grads(model, ids)
+    for h in handles:
+        h.remove()
+    assert torch.equal(loss, plain_loss)
+    assert_same_grads(got, want, atol=1e-5)
+
+
+def test_cumulative_selection_keeps_the_topmost_branchs_rows_in_every_branch_below():
+    model = tiny_model("llama", layers=3)
+    ids = batch(3, size=2, length=16)
+    ctl = dropbp.apply(model, 0.0, token_drop_rate=0.75, token_selection="cumulative", seed=1)
+    for _ in range(2):
+        loss_and_grads(model, ids)
+        weights = list(ctl.token_weights().values())
+        assert len(weights) == 6 and all(torch.equal(w, weights[0]) for w in weights)
+        assert int((weights[0] > 0).sum()) == keep_count(32, 0.75)
+    first = weights[0]
+    loss_and_grads(model, ids)  # the next forward draws anew
+    assert not torch.equal(next(iter(ctl.token_weights().values())), first)
+
+
+def test_the_residual_rule_keeps_rows_by_the_size_of_the_branch_output():
+    """``"residual"``: probabilities from the forward's row norms; rows without gradient are never kept; unbiased."""
+    gradient = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 1.0])
+    residual = torch.tensor([8.0, 1.0, 9.0, 1.0, 1.0, 0.5])
+    total, kept = torch.zeros(6), torch.zeros(6)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3000):
+        order, offset = torch.randperm(6, generator=g), torch.rand(1, generator=g)
+        w = selection_weights(gradient, 2, "residual", order, offset, residual)
+        assert float(w[2]) == 0.0 and int((w > 0).sum()) == 2
+        total, kept = total + w, kept + (w > 0).float()
+    assert float(kept[0]) == 3000.0  # the largest update, capped at probability 1
+    assert float(kept[5]) < float(kept[1])  # a smaller update is kept less often
+    assert torch.allclose((total / 3000)[gradient > 0], torch.ones(5), atol=0.1)
+    with pytest.raises(ValueError, match="row norms from the forward"):
+        selection_weights(gradient, 2, "residual", torch.arange(6), torch.tensor([0.5]))
 
 
 def test_selection_weights_have_expectation_one_on_rows_that_carry_gradient():

@@ -46,7 +46,7 @@ class RowSlot:
     """One kept branch call's selection: its key for the generator, filled in backward by the branch output's
     :class:`_SelectRows` (``weights`` per row, ``index`` the rows gathered), read by the branch's linear maps."""
 
-    __slots__ = ("key", "rate", "rule", "place_rows", "rows", "weights", "index")
+    __slots__ = ("key", "rate", "rule", "place_rows", "rows", "residual_norms", "weights", "index")
 
     def __init__(
         self,
@@ -59,6 +59,7 @@ class RowSlot:
         #: the backend's way to put gathered rows back in place (:meth:`dropbp.backends.Backend.place_rows`)
         self.place_rows = place_rows
         self.rows: int | None = None  # rows of the branch output (set when the branch returns)
+        self.residual_norms: torch.Tensor | None = None  # its row norms, for token_selection="residual"
         self.weights: torch.Tensor | None = None
         self.index: torch.Tensor | None = None
 
@@ -152,6 +153,8 @@ class TokenDrops:
         self._slots: list[RowSlot | None] = [None] * len(self._parts)
         self._handles: list[RemovableHandle] = []
         self._warned_full_rows = False
+        #: token_selection="cumulative": (seed, step) of the forward whose topmost kept branch drew, its weights, rows
+        self._cumulative: tuple[tuple[int, int], torch.Tensor, torch.Tensor] | None = None
         #: Per branch, the weights of its most recent selection (``1 / p`` on kept rows, 0 elsewhere), or None.
         self.last_weights: list[torch.Tensor | None] = [None] * len(self._parts)
 
@@ -196,6 +199,8 @@ class TokenDrops:
             if not (torch.is_tensor(first) and first.requires_grad):
                 return None
             slot.rows = first.numel() // first.shape[-1]
+            if slot.rule == "residual":
+                slot.residual_norms = first.detach().reshape(slot.rows, -1).float().norm(dim=1)
             selected = _SelectRows.apply(first, slot, self._selector(index))
             return (selected, *output[1:]) if isinstance(output, tuple) else selected
 
@@ -233,16 +238,23 @@ class TokenDrops:
     def _selector(self, index: int) -> Callable[[torch.Tensor, RowSlot], None]:
         def select(rows: torch.Tensor, slot: RowSlot) -> None:
             count = rows.shape[0]
+            shared = self._cumulative
+            if slot.rule == "cumulative" and shared is not None and shared[0] == slot.key[:2]:
+                slot.weights, slot.index = shared[1], shared[2]
+                self.last_weights[index] = shared[1]
+                return
             keep = keep_count(count, slot.rate)
             generator = torch.Generator().manual_seed(hash(slot.key) & (2**63 - 1))
             order = torch.randperm(count, generator=generator).to(rows.device, non_blocking=True)
             offset = torch.rand(1, generator=generator).to(rows.device, non_blocking=True)
             norms = rows.float().pow(2).sum(1).sqrt()
-            weights = selection_weights(norms, keep, slot.rule, order, offset)
+            weights = selection_weights(norms, keep, slot.rule, order, offset, slot.residual_norms)
             gathered = self._backend.kept_row_count(keep, count)
             slot.weights = weights
             slot.index = torch.topk(weights, gathered, sorted=False).indices.sort().values
             self.last_weights[index] = weights.detach()
+            if slot.rule == "cumulative":  # the branches below, in this forward's backward, keep these rows
+                self._cumulative = (slot.key[:2], slot.weights, slot.index)
 
         return select
 

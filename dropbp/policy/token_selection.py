@@ -6,7 +6,13 @@ parameters' gradients and the gradient it passes down). The rules (``token_selec
 
 - ``"gradient"`` (importance sampling, VCAS's rule): ``p_t`` proportional to the row's gradient norm, capped at 1
   (:func:`inclusion_probabilities`): rows that carry more gradient are kept more often, so a kept row is worth more;
-- ``"random"`` (the control): the same probability for every row that carries any gradient.
+- ``"residual"`` (TokenDrop's importance, from the forward): ``p_t`` proportional to the norm of the row the branch
+  adds to the residual stream, capped at 1, weighted as ``"gradient"``;
+- ``"random"`` (the control): the same probability for every row that carries any gradient;
+- ``"cumulative"`` (TokenDrop's cumulative selection): the first kept branch whose backward runs in a forward (the
+  topmost) draws its rows as ``"gradient"`` does, and every branch below keeps the same rows with the same weights -
+  dropped at a layer, dropped below it. Not unbiased: a kept row's weight reaches the branches below twice (through
+  the gradient they receive and through their own selection), so it is a measured control, not a default.
 
 Rows whose gradient is exactly zero (padding, and tokens nothing downstream reads) get ``p_t = 0``: never kept. Exactly
 ``keep`` rows are drawn (fewer only when fewer rows carry gradient), by systematic sampling over a random order
@@ -25,7 +31,7 @@ import torch
 __all__ = ["TOKEN_SELECTIONS", "inclusion_probabilities", "keep_count", "selection_weights", "systematic_sample"]
 
 #: The selection rules, the default first.
-TOKEN_SELECTIONS = ("gradient", "random")
+TOKEN_SELECTIONS = ("gradient", "residual", "random", "cumulative")
 _TINY = 1e-30
 
 
@@ -69,18 +75,29 @@ def systematic_sample(probabilities: torch.Tensor, order: torch.Tensor, offset: 
 
 
 def selection_weights(
-    row_norms: torch.Tensor, keep: int, rule: str, order: torch.Tensor, offset: torch.Tensor
+    row_norms: torch.Tensor,
+    keep: int,
+    rule: str,
+    order: torch.Tensor,
+    offset: torch.Tensor,
+    residual_norms: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per row, ``1 / p_t`` where the row is kept and 0 elsewhere: the factor on its gradient.
 
     Args:
         row_norms: the norm of each row's gradient at the branch output.
         keep: how many rows to keep (:func:`keep_count`).
-        rule: one of :data:`TOKEN_SELECTIONS`.
+        rule: one of :data:`TOKEN_SELECTIONS` (``"cumulative"`` draws as ``"gradient"``: its sharing is the caller's).
         order: a random permutation of the rows; offset: a uniform number in ``[0, 1)`` (one-element tensor).
+        residual_norms: for ``"residual"``, the norm of each row of the branch's output in the forward.
     """
-    carries = row_norms > 0
-    scores = row_norms if rule == "gradient" else carries.to(row_norms.dtype)
+    carries = (row_norms > 0).to(row_norms.dtype)
+    if rule == "residual":
+        if residual_norms is None:
+            raise ValueError("token_selection='residual' needs the branch output's row norms from the forward")
+        scores = residual_norms.to(row_norms.dtype) * carries
+    else:
+        scores = row_norms if rule in ("gradient", "cumulative") else carries
     probabilities = inclusion_probabilities(scores, keep)
     taken = systematic_sample(probabilities, order, offset)
     return taken / probabilities.clamp_min(_TINY)  # taken is 0 or 1, and 1 only where p > 0
