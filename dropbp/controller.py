@@ -28,6 +28,7 @@ from dropbp.execution.discovery import Branch, row_local_linears
 from dropbp.execution.distributed import RunningDDPCheck, check_ddp
 from dropbp.execution.dropped_grads import DroppedGrads
 from dropbp.execution.frameworks import FrameworkWatch, calibration_closure, calibration_method, check_wrapper, unwrap
+from dropbp.execution.gradient_noise import MicroBatchGradients, check_single_process
 from dropbp.execution.hooks import ExecutionSettings, StepHooks
 from dropbp.execution.patching import CleanCopies
 from dropbp.execution.token_backward import TokenDrops
@@ -35,6 +36,7 @@ from dropbp.options import DropBPOptions
 from dropbp.policy import lr_compensation
 from dropbp.policy.allocation import allocate_rates
 from dropbp.policy.drop_policy import DropPolicy
+from dropbp.policy.noise_scale import NoiseScale, NoiseScaleEstimator
 from dropbp.policy.plan import DropTally, PatternPlan, plan_patterns
 from dropbp.state import POLICY_STATE, STATE_VERSION, check_state
 
@@ -130,7 +132,8 @@ class DropBPController:
         parts = [b.parts for b in self._found]
         self._tokens = TokenDrops(parts, [linears for linears, _ in found], backend, self._hooks.token_slot)
         self._hooks.listen(self._tokens)
-        self._sync_token_drops(options)
+        self._noise = MicroBatchGradients(model, NoiseScaleEstimator(), lambda: self._hooks.forced is None)
+        self._sync_readers(options)
         compile_warning = EnclosingCompileWarning()
         self._compile_handles = compile_warning.attach(model, [b.name for b in self._found])
         touched = [
@@ -142,7 +145,9 @@ class DropBPController:
             *(linear.module for linears, _ in found for linear in linears),
         ]
         # copies and pickles come out clean
-        handles = lambda: [*self._hooks.handles, *self._compile_handles, *self._tokens.handles]  # noqa: E731
+        handles = lambda: [  # noqa: E731
+            *self._hooks.handles, *self._compile_handles, *self._tokens.handles, *self._noise.handles
+        ]
         self._copies = CleanCopies(touched, handles)
         for module in (model, *self._modules):
             _ATTACHED[module] = weakref.ref(self)
@@ -182,14 +187,35 @@ class DropBPController:
         policy_takes(resolved)
         self._given = given
         self._hooks.settings = ExecutionSettings.of(resolved)
-        self._sync_token_drops(resolved)
+        self._sync_readers(resolved)
 
-    def _sync_token_drops(self, options: DropBPOptions) -> None:
-        """Token drops' hooks go on the first time ``token_drop_rate`` is above 0 (and stay: at 0 they select
-        nothing, so the model computes exactly what it did without them)."""
+    def _sync_readers(self, options: DropBPOptions) -> None:
+        """What the options switch on beyond the hooks. Token drops' hooks go on the first time ``token_drop_rate``
+        is above 0 (and stay: at 0 they select nothing, so the model computes exactly what it did without them);
+        the noise scale's reads are on while ``measure_noise_scale`` is."""
         if options.token_drop_rate > 0.0 and not self._tokens.installed:
             self._tokens.install()
             self._tokens.warn_full_rows(self._full_rows)
+        if options.measure_noise_scale and not self._noise.installed:
+            check_single_process()
+            self._noise.install()
+        elif not options.measure_noise_scale and self._noise.installed:
+            self._noise.remove()
+
+    def noise_scale(self) -> NoiseScale | None:
+        """The gradient noise scale measured so far (:class:`dropbp.policy.noise_scale.NoiseScale`: ``.tokens`` is
+        ``B_simple``), or None before the first optimizer step with at least 2 micro-batches has closed (a step
+        closes when the next one's first forward finds the gradients cleared).
+
+        Raises:
+            RuntimeError: where it is not measured (``measure_noise_scale=False``).
+        """
+        if not self._noise.installed:
+            raise RuntimeError(
+                "the noise scale is not measured: pass measure_noise_scale=True to dropbp.apply (or DropBPCallback), "
+                "or set ctl.measure_noise_scale = True, and train with gradient accumulation of at least 2"
+            )
+        return self._noise.estimator.estimate()
 
     def token_weights(self) -> dict[str, torch.Tensor]:
         """Per branch name, the weights of its most recent token selection (one per token row of its output:
@@ -197,6 +223,7 @@ class DropBPController:
         weights = self._tokens.last_weights
         return {b.name: w for b, w in zip(self._found, weights, strict=True) if w is not None}
 
+    measure_noise_scale = _setting("measure_noise_scale", "Whether the gradient noise scale is measured.")
     token_drop_rate = _setting(
         "token_drop_rate", "The share of token rows whose backward each kept branch skips (token drops)."
     )
@@ -480,6 +507,7 @@ class DropBPController:
         if self._removed:
             return
         self._hooks.remove()
+        self._noise.remove()
         for handle in self._compile_handles:
             handle.remove()
         if self._chunked is not None:

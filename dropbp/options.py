@@ -215,6 +215,16 @@ class DropBPOptions:
         ),
     )
 
+    measure_noise_scale: bool = field(
+        default=False,
+        metadata=_help(
+            """Measure the gradient noise scale of this run (``ctl.noise_scale()``, in tokens; logged by the Trainer
+            callback as ``dropbp/noise_scale``) from the micro-batch gradients gradient accumulation computes anyway
+            (:mod:`dropbp.execution.gradient_noise`): needs at least 2 micro-batches per optimizer step, costs one
+            copy of the trainable parameters' gradients; ``ctl.measure_noise_scale``, settable."""
+        ),
+    )
+
     #: The value given to ``seed`` may be None (the Trainer integration: the run's own seed).
     _seed_may_be_none: ClassVar[bool] = False
 
@@ -257,6 +267,7 @@ class DropBPOptions:
             "it is the share of token rows whose backward each kept branch skips; set it to e.g. 0.5, or 0 for none",
         )
         check_choice(key("token_selection"), self.token_selection, TOKEN_SELECTIONS)
+        check_bool(key("measure_noise_scale"), self.measure_noise_scale)
         if self.stratify > 1 and (self.pattern != "cut" or self.max_patterns is not None):
             raise ValueError(
                 f"{key('stratify')}={self.stratify} stratifies cut patterns drawn afresh each step: it needs "

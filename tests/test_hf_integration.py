@@ -419,3 +419,17 @@ def test_a_construction_callback_says_where_its_figures_go_when_report_to_names_
     attached = attach(_trainer(tmp_path, report_to=[]), drop_rate=0.5)
     attached.on_train_begin(args, transformers.TrainerState(max_steps=2), transformers.TrainerControl())
     assert "log_history" not in caplog.text  # attach knows the trainer: its loggers get the figures
+
+
+def test_the_callback_logs_the_noise_scale_it_measures(tmp_path):
+    """``measure_noise_scale=True`` with gradient accumulation: every logging step after the first closed optimizer
+    step carries ``dropbp/noise_scale`` (tokens) and ``dropbp/noise_ratio``, the controller's own figures."""
+    callback = DropBPCallback(0.5, measure_noise_scale=True)
+    trainer = _trainer(tmp_path, callbacks=[callback], gradient_accumulation_steps=2, max_steps=10, logging_steps=2)
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "dropbp/noise_scale" in h]
+    assert [h["step"] for h in logged] == [2, 4, 6, 8, 10]
+    final = callback.controller.noise_scale()
+    assert final.tokens_per_step == 2 * 2 * SEQ and final.steps == 9  # the 10th closes at a next forward
+    assert logged[-1]["dropbp/noise_scale"] == final.tokens
+    assert logged[-1]["dropbp/noise_ratio"] == pytest.approx(final.tokens / final.tokens_per_step)

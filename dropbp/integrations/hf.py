@@ -263,15 +263,14 @@ class DropBPCallback(TrainerCallback):
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any):
         if self._active() and control.should_log:
             stats = self.controller.drop_stats(reset=True)
-            self._log(
-                args,
-                state,
-                control,
-                {
-                    "dropbp/dropped_branches": stats["dropped_branches"],
-                    "dropbp/dropped_flops_fraction": stats["dropped_flops_fraction"],
-                },
-            )
+            logs = {
+                "dropbp/dropped_branches": stats["dropped_branches"],
+                "dropbp/dropped_flops_fraction": stats["dropped_flops_fraction"],
+            }
+            measured = self.controller.noise_scale() if self.controller.measure_noise_scale else None
+            if measured is not None:  # tokens; the optimizer step that just ran closes at the next one's forward
+                logs |= {"dropbp/noise_scale": measured.tokens, "dropbp/noise_ratio": measured.ratio}
+            self._log(args, state, control, logs)
             control.should_log = True  # the log cleared it: the Trainer still logs its loss at this step
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any):

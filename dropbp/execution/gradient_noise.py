@@ -1,0 +1,175 @@
+"""The gradient reads the noise scale needs (``measure_noise_scale=True``; the numbers are
+:mod:`dropbp.policy.noise_scale`'s).
+
+No extra forward or backward: each micro-batch's gradient is the difference of the accumulated gradients (``.grad``
+of the trainable parameters) after its backward and before its forward. At a training forward's start the gradients
+are copied; when that forward's backward ends (a callback queued by a hook on the model's output, so it runs once, at
+the end of the outermost backward, whatever checkpointing recomputes inside it) the squared norm of the difference and
+of the accumulated sum are taken. An optimizer step's window closes at the next training forward that finds every
+gradient cleared (``zero_grad``): its micro-batches go to the estimator together - before any gradient clipping has
+touched them, as they were read at the backward's end. Eval, no-grad and recomputation forwards read nothing.
+
+Costs: one copy of the trainable parameters' gradients (small for LoRA; a full copy for full fine-tuning) and three
+passes over them per micro-batch. Tokens per micro-batch are read from the input's shape (``input_ids`` or
+``inputs_embeds``; padding included), so nothing waits on the device. Needs at least two micro-batches per
+optimizer step (gradient accumulation): with one, nothing is measured. Not supported under DDP, FSDP or DeepSpeed
+(their gradients are reduced or sharded between the reads): refused at ``apply``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from dropbp.execution.compile_guards import outside_graphs
+from dropbp.execution.recompute import in_backward
+from dropbp.internals import at_backward_end
+from dropbp.policy.noise_scale import NoiseScaleEstimator
+
+__all__ = ["MicroBatchGradients", "check_single_process"]
+
+
+def check_single_process() -> None:
+    """Refuse the reads where several processes train (DDP, FSDP, DeepSpeed): their gradients are reduced or sharded
+    between a micro-batch's forward and the reads, so a difference would not be that micro-batch's gradient."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(
+            f"measure_noise_scale reads one process's gradients; this run has {dist.get_world_size()} processes "
+            "(DDP, FSDP or DeepSpeed), whose gradients are reduced or sharded between the reads. Measure the noise "
+            "scale in a one-process run (e.g. `dropbp check --model PATH`), or set measure_noise_scale=False"
+        )
+
+
+def _tokens(args: tuple, kwargs: dict) -> int | None:
+    """Tokens in a forward's input, from its shape (``input_ids``, ``inputs_embeds`` or the first tensor)."""
+    for name in ("input_ids", "inputs_embeds"):
+        if torch.is_tensor(kwargs.get(name)):
+            x = kwargs[name]
+            return x.numel() if name == "input_ids" else x.numel() // x.shape[-1]
+    first = next((a for a in args if torch.is_tensor(a)), None)
+    if first is None:
+        return None
+    return first.numel() if not first.is_floating_point() else first.numel() // first.shape[-1]
+
+
+def _first_tensor(output: object) -> torch.Tensor | None:
+    """The model output's first tensor that needs a gradient (the loss where the model computes it, else logits)."""
+    if torch.is_tensor(output):
+        return output if output.requires_grad else None
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, tuple | list) else ()
+    return next((v for v in values if torch.is_tensor(v) and v.requires_grad), None)
+
+
+class MicroBatchGradients:
+    """Feeds ``estimator`` one optimizer step at a time from the gradients of ``model``'s trainable parameters.
+
+    Args:
+        model: the model whose training forwards delimit micro-batches.
+        estimator: where each closed optimizer step goes.
+        reads: ``reads()`` is False while a forward must not count (calibration's forced passes).
+    """
+
+    def __init__(self, model: nn.Module, estimator: NoiseScaleEstimator, reads: Callable[[], bool]) -> None:
+        self.estimator = estimator
+        self._model = model
+        self._reads = reads
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._snapshot: list[torch.Tensor | None] = []
+        self._micro: list[torch.Tensor] = []  # squared norms of the window's micro-batch gradients
+        self._batch: torch.Tensor | None = None  # squared norm of the window's accumulated gradient so far
+        self._tokens: list[int] = []
+        self._current: int | None = None  # the index in _micro the running forward's backward fills
+        self._handles: list[RemovableHandle] = []
+
+    @property
+    def handles(self) -> list[RemovableHandle]:
+        return self._handles
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._handles)
+
+    def install(self) -> None:
+        if self._handles:
+            return
+        self._params = [p for p in self._model.parameters() if p.requires_grad]
+        self._handles = [
+            self._model.register_forward_pre_hook(self._begin, with_kwargs=True),
+            self._model.register_forward_hook(self._end),
+        ]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _counts(self) -> bool:
+        return self._model.training and torch.is_grad_enabled() and not in_backward() and self._reads()
+
+    @outside_graphs
+    def _begin(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._current = None
+        if not self._counts():
+            return
+        grads = [p.grad for p in self._params]
+        present = [g.detach() for g in grads if g is not None]
+        # cleared by zero_grad: set to None, or to zeros (set_to_none=False; one read on the host)
+        cleared = self._batch is None or not present or not bool(torch.stack([g.any() for g in present]).any())
+        if cleared:
+            self._close()
+        tokens = _tokens(args, kwargs)
+        if tokens is None:
+            return
+        self._snapshot = [None if g is None else g.detach().clone() for g in grads]
+        self._tokens.append(tokens)
+        self._micro.append(torch.zeros(()))  # filled when its backward ends
+        self._current = len(self._micro) - 1
+
+    @outside_graphs
+    def _end(self, module: nn.Module, args: tuple, output: object) -> None:
+        index = self._current
+        first = _first_tensor(output) if index is not None else None
+        if first is None:
+            return
+
+        def hook(grad: torch.Tensor) -> None:
+            at_backward_end(lambda: self._read(index))
+
+        first.register_hook(hook)
+
+    def _read(self, index: int) -> None:
+        """At the end of micro-batch ``index``'s backward: its gradient's squared norm and the window's so far."""
+        if index >= len(self._micro):
+            return  # the window closed in between (a backward after the next zero_grad)
+        micro = batch = None  # summed on the gradients' device: read on the host once per window
+        for p, before in zip(self._params, self._snapshot, strict=True):
+            if p.grad is None:
+                continue
+            g = p.grad.detach().float()
+            own = (g if before is None else g - before.float()).pow(2).sum()
+            total = g.pow(2).sum()
+            if micro is None:
+                micro, batch = own, total
+            else:
+                micro, batch = micro + own.to(micro.device), batch + total.to(micro.device)
+        if micro is not None:
+            self._micro[index], self._batch = micro, batch
+
+    def _close(self) -> None:
+        """The window read so far is one optimizer step: to the estimator (with at least two micro-batches)."""
+        micro, batch, tokens = self._micro, self._batch, self._tokens
+        self._micro, self._batch, self._tokens, self._snapshot = [], None, [], []
+        if batch is None or len(micro) < 2:
+            return
+        m = len(micro)
+        scale = float(m * m)  # micro-batch gradients as means over their own tokens, the sum as the window's mean
+        self.estimator.update([float(x) * scale for x in micro], float(batch), sum(tokens) / m)
+
+    def flush(self) -> None:
+        """Close the window under way now (the run ended, or the caller knows a step just finished)."""
+        self._close()

@@ -1,0 +1,125 @@
+"""The gradient noise scale and what it forecasts for dropped backward work: numbers only.
+
+The simple noise scale (McCandlish et al. 2018, "An empirical model of large-batch training") is
+``B_simple = tr(Sigma) / |G|^2``: the per-token gradient covariance's trace over the true gradient's squared norm, in
+tokens. It is estimated from one optimizer step's ``m`` micro-batch gradients ``G_b,i`` (``b`` tokens each) and their
+mean ``G_B`` (``B = m b`` tokens), both unbiased:
+
+    |G|^2     ~ (B |G_B|^2 - b mean_i |G_b,i|^2) / (B - b)
+    tr(Sigma) ~ (mean_i |G_b,i|^2 - |G_B|^2) / (1/b - 1/B)
+
+Each is averaged over steps (exponentially, :class:`NoiseScaleEstimator`) before dividing: one step's ``|G|^2`` is
+noisy and may be negative. A uniform factor on every gradient (a loss divided by the accumulation or not) cancels.
+
+What it forecasts (:func:`step_worth`): a step that keeps a random share ``q`` of its gradient samples has an effective
+batch ``q B`` and, with ``r = B_simple / B``, is worth ``(1 + r) / (1 + r / q)`` of a full step (the expected loss
+decrease of an SGD step at its best learning rate, by the same paper's model). A branch dropped at rate ``p`` keeps
+``q = 1 - p`` of the samples in its parameters' gradients; full backprop at half the batch keeps ``q = 1/2`` at half
+the cost. The speedup at equal quality is the worth over the step's cost relative to a full step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["NoiseScale", "NoiseScaleEstimator", "step_worth", "window_terms"]
+
+
+@dataclass(frozen=True)
+class NoiseScale:
+    """An estimate of the gradient noise scale (``ctl.noise_scale()``).
+
+    Attributes:
+        tokens: ``B_simple`` in tokens (``inf`` where the true gradient's estimate is not yet positive).
+        gradient_sq_norm: the smoothed estimate of ``|G|^2``.
+        trace: the smoothed estimate of ``tr(Sigma)`` (per token).
+        tokens_per_step: the tokens of the last measured optimizer step (``B``).
+        steps: how many optimizer steps were measured.
+    """
+
+    tokens: float
+    gradient_sq_norm: float
+    trace: float
+    tokens_per_step: float
+    steps: int
+
+    @property
+    def ratio(self) -> float:
+        """``r = B_simple / B``: above 1, a step's gradient is mostly noise."""
+        return self.tokens / self.tokens_per_step
+
+
+def window_terms(micro_sq_norms: Sequence[float], batch_sq_norm: float, micro_tokens: float) -> tuple[float, float]:
+    """One optimizer step's unbiased ``(|G|^2, tr(Sigma))`` from its micro-batches' squared gradient norms, the squared
+    norm of their mean and the tokens of one micro-batch (the module docstring's formulas).
+
+    Raises:
+        ValueError: with fewer than two micro-batches (one gives no spread) or no tokens.
+    """
+    m = len(micro_sq_norms)
+    if m < 2:
+        raise ValueError(f"the noise scale needs at least 2 micro-batches per optimizer step, got {m}")
+    if micro_tokens <= 0:
+        raise ValueError(f"micro-batches must hold tokens, got {micro_tokens}")
+    b, big = float(micro_tokens), float(micro_tokens) * m
+    mean_small = sum(micro_sq_norms) / m
+    gradient = (big * batch_sq_norm - b * mean_small) / (big - b)
+    trace = (mean_small - batch_sq_norm) / (1.0 / b - 1.0 / big)
+    return gradient, trace
+
+
+class NoiseScaleEstimator:
+    """Each term averaged exponentially over optimizer steps (``smoothing``: the weight of the past), then divided.
+
+    The average is bias-corrected (as Adam's moments are), so the first steps are not pulled toward 0.
+    """
+
+    def __init__(self, smoothing: float = 0.9) -> None:
+        if not 0.0 <= smoothing < 1.0:
+            raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
+        self.smoothing = smoothing
+        self.steps = 0
+        self._gradient = 0.0
+        self._trace = 0.0
+        self._tokens_per_step = 0.0
+
+    def update(self, micro_sq_norms: Sequence[float], batch_sq_norm: float, micro_tokens: float) -> None:
+        """Add one optimizer step (see :func:`window_terms`)."""
+        gradient, trace = window_terms(micro_sq_norms, batch_sq_norm, micro_tokens)
+        keep = self.smoothing
+        self._gradient = keep * self._gradient + (1 - keep) * gradient
+        self._trace = keep * self._trace + (1 - keep) * trace
+        self._tokens_per_step = micro_tokens * len(micro_sq_norms)
+        self.steps += 1
+
+    def estimate(self) -> NoiseScale | None:
+        """The current estimate, or None before the first measured step."""
+        if not self.steps:
+            return None
+        correction = 1.0 - self.smoothing**self.steps
+        gradient, trace = self._gradient / correction, self._trace / correction
+        tokens = trace / gradient if gradient > 0 else math.inf
+        return NoiseScale(tokens, gradient, trace, self._tokens_per_step, self.steps)
+
+    def state_dict(self) -> dict[str, float]:
+        return {"steps": self.steps, "gradient": self._gradient, "trace": self._trace,
+                "tokens_per_step": self._tokens_per_step}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.steps = int(state["steps"])
+        self._gradient, self._trace = float(state["gradient"]), float(state["trace"])
+        self._tokens_per_step = float(state["tokens_per_step"])
+
+
+def step_worth(kept_share: float, noise_ratio: float) -> float:
+    """The worth of a step whose gradient keeps a random ``kept_share`` of its samples, in full steps, at
+    ``noise_ratio = B_simple / B``: ``(1 + r) / (1 + r / q)`` (the module docstring)."""
+    if not 0.0 < kept_share <= 1.0:
+        raise ValueError(f"kept_share must be in (0, 1], got {kept_share}")
+    if noise_ratio < 0:
+        raise ValueError(f"noise_ratio must be >= 0, got {noise_ratio}")
+    if math.isinf(noise_ratio):
+        return kept_share
+    return (1.0 + noise_ratio) / (1.0 + noise_ratio / kept_share)

@@ -1,0 +1,127 @@
+"""The gradient noise scale (``measure_noise_scale``, ``ctl.noise_scale()``): the estimator against an analytic value,
+the library's reads against the same estimator fed gradients computed apart, and what it refuses."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from conftest import batch, tiny_model
+
+import dropbp
+from dropbp.policy.noise_scale import NoiseScaleEstimator, step_worth, window_terms
+
+
+def test_the_estimator_finds_a_linear_regressions_analytic_noise_scale():
+    """Least squares with x ~ N(0, I_D), y = x.w* + e (e ~ N(0, s^2)), at w: a sample's gradient (x.d - e) x with
+    d = w - w* has mean d and covariance |d|^2 I + d d^T + s^2 I, so B_simple = (|d|^2 (D + 1) + s^2 D) / |d|^2."""
+    g = torch.Generator().manual_seed(0)
+    dims, noise, micro, m = 8, 0.5, 16, 4
+    d = torch.randn(dims, generator=g, dtype=torch.float64) * 0.3
+    truth = (d.pow(2).sum() * (dims + 1) + noise**2 * dims) / d.pow(2).sum()
+    estimator = NoiseScaleEstimator(smoothing=0.999)
+    for _ in range(3000):
+        x = torch.randn(m, micro, dims, generator=g, dtype=torch.float64)
+        e = torch.randn(m, micro, generator=g, dtype=torch.float64) * noise
+        per_sample = ((x @ d) - e).unsqueeze(-1) * x
+        micro_means = per_sample.mean(1)
+        estimator.update(micro_means.pow(2).sum(1).tolist(), float(micro_means.mean(0).pow(2).sum()), micro)
+    got = estimator.estimate()
+    assert got is not None and got.steps == 3000 and got.tokens_per_step == micro * m
+    assert abs(got.tokens / float(truth) - 1) < 0.10
+
+
+def _train(model, ctl, steps: int, m: int, seed: int = 0, set_to_none: bool = True, evaluate: bool = False):
+    """``steps`` optimizer steps of ``m`` micro-batches (each loss divided by ``m``, as Trainer does); returns the
+    reference's estimator, fed each step's micro-batch gradients computed apart (``torch.autograd.grad`` on a clean
+    copy of the model, no accumulation)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    reference = NoiseScaleEstimator()
+    for step in range(steps):
+        ids = [batch(seed * 1000 + step * m + k, size=2, length=12) for k in range(m)]
+        plain = copy.deepcopy(model)
+        if plain.is_gradient_checkpointing:
+            plain.gradient_checkpointing_disable()  # .grad refuses re-entrant checkpoints; the same gradients
+        params = [p for p in plain.parameters() if p.requires_grad]
+        micro = [torch.autograd.grad(plain(input_ids=x, labels=x).loss / m, params) for x in ids]
+        total = [sum(parts) for parts in zip(*micro, strict=True)]
+        squares = [sum(float(t.double().pow(2).sum()) for t in grads) * m * m for grads in micro]
+        if m > 1:
+            reference.update(squares, sum(float(t.double().pow(2).sum()) for t in total), ids[0].numel())
+        optimizer.zero_grad(set_to_none=set_to_none)
+        for k, x in enumerate(ids):
+            (model(input_ids=x, labels=x).loss / m).backward()
+            if evaluate and k == 0:
+                model.eval()
+                with torch.no_grad():
+                    model(input_ids=x)
+                model.train()
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=set_to_none)
+    model(input_ids=ids[0], labels=ids[0])  # the next step's first forward closes the last one
+    return reference
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [{}, {"set_to_none": False}, {"evaluate": True}, {"checkpointing": True}],
+    ids=["plain", "zeros", "eval-between", "reentrant-ckpt"],
+)
+def test_noise_scale_equals_the_estimator_fed_gradients_computed_apart(variant):
+    model = tiny_model("llama", layers=2)
+    if variant.pop("checkpointing", False):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    ctl = dropbp.apply(model, 0.0, measure_noise_scale=True)
+    reference = _train(model, ctl, steps=3, m=3, **variant)
+    got, want = ctl.noise_scale(), reference.estimate()
+    assert got.steps == want.steps == 3 and got.tokens_per_step == want.tokens_per_step == 72
+    assert math.isclose(got.gradient_sq_norm, want.gradient_sq_norm, rel_tol=1e-4)
+    assert math.isclose(got.trace, want.trace, rel_tol=1e-4)
+    assert math.isclose(got.tokens, want.tokens, rel_tol=1e-3)
+
+
+def test_nothing_is_measured_without_accumulation_or_when_off():
+    model = tiny_model("llama", layers=2)
+    model.train()
+    ctl = dropbp.apply(model, 0.5)
+    with pytest.raises(RuntimeError, match="measure_noise_scale=True"):
+        ctl.noise_scale()
+    ctl.measure_noise_scale = True
+    _train(model, ctl, steps=2, m=1)
+    assert ctl.noise_scale() is None  # one micro-batch per step: no spread to measure
+    ctl.measure_noise_scale = False
+    with pytest.raises(RuntimeError, match="not measured"):
+        ctl.noise_scale()
+    with pytest.raises(TypeError, match="measure_noise_scale"):
+        dropbp.apply(tiny_model("llama", layers=2), 0.5, measure_noise_scale="yes")
+
+
+def test_the_reads_leave_the_gradients_and_the_model_as_they_were():
+    model = tiny_model("llama", layers=2)
+    model.train()
+    twin = copy.deepcopy(model)
+    ctl = dropbp.apply(model, 0.0, measure_noise_scale=True)
+    ids = batch(3, size=2, length=12)
+    for x in (ids, ids):
+        model(input_ids=x, labels=x).loss.backward()
+        twin(input_ids=x, labels=x).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    ctl.remove()
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+
+
+def test_window_terms_and_step_worth():
+    with pytest.raises(ValueError, match="at least 2 micro-batches"):
+        window_terms([1.0], 1.0, 8)
+    # two micro-batches whose gradients are equal: no noise, |G|^2 is theirs
+    gradient, trace = window_terms([4.0, 4.0], 4.0, 8)
+    assert gradient == pytest.approx(4.0) and trace == pytest.approx(0.0)
+    assert step_worth(1.0, 3.0) == 1.0
+    assert step_worth(0.5, 1.0) == pytest.approx(2 / 3)  # r = 1: half the samples are worth 2/3 of a step
+    assert step_worth(0.5, 0.0) == 1.0 and step_worth(0.5, math.inf) == 0.5
+    with pytest.raises(ValueError, match="kept_share"):
+        step_worth(0.0, 1.0)
