@@ -468,7 +468,7 @@ def report(out: Path, cost: StepCost, cost_record: Path) -> None:
         "cells": figures,
     }
     (out / "map.json").write_text(json.dumps(record, indent=2) + "\n")
-    SHIPPED_MAP.write_text(json.dumps(shipped_map(figures), indent=1) + "\n")
+    SHIPPED_MAP.write_text(json.dumps(shipped_map(record), indent=1) + "\n")
     header = [
         "Speedup at equal quality of DropBP against full backprop's frontier (complete runs at L/2, L and 2L steps), "
         f"per cell and arm; each arm at its own best learning rate from one grid (seed 0); {len(SEEDS)} seeds, mean "
@@ -503,11 +503,12 @@ def sweep_only(cells: list[Cell], figures: list[dict], done: dict[str, dict]) ->
     return ["", "Cells in progress (one seed, no frontier):", *lines] if lines else []
 
 
-def shipped_map(figures: list[dict]) -> dict:
+def shipped_map(record: dict) -> dict:
     """What ``dropbp.integrations.forecast`` reads: per cell and DropBP rate, the shipped default's speedup at equal
-    quality at equal time (mean and 95% interval over the seeds)."""
+    quality at equal time (mean and 95% interval over the seeds), and the share of a micro-batch's time the branches'
+    backward takes in the cost record (the noise-scale forecast's default step cost)."""
     cells = []
-    for f in figures:
+    for f in record["cells"]:
         for rate in RATES:
             equal = next(b for b in f[f"{rate:g}"].values() if b["equal_time"])
             cells.append(
@@ -518,7 +519,15 @@ def shipped_map(figures: list[dict]) -> dict:
         f"a {PROXY['num_hidden_layers']}-layer, {PROXY['hidden_size']}-wide Llama-shaped proxy, full fine-tuning, "
         f"{len(SEEDS)} seeds, time modelled on SmolLM2-135M's CPU steps"
     )
-    return {"source": "benchmarks/results/where_it_pays/map.json", "conditions": conditions, "cells": cells}
+    cost = record["step_cost"]
+    share = (cost["backward"] - cost["backward_all_dropped"]) / (cost["forward"] + cost["backward"])
+    return {
+        "source": "benchmarks/results/where_it_pays/map.json",
+        "conditions": conditions,
+        "cells": cells,
+        "branch_share": round(share, 3),
+        "branch_share_source": record["cost_record"],
+    }
 
 
 def _speedup_cell(budget: dict) -> str:

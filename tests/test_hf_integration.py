@@ -421,12 +421,17 @@ def test_a_construction_callback_says_where_its_figures_go_when_report_to_names_
     assert "log_history" not in caplog.text  # attach knows the trainer: its loggers get the figures
 
 
-def test_the_callback_logs_the_noise_scale_it_measures(tmp_path):
+def test_the_callback_logs_the_noise_scale_it_measures(tmp_path, caplog):
     """``measure_noise_scale=True`` with gradient accumulation: every logging step after the first closed optimizer
-    step carries ``dropbp/noise_scale`` (tokens) and ``dropbp/noise_ratio``, the controller's own figures."""
+    step carries ``dropbp/noise_scale`` (tokens) and ``dropbp/noise_ratio``, the controller's own figures; once
+    enough steps are measured, the forecast per arm is logged once."""
     callback = DropBPCallback(0.5, measure_noise_scale=True)
     trainer = _trainer(tmp_path, callbacks=[callback], gradient_accumulation_steps=2, max_steps=10, logging_steps=2)
-    trainer.train()
+    with caplog.at_level(logging.INFO, logger="dropbp"):
+        trainer.train()
+    said = [r.getMessage() for r in caplog.records if "gradient noise scale" in r.getMessage()]
+    assert len(said) == 1 and "128 tokens per step" in said[0]
+    assert "branch drops at 0.5:" in said[0] and "full backprop at half the batch:" in said[0]
     logged = [h for h in trainer.state.log_history if "dropbp/noise_scale" in h]
     assert [h["step"] for h in logged] == [2, 4, 6, 8, 10]
     final = callback.controller.noise_scale()

@@ -125,3 +125,23 @@ def test_window_terms_and_step_worth():
     assert step_worth(0.5, 0.0) == 1.0 and step_worth(0.5, math.inf) == 0.5
     with pytest.raises(ValueError, match="kept_share"):
         step_worth(0.0, 1.0)
+
+
+def test_the_forecast_per_arm_follows_the_noise_scale():
+    """At a noise scale equal to the batch (r = 1): half the samples are worth 2/3 of a step; branch drops at 0.5
+    cost 1 - 0.5 * share, full backprop at half the batch 0.5. Far below the noise scale (r -> 0) every arm's step
+    is worth a full one."""
+    from dropbp.integrations.forecast import noise_scale_forecast
+    from dropbp.policy.noise_scale import NoiseScale, forecast_arms
+
+    branch, half = forecast_arms(1024, 1024, 0.5, (0.5,))
+    assert (branch.worth, branch.step_cost) == (pytest.approx(2 / 3), 0.75)
+    assert branch.speedup == pytest.approx((2 / 3) / 0.75) and half.speedup == pytest.approx(4 / 3)
+    quiet = forecast_arms(1, 10**9, 0.5, (0.5, 0.75))
+    assert [round(a.speedup, 3) for a in quiet] == [round(1 / 0.75, 3), round(1 / 0.625, 3), 2.0]
+    with pytest.raises(ValueError, match="branch_share"):
+        forecast_arms(1, 1, 1.5)
+    message = noise_scale_forecast(NoiseScale(2048.0, 1.0, 2048.0, 1024.0, 6), 0.5, branch_share=0.5)
+    assert "noise scale 2,048 tokens over 6 optimizer steps, at 1,024 tokens per step (ratio 2.00" in message
+    assert "branch drops at 0.5: 0.80x" in message  # (1 + 2) / (1 + 4) = 0.6 at 0.75 of the time
+    assert "Best forecast: full backprop at half the batch" in message

@@ -23,7 +23,7 @@ from transformers.trainer_callback import CallbackHandler
 from dropbp.api import apply_options
 from dropbp.controller import DropBPController
 from dropbp.files import read_json, write_atomically
-from dropbp.integrations.forecast import forecast
+from dropbp.integrations.forecast import forecast, noise_scale_forecast
 from dropbp.internals import prepared_inputs
 from dropbp.options import AUTO_WARMUP, TrainerOptions, takes_options
 
@@ -40,6 +40,8 @@ __all__ = [
 log = logging.getLogger("dropbp")
 
 STATE_FILE = "dropbp_state.json"
+#: Optimizer steps measured before the noise scale's forecast is logged (once).
+NOISE_FORECAST_STEPS = 4
 
 
 def log_forecast(args: TrainingArguments, state: TrainerState, drop_rate: float) -> None:
@@ -73,6 +75,7 @@ class DropBPCallback(TrainerCallback):
         self.options = options
         #: The controller; ``None`` until DropBP is applied (by :func:`attach`, or when training begins).
         self.controller: DropBPController | None = None
+        self._noise_forecast_said = False
         #: The trainer, known when :func:`attach` (or :func:`build_callback`) made this callback; else ``None``.
         self.trainer: Trainer | None = None
         self.calibrated = False
@@ -270,6 +273,9 @@ class DropBPCallback(TrainerCallback):
             measured = self.controller.noise_scale() if self.controller.measure_noise_scale else None
             if measured is not None:  # tokens; the optimizer step that just ran closes at the next one's forward
                 logs |= {"dropbp/noise_scale": measured.tokens, "dropbp/noise_ratio": measured.ratio}
+                if not self._noise_forecast_said and measured.steps >= NOISE_FORECAST_STEPS:
+                    self._noise_forecast_said = True
+                    log.info("%s", noise_scale_forecast(measured, self.controller.drop_rate))
             self._log(args, state, control, logs)
             control.should_log = True  # the log cleared it: the Trainer still logs its loss at this step
 

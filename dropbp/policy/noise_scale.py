@@ -24,7 +24,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["NoiseScale", "NoiseScaleEstimator", "step_worth", "window_terms"]
+__all__ = ["ArmForecast", "NoiseScale", "NoiseScaleEstimator", "forecast_arms", "step_worth", "window_terms"]
 
 
 @dataclass(frozen=True)
@@ -123,3 +123,39 @@ def step_worth(kept_share: float, noise_ratio: float) -> float:
     if math.isinf(noise_ratio):
         return kept_share
     return (1.0 + noise_ratio) / (1.0 + noise_ratio / kept_share)
+
+
+@dataclass(frozen=True)
+class ArmForecast:
+    """What the noise scale forecasts for one way to train: a step's cost and worth, relative to a full step."""
+
+    name: str
+    step_cost: float
+    worth: float
+
+    @property
+    def speedup(self) -> float:
+        """The speedup at equal quality against full backprop at the run's batch: worth per cost."""
+        return self.worth / self.step_cost
+
+
+def forecast_arms(
+    noise_tokens: float, tokens_per_step: float, branch_share: float, drop_rates: Sequence[float] = (0.5, 0.75)
+) -> list[ArmForecast]:
+    """Branch drops at each of ``drop_rates`` and full backprop at half the batch, at ``noise_tokens`` (``B_simple``)
+    and ``tokens_per_step``.
+
+    ``branch_share`` is the share of a full step's time the dropped branches' backward takes (a step dropping a
+    share ``p`` of them costs ``1 - p * branch_share``; ``dropbp bench`` measures it per device and model); full
+    backprop at half the batch costs half a step. Token drops are not forecast here: their worth depends on the
+    concentration of the row gradient norms too.
+    """
+    if not 0.0 < branch_share < 1.0:
+        raise ValueError(f"branch_share must be in (0, 1), got {branch_share}")
+    if tokens_per_step <= 0:
+        raise ValueError(f"tokens_per_step must be positive, got {tokens_per_step}")
+    ratio = noise_tokens / tokens_per_step
+    arms = [
+        ArmForecast(f"branch drops at {p:g}", 1.0 - p * branch_share, step_worth(1.0 - p, ratio)) for p in drop_rates
+    ]
+    return [*arms, ArmForecast("full backprop at half the batch", 0.5, step_worth(0.5, ratio))]
