@@ -323,6 +323,12 @@ def cell_report(cell, done: dict[str, dict], cost: Cost) -> dict | None:
                 front["full"][r["seed"]].append(point)
     report = {"cell": cell.name, "steps": cell.steps, "tokens": cell.tokens, "lr": lrs, "arms": {}}
     full_step = cost.step_seconds(BY_NAME["full"], 0.0, cell.tokens)
+    half = BY_NAME["full-half"]
+    runs = sorted((r for r in rows[half.name] if r["steps"] == budgets(half, cell, cost)[0]), key=lambda r: r["seed"])
+    readings = [
+        equal_quality_speedup(front["full"][r["seed"]], _modelled(r, half, cost), r["final_loss"]) for r in runs
+    ]
+    report["half_batch"] = {"steps": runs[0]["steps"], "full": over_seeds(readings)}  # against the cell's batch
     for arm in arms:
         if arm.drop_rate is None:
             report["arms"][arm.name] = {
@@ -387,7 +393,8 @@ def report(cost: Cost) -> None:
         for arm in [BY_NAME[name] for name in f["arms"]]:
             if arm.drop_rate is None:
                 losses = "; ".join(f"{s} steps {sum(v) / len(v):.4f}" for s, v in f["arms"][arm.name].items())
-                lines.append(f"| {f['cell']} | {arm.name} | {f['lr'][arm.name]:g} | {losses} | 1.00x | | | |")
+                half = _cell_text(f["half_batch"]["full"]) if arm.half_batch else ""
+                lines.append(f"| {f['cell']} | {arm.name} | {f['lr'][arm.name]:g} | {losses} | 1.00x | {half} | | |")
                 continue
             for steps, e in f["arms"][arm.name].items():
                 lines.append(

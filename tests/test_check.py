@@ -87,6 +87,59 @@ def test_cli_check_on_cpu_passes_and_writes_its_files(tmp_path, capsys):
         assert f"PASS  {name}" in text and f"PASS  {name}" in out
     assert "-> PASS" in out and "| uniform | 0.875 |" in out and "| cut | 0.5 |" in out
     assert str(tmp_path / "check.json") in out
+    noise = record["noise_scale"]  # on Python's help text, at the measurement's own tokens per step
+    assert noise["measured_steps"] == 8 and noise["tokens_per_step"] == noise["measured_tokens_per_step"] == 4 * 32
+    assert [a["name"] for a in noise["forecast"]][-1] == "full backprop at half the batch"
+    assert "Gradient noise scale at the model's weights as loaded" in out and noise["message"] in out
+
+
+def test_the_noise_scale_is_the_users_text_measured_as_the_estimator_says(model_dir, tmp_path):
+    """``--data`` and ``--tokens-per-step``: the check's figure equals the estimator fed each micro-batch's gradient
+    computed apart (the text's bytes folded into the vocabulary: the folder has no tokenizer) at the weights as
+    saved (no optimizer step in between); the forecast is at the user's tokens per step."""
+    import math
+
+    from transformers import AutoModelForCausalLM
+
+    from dropbp.policy.noise_scale import NoiseScaleEstimator
+    from dropbp.tools.check_noise import NOISE_MICRO_BATCHES, NOISE_STEPS
+
+    text = tmp_path / "mine.txt"
+    text.write_text("def add(a, b):\n    return a + b  # the user's own code\n" * 40)
+    result = run_check("cpu", model=model_dir, settings=TINY, data=text, tokens_per_step=4096)
+    noise = result.noise
+    assert noise["tokens_per_step"] == 4096 and noise["branch_share_from"] == "this check's speed measurement"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
+    vocab = model.config.vocab_size
+    ids = torch.tensor([b % vocab for b in text.read_text().encode()][: (NOISE_STEPS * NOISE_MICRO_BATCHES + 1) * 16])
+    windows = ids.view(-1, 16)
+    params = [p for p in model.parameters() if p.requires_grad]
+    reference = NoiseScaleEstimator()
+    m = NOISE_MICRO_BATCHES
+    for step in range(NOISE_STEPS):
+        grads = []
+        for k in range(m):
+            w = windows[step * m + k].unsqueeze(0)
+            grads.append(torch.autograd.grad(model(input_ids=w, labels=w).loss / m, params))
+        total = [sum(parts) for parts in zip(*grads, strict=True)]
+        squares = [sum(float(t.double().pow(2).sum()) for t in g) * m * m for g in grads]
+        reference.update(squares, sum(float(t.double().pow(2).sum()) for t in total), 16)
+    want = reference.estimate()
+    assert math.isclose(noise["noise_scale_tokens"], want.tokens, rel_tol=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [(None, "does not exist"), ("too short", "the noise scale needs at least 528 tokens")],
+    ids=["missing", "short"],
+)
+def test_bad_noise_data_is_one_line_and_exit_2(tmp_path, capsys, content, match):
+    data = tmp_path / "data.txt"
+    if content is not None:
+        data.write_text(content)
+    code = cli.main(["check", "--backend", "cpu", "--seq-len", "16", "--data", str(data), "--out", str(tmp_path)])
+    _, err = capsys.readouterr()
+    assert code == 2 and match in err and "Traceback" not in err
 
 
 def test_run_check_function_for_notebooks(model_dir):

@@ -5,15 +5,17 @@ No extra forward or backward: each micro-batch's gradient is the difference of t
 of the trainable parameters) after its backward and before its forward. At a training forward's start the gradients
 are copied; when that forward's backward ends (a callback queued by a hook on the model's output, so it runs once, at
 the end of the outermost backward, whatever checkpointing recomputes inside it) the squared norm of the difference and
-of the accumulated sum are taken. An optimizer step's window closes at the next training forward that finds every
-gradient cleared (``zero_grad``): its micro-batches go to the estimator together - before any gradient clipping has
-touched them, as they were read at the backward's end. Eval, no-grad and recomputation forwards read nothing.
+of the accumulated sum are taken. An optimizer step's window closes at the next training forward that finds the
+gradients cleared (``zero_grad``: set to None, or zeroed in place, which moves their version counters): its
+micro-batches go to the estimator together, as read at the backward's end, before any gradient clipping. Eval,
+no-grad and recomputation forwards read nothing.
 
-Costs: one copy of the trainable parameters' gradients (small for LoRA; a full copy for full fine-tuning) and three
-passes over them per micro-batch. Tokens per micro-batch are read from the input's shape (``input_ids`` or
-``inputs_embeds``; padding included), so nothing waits on the device. Needs at least two micro-batches per
-optimizer step (gradient accumulation): with one, nothing is measured. Not supported under DDP, FSDP or DeepSpeed
-(their gradients are reduced or sharded between the reads): refused at ``apply``.
+Costs: one copy of the trainable parameters' gradients (small for LoRA; a full copy for full fine-tuning), made at
+each micro-batch's forward, and two norms at its backward's end (``benchmarks/noise_scale_cost.py`` measures it).
+Tokens per micro-batch are read from the input's shape (``input_ids`` or ``inputs_embeds``; padding included), so
+nothing waits on the device. Needs at least two micro-batches per optimizer step (gradient accumulation): with one,
+nothing is measured. Not supported under DDP, FSDP or DeepSpeed (their gradients are reduced or sharded between the
+reads): refused at ``apply``.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class MicroBatchGradients:
         self._batch: torch.Tensor | None = None  # squared norm of the window's accumulated gradient so far
         self._tokens: list[int] = []
         self._current: int | None = None  # the index in _micro the running forward's backward fills
+        self._versions: list[int | None] = []  # the gradients' version counters at the last read
         self._handles: list[RemovableHandle] = []
 
     @property
@@ -117,10 +120,7 @@ class MicroBatchGradients:
         if not self._counts():
             return
         grads = [p.grad for p in self._params]
-        present = [g.detach() for g in grads if g is not None]
-        # cleared by zero_grad: set to None, or to zeros (set_to_none=False; one read on the host)
-        cleared = self._batch is None or not present or not bool(torch.stack([g.any() for g in present]).any())
-        if cleared:
+        if self._batch is None or self._cleared(grads):
             self._close()
         tokens = _tokens(args, kwargs)
         if tokens is None:
@@ -142,28 +142,41 @@ class MicroBatchGradients:
 
         first.register_hook(hook)
 
+    def _cleared(self, grads: list[torch.Tensor | None]) -> bool:
+        """Whether ``zero_grad`` ran since the last read: a gradient read then is now None (``set_to_none``) or was
+        written in place (zeroed: its version counter moved; nothing else writes a gradient between a backward's
+        end and the next forward but clipping, which comes before the optimizer step and its ``zero_grad``)."""
+        if all(g is None for g in grads):
+            return True
+        for g, version in zip(grads, self._versions, strict=True):
+            if version is not None and (g is None or g._version != version):
+                return True
+        return False
+
     def _read(self, index: int) -> None:
         """At the end of micro-batch ``index``'s backward: its gradient's squared norm and the window's so far."""
         if index >= len(self._micro):
             return  # the window closed in between (a backward after the next zero_grad)
         micro = batch = None  # summed on the gradients' device: read on the host once per window
+        norm = torch.linalg.vector_norm
         for p, before in zip(self._params, self._snapshot, strict=True):
             if p.grad is None:
                 continue
-            g = p.grad.detach().float()
-            own = (g if before is None else g - before.float()).pow(2).sum()
-            total = g.pow(2).sum()
+            g = p.grad.detach()
+            own = norm(g if before is None else g - before, dtype=torch.float32).square()
+            total = norm(g, dtype=torch.float32).square()
             if micro is None:
                 micro, batch = own, total
             else:
                 micro, batch = micro + own.to(micro.device), batch + total.to(micro.device)
+        self._versions = [None if p.grad is None else p.grad._version for p in self._params]
         if micro is not None:
             self._micro[index], self._batch = micro, batch
 
     def _close(self) -> None:
         """The window read so far is one optimizer step: to the estimator (with at least two micro-batches)."""
         micro, batch, tokens = self._micro, self._batch, self._tokens
-        self._micro, self._batch, self._tokens, self._snapshot = [], None, [], []
+        self._micro, self._batch, self._tokens, self._snapshot, self._versions = [], None, [], [], []
         if batch is None or len(micro) < 2:
             return
         m = len(micro)

@@ -20,9 +20,9 @@ from pathlib import Path
 
 from dropbp.checks import check_fraction, check_int
 from dropbp.files import read_json
-from dropbp.policy.noise_scale import NoiseScale, forecast_arms
+from dropbp.policy.noise_scale import ArmForecast, NoiseScale, forecast_arms
 
-__all__ = ["Forecast", "forecast", "measured_map", "noise_scale_forecast"]
+__all__ = ["Forecast", "forecast", "measured_map", "noise_scale_arms", "noise_scale_forecast"]
 
 MAP_FILE = Path(__file__).with_name("where_it_pays.json")
 
@@ -85,14 +85,21 @@ def forecast(
     return Forecast(cell["steps"], cell["tokens"], rate, cell["mean"], cell["low"], cell["high"], pays, message)
 
 
-def noise_scale_forecast(measured: NoiseScale, drop_rate: float, branch_share: float | None = None) -> str:
-    """One message: the noise scale, the tokens per step and, per arm (branch drops at ``drop_rate`` and at the
-    map's other rate, full backprop at half the batch), the forecast step worth and speedup at equal quality.
-    ``branch_share``: the branches' share of a step's time (default: the map's cost record's; ``dropbp check``
-    measures the user's own)."""
+def noise_scale_arms(
+    measured: NoiseScale, drop_rate: float, branch_share: float | None = None
+) -> list[ArmForecast]:
+    """The arms :func:`noise_scale_forecast` forecasts: branch drops at ``drop_rate`` and at the map's rates, then
+    full backprop at half the batch. ``branch_share``: the branches' share of a step's time (default: the map's
+    cost record's; ``dropbp check`` measures the user's own)."""
     share = measured_map()["branch_share"] if branch_share is None else branch_share
     rates = tuple(dict.fromkeys(r for r in (check_fraction("drop_rate", drop_rate), 0.5, 0.75) if r > 0))
-    arms = forecast_arms(measured.tokens, measured.tokens_per_step, share, rates)
+    return forecast_arms(measured.tokens, measured.tokens_per_step, share, rates)
+
+
+def noise_scale_forecast(measured: NoiseScale, drop_rate: float, branch_share: float | None = None) -> str:
+    """One message: the noise scale, the tokens per step and, per arm (:func:`noise_scale_arms`), the forecast step
+    worth and speedup at equal quality."""
+    arms = noise_scale_arms(measured, drop_rate, branch_share)
     best = max(arms, key=lambda a: a.speedup)
     listed = "; ".join(
         f"{a.name}: {a.speedup:.2f}x (a step worth {a.worth:.2f} of a full one at {a.step_cost:.2f} of its time)"

@@ -27,6 +27,7 @@ from dropbp.tools.bench import PRESETS, Point, build_model, measure_model
 from dropbp.tools.check_env import environment
 from dropbp.tools.check_grads import Probe, correctness_checks, graph_saved_bytes
 from dropbp.tools.check_graphs import graph_checks
+from dropbp.tools.check_noise import branch_share, check_stream, noise_section, token_stream
 from dropbp.tools.check_report import FAIL, CheckResult, Outcome, render, write
 from dropbp.tools.device_tools import tools_for
 from dropbp.tools.pretrained import DEFAULT_MODEL, load_causal_lm, not_a_model_folder
@@ -64,13 +65,17 @@ class CheckSettings:
         return cls(seq_len=64, rounds=3, warmup=1)
 
 
-def _load(model: str | None, method: str, backend: Backend, settings: CheckSettings) -> tuple[nn.Module, str]:
-    """The model to check, on the device, in float32 weights, in training mode; and its name."""
+def _load(
+    model: str | None, method: str, backend: Backend, settings: CheckSettings
+) -> tuple[nn.Module, str, object | None]:
+    """The model to check, on the device, in float32 weights, in training mode; its name; its tokenizer, or None
+    where it has none (the random default, or a folder without one)."""
+    tokenizer = None
     if model is None:
         net = build_model(settings.preset, "full", settings.seq_len, torch.float32, torch.device("cpu"))
         name = f"random Llama ({settings.preset} preset: {PRESETS[settings.preset]['num_hidden_layers']} layers)"
     elif model == DEFAULT_MODEL:
-        net, _ = load_causal_lm(model)  # the bundled SmolLM2 (converted once, then cached)
+        net, tokenizer = load_causal_lm(model)  # the bundled SmolLM2 (converted once, then cached)
         name = model
     elif ("/" in model or model.startswith(".")) and not Path(model).exists() and model.count("/") != 1:
         raise CheckSetupError(f"the model folder {model} does not exist; pass a local model folder or a model id")
@@ -84,6 +89,7 @@ def _load(model: str | None, method: str, backend: Backend, settings: CheckSetti
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise CheckSetupError(f"cannot load the model {model!r}: {first}") from None
         name = model
+        tokenizer = _tokenizer(transformers, model)
     if method == "qlora":  # nf4 4-bit base weights, quantised on the device they will train on
         net = quantize_4bit(net, torch.float32, backend.device)
     if method in ("lora", "qlora"):
@@ -91,7 +97,23 @@ def _load(model: str | None, method: str, backend: Backend, settings: CheckSetti
         # init_lora_weights=False: non-zero adapters, so every adapter gets a gradient worth comparing
         net = with_lora(net, init_lora_weights=False)
     net, _ = backend.prepare(net)
-    return net.train(), name
+    return net.train(), name, tokenizer
+
+
+#: Files one of which a local model folder holds where it ships its tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _tokenizer(transformers: object, model: str) -> object | None:
+    """The model's own tokenizer for the noise scale's text, or None (its bytes then stand in for tokens): a local
+    folder must ship one (transformers would otherwise make a tokenizer from the config alone that knows no text)."""
+    folder = Path(model)
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    try:
+        return transformers.AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError):
+        return None
 
 
 def _model_facts(model: nn.Module, name: str, method: str, dtype: str, backend: Backend) -> dict:
@@ -162,6 +184,8 @@ def run_check(
     quick: bool = False,
     settings: CheckSettings | None = None,
     progress: Callable[[str], None] | None = None,
+    data: str | Path | None = None,
+    tokens_per_step: int | None = None,
 ) -> CheckResult:
     """Run every check on this device and return what was found (``result.passed``, ``result.checks``).
 
@@ -177,6 +201,9 @@ def run_check(
         quick: shorter speed measurement (:meth:`CheckSettings.quick`).
         settings: step sizes and rounds (overrides ``quick``).
         progress: called with a line as each section starts (the command prints them to stderr).
+        data: a UTF-8 text file for the gradient noise scale (default: Python's help topics).
+        tokens_per_step: the tokens of one optimizer step of the user's run, for the noise scale's forecast
+            (default: the measurement's own, :data:`dropbp.tools.check_noise.NOISE_MICRO_BATCHES` x ``seq_len``).
 
     Raises:
         CheckSetupError, dropbp.backends.BackendUnavailable, dropbp.imports.MissingDependency: the
@@ -193,9 +220,16 @@ def run_check(
         raise CheckSetupError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     settings = settings or (CheckSettings.quick() if quick else CheckSettings())
     require("transformers", "dropbp check")
-    net, name = _load(model, method, resolved, settings)  # before any output: a setup error is one line
+    net, name, tokenizer = _load(model, method, resolved, settings)  # before any output: a setup error is one line
     if getattr(getattr(net, "config", None), "vocab_size", None) is None:
         raise CheckSetupError(f"{name} is not a causal LM with config.vocab_size; dropbp check feeds it token ids")
+    if tokens_per_step is not None and (not isinstance(tokens_per_step, int) or tokens_per_step < 1):
+        raise CheckSetupError(f"tokens_per_step must be a positive int, got {tokens_per_step!r}")
+    try:
+        stream = token_stream(data, tokenizer, net.config.vocab_size)
+        check_stream(stream, settings.seq_len)
+    except ValueError as exc:
+        raise CheckSetupError(str(exc)) from None
     try:
         facts = _model_facts(net, name, method, dtype, resolved)
     except ValueError as exc:  # e.g. an architecture whose branches dropbp does not recognise
@@ -215,7 +249,13 @@ def run_check(
         speed = _speed(probe, settings, method, facts["branches"])
     except Exception as exc:  # e.g. out of memory: reported as a finding, with what was asked
         checks.append(Outcome("speed-measurement", FAIL, f"raised {type(exc).__name__}: {str(exc).strip()[:200]}"))
-    result = CheckResult(env, facts, checks, speed, time.perf_counter() - started)
+    say("gradient noise scale")
+    noise = None
+    try:
+        noise = noise_section(net, resolved, stream, settings.seq_len, tokens_per_step, branch_share(speed))
+    except Exception as exc:  # e.g. out of memory: reported as a finding, as the speed measurement's
+        checks.append(Outcome("noise-scale", FAIL, f"raised {type(exc).__name__}: {str(exc).strip()[:200]}"))
+    result = CheckResult(env, facts, checks, speed, time.perf_counter() - started, noise)
     if out is not None:
         write(result, Path(out))
     return result

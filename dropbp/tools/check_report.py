@@ -41,6 +41,7 @@ class CheckResult:
     checks: list[Outcome]
     speed: dict[str, Any] | None = None
     seconds: float = 0.0
+    noise: dict[str, Any] | None = None  # the gradient noise scale and its forecast (:mod:`.check_noise`)
 
     @property
     def failed(self) -> list[Outcome]:
@@ -71,6 +72,7 @@ class CheckResult:
             "model": self.model,
             "checks": [asdict(c) for c in self.checks],
             "speed": self.speed,
+            "noise_scale": self.noise,
         }
 
 
@@ -142,6 +144,15 @@ def render(result: CheckResult) -> str:
     lines += [f"  {c.status}  {c.name:<{width}}  {c.detail}" for c in result.checks]
     if result.speed is not None:
         lines += ["", *_speed_lines(result.speed)]
+    if result.noise is not None:
+        noise = result.noise
+        lines += [
+            "",
+            f"Gradient noise scale at the model's weights as loaded ({noise['measured_steps']} steps of "
+            f"{noise['measured_tokens_per_step']:,.0f} tokens, no optimizer step; branches' share of a step from "
+            f"{noise['branch_share_from']}):",
+            noise["message"],
+        ]
     counts = {s: sum(c.status == s for c in result.checks) for s in (PASS, FAIL, SKIP)}
     verdict = "PASS" if result.passed else "FAIL: " + ", ".join(c.name for c in result.failed)
     lines += [

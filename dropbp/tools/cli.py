@@ -160,6 +160,14 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--quick", action="store_true", help="shorter speed measurement (seconds on a CPU)")
     check.add_argument("--seq-len", type=positive, help="tokens per sequence in the speed measurement")
     check.add_argument("--batch-size", type=positive, help="sequences per step in the speed measurement")
+    check.add_argument(
+        "--data", type=Path, help="a UTF-8 text file for the gradient noise scale (default: Python's help topics)"
+    )
+    check.add_argument(
+        "--tokens-per-step",
+        type=positive,
+        help="tokens per optimizer step of your run, for the noise scale's forecast (default: the measurement's)",
+    )
     check.add_argument("--out", type=Path, default=Path("dropbp-check"), help="folder for check.json and check.md")
     return parser
 
@@ -388,6 +396,8 @@ def _check(args: argparse.Namespace) -> int:
             out,
             settings=settings,
             progress=lambda line: print(f"dropbp check: {line}", file=sys.stderr),
+            data=args.data,
+            tokens_per_step=args.tokens_per_step,
         )
     except (CheckSetupError, BackendUnavailable) as err:
         raise UsageError(str(err)) from None

@@ -113,6 +113,7 @@ class Run:
     stratified: bool = False  # apply()'s stratify= the run's micro-batches per optimizer step (stratified cuts)
     token_drop_rate: float = 0.0  # apply()'s token drops (with drop_rate=0.0: token drops alone)
     token_selection: str = "gradient"
+    measure_noise_scale: bool = False  # apply()'s noise-scale reads: RunResult.noise_scale per optimizer step
 
 
 @dataclass
@@ -126,6 +127,8 @@ class RunResult:
     rates: list[float] = field(default_factory=list)
     # per optimizer step, the mean fraction of branch FLOPs its micro-batches dropped (0 for full backprop)
     dropped_fractions: list[float] = field(default_factory=list)
+    # per optimizer step, ctl.noise_scale() after it (tokens; None before one is measured) where the run measures it
+    noise_scale: list[float | None] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: dict) -> RunResult:
@@ -138,6 +141,7 @@ class RunResult:
             "calibration_seconds",
             "rates",
             "dropped_fractions",
+            "noise_scale",
         )
         return cls(Run(**data["config"]), **{k: data[k] for k in fields if k in data})
 
@@ -153,6 +157,7 @@ class RunResult:
             "calibration_seconds": self.calibration_seconds,
             "rates": self.rates,
             "dropped_fractions": self.dropped_fractions,
+            "noise_scale": self.noise_scale,
         }
 
 
@@ -199,6 +204,7 @@ def run_options(run: Run, baseline_steps: int, own_steps: int, accumulation: int
         "stratify": accumulation if run.stratified else 1,
         "token_drop_rate": run.token_drop_rate,
         "token_selection": run.token_selection,
+        "measure_noise_scale": run.measure_noise_scale,
     }
 
 
@@ -271,6 +277,9 @@ class _Trainee:
             self.ctl.drop_stats()["dropped_flops_fraction"] if self.ctl is not None else 0.0
         )
         self.elapsed += seconds
+        if self.run.measure_noise_scale:
+            measured = self.ctl.noise_scale()
+            self.result.noise_scale.append(None if measured is None else measured.tokens)
 
     def calibrate(self, ids: torch.Tensor) -> None:
         self.backend.synchronize()
