@@ -49,9 +49,13 @@ wip = _module("where_it_pays")
 
 
 def full_lr(cell) -> float:
+    """Full backprop's best learning rate at ``cell``: the map's, else benchmarks/token_drops.py's (new cells)."""
     lr = wip.best_lr(wip.load_done(wip.OUT / "runs.jsonl"), cell, None)
     if lr is None:
-        raise SystemExit(f"the map has no best learning rate for full backprop at {cell.name}")
+        td = _module("token_drops")
+        lr = td.best_lr(td.load_runs(), cell, td.BY_NAME["full"], td.Cost.from_bench(td.COST_RECORD))
+    if lr is None:
+        raise SystemExit(f"neither the map nor token_drops.py has full backprop's best learning rate at {cell.name}")
     return lr
 
 

@@ -15,7 +15,9 @@ warm-up and cosine decay) on 3 seeds. Arms at each cell (``L`` optimizer steps o
 - ``tokens-cumulative<r>``: TokenDrop's cumulative selection (the topmost kept branch's rows, by gradient, kept in
   every branch below), at 0.3 and 0.5;
 - ``branch<r>``: DropBP's shipped default (cut patterns with warm-up), the map's own runs, at 0.5 and 0.75;
-- ``both0.5+tokens<r>``: branch drops at 0.5 and token drops at 0.3 or 0.5 on the kept branches.
+- ``both0.5+tokens<r>``: branch drops at 0.5 and token drops at 0.3 or 0.5 on the kept branches;
+- ``auto``: ``drop_rate="auto"``, each step's rate chosen from the measured gradient noise scale (one budget, the
+  cell's steps: its time is what its own drops make it).
 
 Each DropBP arm runs at L steps and at its equal-time budget (the steps its modelled step speedup buys in L full
 steps). Time is MODELLED on SmolLM2-135M's measured CPU steps (``--cost-record``, a ``dropbp bench`` record with
@@ -70,7 +72,7 @@ MAP_COST = wip.StepCost.from_bench(wip.COST_RECORD)
 @dataclass(frozen=True)
 class Arm:
     name: str
-    drop_rate: float | None  # None: full backprop, no library
+    drop_rate: float | str | None  # None: full backprop, no library; "auto": the rate from the noise scale
     token_drop_rate: float = 0.0
     token_selection: str = "gradient"
     half_batch: bool = False
@@ -80,7 +82,7 @@ class Arm:
         """The arm's name in the map's run keys, where the map ran it."""
         if self.drop_rate is None and not self.half_batch:
             return "full"
-        if self.drop_rate and not self.token_drop_rate:
+        if isinstance(self.drop_rate, float) and self.drop_rate and not self.token_drop_rate:
             return f"dropbp{self.drop_rate:g}"
         return None
 
@@ -95,6 +97,7 @@ ARMS = [
     *(Arm(f"branch{r:g}", r) for r in RATES),
     Arm("both0.5+tokens0.3", 0.5, 0.3),
     Arm("both0.5+tokens0.5", 0.5, 0.5),
+    Arm("auto", "auto"),
 ]
 BY_NAME = {a.name: a for a in ARMS}
 
@@ -129,8 +132,9 @@ class Cost:
         micro = self.forward + self.backward_all_dropped + branch
         return micro * tokens_per_step / self.tokens + self.optimizer
 
-    def speedup(self, arm: Arm, tokens_per_step: int) -> float:
-        expected = arm.drop_rate or 0.0
+    def speedup(self, arm: Arm, tokens_per_step: int, dropped: float | None = None) -> float:
+        """Full backprop's step time over ``arm``'s, at ``dropped`` (default: its drop rate; "auto" needs it)."""
+        expected = dropped if dropped is not None else arm.drop_rate or 0.0
         full = self.step_seconds(BY_NAME["full"], 0.0, tokens_per_step)
         return full / self.step_seconds(arm, expected, _tokens(arm, tokens_per_step))
 
@@ -163,6 +167,8 @@ def _budgets(arm: Arm, cell, cost: Cost) -> list[int]:
     if arm.drop_rate is None:
         scale = 2 if arm.half_batch else 1
         return [cell.steps * scale, cell.steps * scale // 2, cell.steps * scale * 2]
+    if arm.drop_rate == "auto":  # its time is its own, known once it ran: one budget, the cell's steps
+        return [cell.steps]
     if arm.map_key:  # the map's own runs: its equal-time budget (re-timed here, as every arm, on one clock)
         return [wip.equal_time_steps(MAP_COST, cell, arm.drop_rate), cell.steps]
     return [round(cell.steps * cost.speedup(arm, cell.tokens)), cell.steps]
@@ -295,6 +301,10 @@ def run_cells(cells: list, workers: int, cost: Cost) -> None:
                 wip.record_run(log, row, row["key"], started, f"{row['wall_s']:.0f} s")
 
 
+def _dropped(row: dict) -> float:
+    return row.get("mean_dropped_fraction", 0.0)
+
+
 def _modelled(row: dict, arm: Arm, cost: Cost) -> float:
     return row["steps"] * cost.step_seconds(arm, row.get("mean_dropped_fraction", 0.0), row["tokens"])
 
@@ -340,7 +350,7 @@ def cell_report(cell, done: dict[str, dict], cost: Cost) -> dict | None:
             runs = sorted((r for r in rows[arm.name] if r["steps"] == steps), key=lambda r: r["seed"])
             entry = {
                 "final_loss": [r["final_loss"] for r in runs],
-                "step_speedup": cost.speedup(arm, cell.tokens),
+                "step_speedup": cost.speedup(arm, cell.tokens, sum(_dropped(r) for r in runs) / len(runs)),
                 "equal_time": steps == budgets(arm, cell, cost)[0],
             }
             for name in ("full", "best"):

@@ -32,11 +32,11 @@ from dropbp.execution.gradient_noise import MicroBatchGradients, check_single_pr
 from dropbp.execution.hooks import ExecutionSettings, StepHooks
 from dropbp.execution.patching import CleanCopies
 from dropbp.execution.token_backward import TokenDrops
-from dropbp.options import DropBPOptions
+from dropbp.options import AUTO, DropBPOptions
 from dropbp.policy import lr_compensation
 from dropbp.policy.allocation import allocate_rates
 from dropbp.policy.drop_policy import DropPolicy
-from dropbp.policy.noise_scale import NoiseScale, NoiseScaleEstimator
+from dropbp.policy.noise_scale import AUTO_RATES, NoiseScale, NoiseScaleEstimator, auto_drop_rate
 from dropbp.policy.plan import DropTally, PatternPlan, plan_patterns
 from dropbp.state import POLICY_STATE, STATE_VERSION, check_state
 
@@ -132,7 +132,10 @@ class DropBPController:
         parts = [b.parts for b in self._found]
         self._tokens = TokenDrops(parts, [linears for linears, _ in found], backend, self._hooks.token_slot)
         self._hooks.listen(self._tokens)
-        self._noise = MicroBatchGradients(model, NoiseScaleEstimator(), lambda: self._hooks.forced is None)
+        self._auto_rate = 0.0  # drop_rate="auto": the rate the measured noise scale chose
+        self._noise = MicroBatchGradients(
+            model, NoiseScaleEstimator(), lambda: self._hooks.forced is None, on_step=self._follow_noise_scale
+        )
         self._sync_readers(options)
         compile_warning = EnclosingCompileWarning()
         self._compile_handles = compile_warning.attach(model, [b.name for b in self._found])
@@ -153,6 +156,12 @@ class DropBPController:
             _ATTACHED[module] = weakref.ref(self)
         self._removed = False
         self._undo: list[Callable[[], None]] = []  # see at_remove
+
+    @property
+    def options_given(self) -> DropBPOptions:
+        """The options as given (``max_patterns=None``, ``memory_bound="auto"``, ``drop_rate="auto"`` kept as such);
+        :attr:`options` are these resolved on the backend."""
+        return self._given
 
     @property
     def options(self) -> DropBPOptions:
@@ -183,7 +192,7 @@ class DropBPController:
         """Options as given from now on: resolved on the backend (a state saved on an unbounded device keeps this
         device's bound), handed to the policy by ``policy_takes`` (all or nothing: it raises before anything
         changes), then to the hooks and token drops."""
-        resolved = given.resolved(self.backend)
+        resolved = given.resolved(self.backend, self._auto_rate)
         policy_takes(resolved)
         self._given = given
         self._hooks.settings = ExecutionSettings.of(resolved)
@@ -201,6 +210,21 @@ class DropBPController:
             self._noise.install()
         elif not options.measure_noise_scale and self._noise.installed:
             self._noise.remove()
+
+    def _follow_noise_scale(self) -> None:
+        """``drop_rate="auto"``: after each measured optimizer step, the rate the noise scale now forecasts best,
+        from the next pattern on (the rates the shape's own for it)."""
+        if self._given.drop_rate != AUTO:
+            return
+        rate = auto_drop_rate(self._noise.estimator.estimate(), rates=self._auto_rates())
+        if rate != self._auto_rate:
+            self._auto_rate = rate
+            self._use(self._given, lambda resolved: self._policy.use(resolved, reset_rates=True))
+
+    def _auto_rates(self) -> tuple[float, ...]:
+        """The automatic rates this model's shape can take (the uniform shape never drops every branch)."""
+        n = len(self._found)
+        return tuple(p for p in AUTO_RATES if self._given.pattern != "uniform" or p * n <= n - 1)
 
     def noise_scale(self) -> NoiseScale | None:
         """The gradient noise scale measured so far (:class:`dropbp.policy.noise_scale.NoiseScale`: ``.tokens`` is
@@ -456,7 +480,10 @@ class DropBPController:
         """Everything needed to continue with the same patterns: rates, seed, step counter, bound, warm-up,
         time schedule."""
         names = [b.name for b in self._found]
-        return {"version": STATE_VERSION, "branches": names, **self._policy.state_dict(), "step": self._hooks.step}
+        state = {"version": STATE_VERSION, "branches": names, **self._policy.state_dict(), "step": self._hooks.step}
+        if self._given.drop_rate == AUTO:  # the rate in force follows the noise scale, which resumes with it
+            state |= {"drop_rate": AUTO, "noise_scale": self._noise.estimator.state_dict()}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; the branches must be the same as when it was saved."""
@@ -470,7 +497,19 @@ class DropBPController:
                 f"this model has {len(names)} starting {names[:2]}"
             )
         given = dataclasses.replace(self._given, **{name: state[name] for name in POLICY_STATE})
-        self._use(given, lambda resolved: self._policy.load_state_dict(state, resolved))
+        estimator = NoiseScaleEstimator()
+        if "noise_scale" in state:
+            estimator.load_state_dict(state["noise_scale"])
+        previous = self._auto_rate
+        if given.drop_rate == AUTO:
+            self._auto_rate = auto_drop_rate(estimator.estimate(), rates=self._auto_rates())
+        try:
+            self._use(given, lambda resolved: self._policy.load_state_dict(state, resolved))
+        except Exception:
+            self._auto_rate = previous
+            raise
+        if "noise_scale" in state:
+            self._noise.estimator.load_state_dict(state["noise_scale"])
         self._hooks.step = state["step"]
 
     # -- the device's step boundaries ------------------------------------------------------------

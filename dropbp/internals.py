@@ -32,6 +32,7 @@ __all__ = [
     "prepared_inputs",
     "running_node",
     "running_ddp",
+    "tensor_version",
     "torch_lazy",
 ]
 
@@ -45,6 +46,11 @@ def backward_task() -> int:
 def running_node() -> object | None:
     """The autograd node whose backward runs now (a re-entrant checkpoint's node during its recomputation)."""
     return torch._C._current_autograd_node()
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """``tensor``'s version counter: it moves at every in-place write (``zero_grad(set_to_none=False)``'s)."""
+    return tensor._version
 
 
 def at_backward_end(callback: Callable[[], None]) -> None:

@@ -32,7 +32,18 @@ from dropbp.policy.token_selection import TOKEN_SELECTIONS
 #: ``memory_bound="auto"`` turns the bound on from this drop rate (or with ``chunked_loss``).
 AUTO_BOUND_RATE = 0.75
 
-__all__ = ["AUTO_BOUND_RATE", "AUTO_WARMUP", "DropBPOptions", "TrainerOptions", "option_fields", "takes_options"]
+__all__ = [
+    "AUTO",
+    "AUTO_BOUND_RATE",
+    "AUTO_WARMUP",
+    "DropBPOptions",
+    "TrainerOptions",
+    "option_fields",
+    "takes_options",
+]
+
+#: ``drop_rate="auto"``: the rate chosen each optimizer step from the measured gradient noise scale.
+AUTO = "auto"
 
 #: A Trainer run's warm-up by default (``warmup="auto"``), a fraction of its training steps.
 AUTO_WARMUP = 0.2
@@ -50,11 +61,15 @@ def _help(text: str, **more: Any) -> dict[str, Any]:
 class DropBPOptions:
     """The keyword options of :func:`dropbp.apply`; made, they are valid (see the module's docstring)."""
 
-    drop_rate: float = field(
+    drop_rate: float | str = field(
         metadata=_help(
             """The FLOP-weighted mean drop probability of the branches, in [0, 1): with the cut shape, spread
             over the depth; with the uniform shape, every branch's (``calibrate`` or ``set_rates`` can make
-            them differ); ``ctl.drop_rate``."""
+            them differ); ``ctl.drop_rate``. ``"auto"``: each optimizer step's rate chosen from the gradient
+            noise scale measured so far (:func:`dropbp.policy.noise_scale.auto_drop_rate`: 0 until one is
+            measured, and wherever dropping is forecast to lose); it measures the noise scale (needs gradient
+            accumulation of at least 2) and replaces the warm-up and time schedule; ``ctl.drop_rate`` then reads
+            the rate in force."""
         )
     )
     seed: int = field(
@@ -230,11 +245,12 @@ class DropBPOptions:
 
     def __post_init__(self) -> None:
         key = _PREFIX.get().__add__
-        self._rate(
-            "drop_rate",
-            "it is the fraction of the residual branches' backward passes skipped per step; set it to e.g. 0.5 (the "
-            "paper uses 0.5 to 0.875)",
-        )
+        if self.drop_rate != AUTO:
+            self._rate(
+                "drop_rate",
+                "it is the fraction of the residual branches' backward passes skipped per step; set it to e.g. 0.5 "
+                "(the paper uses 0.5 to 0.875), or 'auto' (chosen each step from the measured gradient noise scale)",
+            )
         if self.seed is not None or not self._seed_may_be_none:
             check_int(key("seed"), self.seed, 0)
         if self.branches is not None:
@@ -306,11 +322,16 @@ class DropBPOptions:
             return self.chunked_loss is not False or self.drop_rate >= AUTO_BOUND_RATE
         return bool(self.memory_bound)
 
-    def resolved(self, backend: Backend) -> DropBPOptions:
-        """These options on ``backend`` with one meaning each: ``max_patterns=None`` is the backend's default bound
-        and ``memory_bound="auto"`` is on or off for this drop rate. Every entry (``apply``, a setter, a loaded
-        state) resolves the options as given, so no setter or state can lift a device's bound, and ``"auto"``
-        follows a later drop rate."""
+    def resolved(self, backend: Backend, auto_rate: float = 0.0) -> DropBPOptions:
+        """These options on ``backend`` with one meaning each: ``max_patterns=None`` is the backend's default bound,
+        ``memory_bound="auto"`` is on or off for this drop rate, and ``drop_rate="auto"`` is ``auto_rate`` (the
+        rate the noise scale chose) with the noise scale measured and no warm-up or time schedule. Every entry
+        (``apply``, a setter, a loaded state) resolves the options as given, so no setter or state can lift a
+        device's bound, and ``"auto"`` follows a later drop rate."""
+        if self.drop_rate == AUTO:
+            auto = {"drop_rate": auto_rate, "measure_noise_scale": True, "warmup_steps": 0}
+            auto |= {"drop_schedule": "constant", "total_steps": None}
+            return dataclasses.replace(self, **auto).resolved(backend)
         bound = backend.default_max_patterns if self.max_patterns is None else self.max_patterns
         if self.stratify > 1 and self.max_patterns is None and bound is not None:
             raise ValueError(
@@ -334,7 +355,7 @@ class TrainerOptions(DropBPOptions):
     """The options of a Trainer run (``attach``, ``DropBPCallback``, the axolotl keys): ``apply``'s, less
     ``warmup_steps`` and ``total_steps`` (the run's length decides them), plus ``warmup`` and ``calibrate_at``."""
 
-    drop_rate: float = field(default=0.5, metadata=DropBPOptions.__dataclass_fields__["drop_rate"].metadata)
+    drop_rate: float | str = field(default=0.5, metadata=DropBPOptions.__dataclass_fields__["drop_rate"].metadata)
     seed: int | None = field(
         default=None, metadata=_help("Fixes the patterns (as ``apply``'s); ``None``: the run's ``args.seed``.")
     )

@@ -35,6 +35,9 @@ POLICY_STATE = (
 
 #: The keys of a state (every one required: no release wrote states with fewer).
 REQUIRED = ("version", "branches", "rates", "step", *POLICY_STATE, "rates_follow_drop_rate")
+#: Keys only some states have: ``noise_scale`` where ``drop_rate="auto"`` (the estimator's state).
+OPTIONAL = ("noise_scale",)
+NOISE_SCALE_KEYS = ("steps", "gradient", "trace", "tokens_per_step")
 
 
 def _field(name: str) -> str:
@@ -47,7 +50,7 @@ def _optional_int(name: str, value: object, minimum: int) -> None:
 
 
 def _with_hint(key: object) -> str:
-    close = difflib.get_close_matches(str(key), REQUIRED, 1)
+    close = difflib.get_close_matches(str(key), REQUIRED + OPTIONAL, 1)
     return f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
 
 
@@ -59,7 +62,7 @@ def check_state(state: object) -> dict[str, Any]:
     missing = set(REQUIRED) - set(state)
     if missing:
         raise ValueError(f"state is missing keys {sorted(missing)}; pass the dict from state_dict()")
-    unknown = sorted(set(state) - set(REQUIRED), key=str)
+    unknown = sorted(set(state) - set(REQUIRED) - set(OPTIONAL), key=str)
     if unknown:
         hints = [_with_hint(key) for key in unknown]
         raise ValueError(
@@ -76,7 +79,18 @@ def check_state(state: object) -> dict[str, Any]:
         raise TypeError(f"{_field('branches')} must be a list of branch names, got {branches!r:.80}")
     for i, rate in enumerate(check_sequence(_field("rates"), state["rates"])):
         check_number(f"state['rates'][{i}]", rate)
-    check_fraction(_field("drop_rate"), state["drop_rate"])
+    if state["drop_rate"] != "auto":
+        check_fraction(_field("drop_rate"), state["drop_rate"])
+    elif "noise_scale" not in state:
+        raise ValueError(f"{_field('drop_rate')} is 'auto' but the state has no 'noise_scale'; pass state_dict()'s")
+    if "noise_scale" in state:
+        noise = state["noise_scale"]
+        if not isinstance(noise, dict) or sorted(noise) != sorted(NOISE_SCALE_KEYS):
+            keys = ", ".join(NOISE_SCALE_KEYS)
+            raise ValueError(f"{_field('noise_scale')} must be a dict of {keys}, got {noise!r:.80}")
+        check_int(_field("noise_scale") + "['steps']", noise["steps"], 0)
+        for name in NOISE_SCALE_KEYS[1:]:
+            check_number(f"{_field('noise_scale')}[{name!r}]", noise[name])
     check_int(_field("seed"), state["seed"], 0)
     check_int(_field("step"), state["step"], 0)
     _optional_int("max_patterns", state["max_patterns"], 1)

@@ -445,6 +445,7 @@ _FOREIGN_PRIVATES = {
     "_weight_prepack": "intel_extension_for_pytorch: where its prepacked linear layer lives (test_ipex)",
     "_IPEXLinear": "intel_extension_for_pytorch: its prepacked linear layer (test_ipex)",
     "_convert_weight_packed_for_cpu": "bitsandbytes: whether its CPU 4-bit path packs weights (test_qlora)",
+    "_version": "torch: a tensor's version counter (the noise scale's reads see zero_grad's in-place zeros)",
 }
 #: Private names of the standard library the package may read anywhere: documented there, stable.
 _STDLIB_PRIVATES = {

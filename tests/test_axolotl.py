@@ -64,7 +64,8 @@ def test_config_keys_default_to_attach_defaults():
     [
         ({"dropbp_drop_rate": 1.5}, r"dropbp_drop_rate must be in \[0, 1\), got 1.5: .*set it to e.g. 0.5"),
         ({"dropbp_drop_rate": 50}, r"dropbp_drop_rate must be in \[0, 1\), got 50"),
-        ({"dropbp_drop_rate": True}, r"dropbp_drop_rate\n.*valid number"),  # not read as 1.0
+        ({"dropbp_drop_rate": True}, r"dropbp_drop_rate.*\n.*valid number"),  # not read as 1.0
+        ({"dropbp_drop_rate": "half"}, r"dropbp_drop_rate.*\n.*'auto'"),
         ({"dropbp_pattern": "random"}, r"dropbp_pattern must be one of \('cut', 'uniform'\), got 'random'"),
         ({"dropbp_calibrate_at": 0.1}, r"dropbp_calibrate_at=0.1 needs dropbp_pattern='uniform'"),
         ({"dropbp_warmup": 1.5}, r"dropbp_warmup must be a fraction of the training steps \(or .auto.\) in .*got 1.5"),
@@ -246,3 +247,7 @@ def test_axolotl_train_runs_the_plugin_from_a_yaml_config(tmp_path):
         [sys.executable, "-m", "axolotl.cli.train", str(config)], env=env, capture_output=True, text=True, timeout=600
     )
     assert_framework_run(run, tmp_path / "out" / "checkpoint-20")
+
+
+def test_drop_rate_auto_is_a_config_value():
+    assert DropBPArgs.model_validate({"dropbp_drop_rate": "auto"}).attach_kwargs()["drop_rate"] == "auto"

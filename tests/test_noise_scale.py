@@ -145,3 +145,58 @@ def test_the_forecast_per_arm_follows_the_noise_scale():
     assert "noise scale 2,048 tokens over 6 optimizer steps, at 1,024 tokens per step (ratio 2.00" in message
     assert "branch drops at 0.5: 0.80x" in message  # (1 + 2) / (1 + 4) = 0.6 at 0.75 of the time
     assert "Best forecast: full backprop at half the batch" in message
+
+
+def test_the_automatic_rate_drops_only_where_the_forecast_says_it_pays():
+    """``auto_drop_rate``: nothing before a few steps are measured; the largest rate with no noise (every step worth
+    a full one, so only the cost counts); none far above it; and it never rises as the noise scale grows."""
+    from dropbp.policy.noise_scale import AUTO_RATES, NoiseScale, auto_drop_rate
+
+    def at(ratio: float) -> float:
+        return auto_drop_rate(NoiseScale(ratio * 1024, 1.0, 1.0, 1024.0, 8), branch_share=0.5)
+
+    assert auto_drop_rate(None) == 0.0 and at(0.0) == max(AUTO_RATES) and at(5.0) == 0.0
+    assert auto_drop_rate(NoiseScale(0.0, 1.0, 1.0, 1024.0, 3)) == 0.0  # too few steps measured to act on
+    chosen = [at(r) for r in (0.0, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6)]
+    assert chosen == sorted(chosen, reverse=True) and 0.0 < chosen[2] < max(AUTO_RATES)
+    # by hand at r = 0.1, share 0.5: (1 - p) * 1.1 / ((1.1 - p) * (1 - p / 2)) is 1.222 at p = 0.5, 1.263 at
+    # 0.625 and 1.257 at 0.75
+    assert chosen[2] == 0.625
+
+
+def test_the_shipped_map_and_the_automatic_rate_assume_one_branch_share():
+    from dropbp.integrations.forecast import measured_map
+    from dropbp.policy.noise_scale import DEFAULT_BRANCH_SHARE
+
+    assert measured_map()["branch_share"] == DEFAULT_BRANCH_SHARE
+
+
+def test_drop_rate_auto_follows_the_noise_scale_and_resumes(monkeypatch):
+    """``drop_rate="auto"`` measures the noise scale, drops nothing before a step is measured, then takes the rate
+    ``auto_drop_rate`` gives from the next pattern on; a state saved mid-run resumes the estimate and the rate."""
+    import dropbp.controller
+
+    chosen = []
+
+    def pick(measured, rates):
+        chosen.append(measured.steps)
+        return 0.5 if measured.steps < 3 else 0.25
+
+    monkeypatch.setattr(dropbp.controller, "auto_drop_rate", lambda measured, rates: pick(measured, rates))
+    model = tiny_model("llama", layers=4)
+    model.train()
+    ctl = dropbp.apply(model, "auto", warmup_steps=5, drop_schedule="linear", total_steps=40)
+    assert ctl.drop_rate == 0.0 and ctl.measure_noise_scale and ctl.options.warmup_steps == 0
+    _train(model, ctl, steps=1, m=2)
+    assert ctl.drop_rate == 0.5 and chosen == [1]
+    _train(model, ctl, steps=2, m=2, seed=1)
+    assert ctl.drop_rate == 0.25 and chosen == [1, 2, 3]
+    assert sum(len(ctl.dropped_at(s)) for s in range(ctl.step - 2, ctl.step)) > 0
+    state = ctl.state_dict()
+    assert state["drop_rate"] == "auto" and state["noise_scale"]["steps"] == 3
+    ctl.remove()
+    resumed = dropbp.apply(model, 0.5)
+    resumed.load_state_dict(state)
+    assert resumed.drop_rate == 0.25 and resumed.noise_scale().steps == 3
+    with pytest.raises(ValueError, match="'auto' but the state has no 'noise_scale'"):
+        resumed.load_state_dict({k: v for k, v in state.items() if k != "noise_scale"})

@@ -28,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 
 from dropbp.execution.compile_guards import outside_graphs
 from dropbp.execution.recompute import in_backward
-from dropbp.internals import at_backward_end
+from dropbp.internals import at_backward_end, tensor_version
 from dropbp.policy.noise_scale import NoiseScaleEstimator
 
 __all__ = ["MicroBatchGradients", "check_single_process"]
@@ -74,12 +74,21 @@ class MicroBatchGradients:
         model: the model whose training forwards delimit micro-batches.
         estimator: where each closed optimizer step goes.
         reads: ``reads()`` is False while a forward must not count (calibration's forced passes).
+        on_step: called when an optimizer step has gone to the estimator, before the next step's first forward
+            draws its pattern (the reads' forward pre-hook runs first).
     """
 
-    def __init__(self, model: nn.Module, estimator: NoiseScaleEstimator, reads: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        estimator: NoiseScaleEstimator,
+        reads: Callable[[], bool],
+        on_step: Callable[[], None] = lambda: None,
+    ) -> None:
         self.estimator = estimator
         self._model = model
         self._reads = reads
+        self._on_step = on_step
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._snapshot: list[torch.Tensor | None] = []
         self._micro: list[torch.Tensor] = []  # squared norms of the window's micro-batch gradients
@@ -102,7 +111,7 @@ class MicroBatchGradients:
             return
         self._params = [p for p in self._model.parameters() if p.requires_grad]
         self._handles = [
-            self._model.register_forward_pre_hook(self._begin, with_kwargs=True),
+            self._model.register_forward_pre_hook(self._begin, with_kwargs=True, prepend=True),
             self._model.register_forward_hook(self._end),
         ]
 
@@ -149,7 +158,7 @@ class MicroBatchGradients:
         if all(g is None for g in grads):
             return True
         for g, version in zip(grads, self._versions, strict=True):
-            if version is not None and (g is None or g._version != version):
+            if version is not None and (g is None or tensor_version(g) != version):
                 return True
         return False
 
@@ -169,7 +178,7 @@ class MicroBatchGradients:
                 micro, batch = own, total
             else:
                 micro, batch = micro + own.to(micro.device), batch + total.to(micro.device)
-        self._versions = [None if p.grad is None else p.grad._version for p in self._params]
+        self._versions = [None if p.grad is None else tensor_version(p.grad) for p in self._params]
         if micro is not None:
             self._micro[index], self._batch = micro, batch
 
@@ -182,6 +191,7 @@ class MicroBatchGradients:
         m = len(micro)
         scale = float(m * m)  # micro-batch gradients as means over their own tokens, the sum as the window's mean
         self.estimator.update([float(x) * scale for x in micro], float(batch), sum(tokens) / m)
+        self._on_step()
 
     def flush(self) -> None:
         """Close the window under way now (the run ended, or the caller knows a step just finished)."""

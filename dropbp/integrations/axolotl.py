@@ -58,7 +58,10 @@ def _yaml_type(annotation: Any) -> Any:
 
 
 # The keys whose YAML form differs from the Python one: ``dropbp_calibrate_at: false`` means never.
-_YAML_OVERRIDES: dict[str, Any] = {"calibrate_at": StrictFloat | Literal["auto", False]}
+_YAML_OVERRIDES: dict[str, Any] = {
+    "calibrate_at": StrictFloat | Literal["auto", False],
+    "drop_rate": StrictFloat | Literal["auto"],
+}
 
 
 class _DropBPArgsBase(BaseModel):

@@ -24,7 +24,26 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["ArmForecast", "NoiseScale", "NoiseScaleEstimator", "forecast_arms", "step_worth", "window_terms"]
+__all__ = [
+    "AUTO_MIN_STEPS",
+    "AUTO_RATES",
+    "ArmForecast",
+    "DEFAULT_BRANCH_SHARE",
+    "NoiseScale",
+    "NoiseScaleEstimator",
+    "auto_drop_rate",
+    "forecast_arms",
+    "step_worth",
+    "window_terms",
+]
+
+#: Optimizer steps measured before ``drop_rate="auto"`` drops anything (one step's estimate is too noisy to act on).
+AUTO_MIN_STEPS = 4
+#: The rates ``drop_rate="auto"`` chooses from (few, so that a lazy-graph device meets few patterns).
+AUTO_RATES = (0.0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75)
+#: The branches' share of a step's time ``drop_rate="auto"`` assumes: the map's cost record's (SmolLM2-135M full
+#: fine-tuning on the CPU; the shipped map carries it, and a test holds the two equal).
+DEFAULT_BRANCH_SHARE = 0.534
 
 
 @dataclass(frozen=True)
@@ -159,3 +178,20 @@ def forecast_arms(
         ArmForecast(f"branch drops at {p:g}", 1.0 - p * branch_share, step_worth(1.0 - p, ratio)) for p in drop_rates
     ]
     return [*arms, ArmForecast("full backprop at half the batch", 0.5, step_worth(0.5, ratio))]
+
+
+def auto_drop_rate(
+    measured: NoiseScale | None, branch_share: float = DEFAULT_BRANCH_SHARE, rates: Sequence[float] = AUTO_RATES
+) -> float:
+    """``drop_rate="auto"``: the rate of ``rates`` whose forecast worth per unit of time, ``step_worth(1 - p, r) /
+    (1 - p * branch_share)``, is highest (the lowest such rate on a tie); 0 before anything is measured. A drop pays
+    by this model only while ``r < branch_share * (1 - p) / (1 - branch_share)``: while a step's tokens are well
+    above the noise scale, so early in a fine-tune, whose noise scale grows. 0 until :data:`AUTO_MIN_STEPS` steps
+    are measured."""
+    if measured is None or measured.steps < AUTO_MIN_STEPS:
+        return 0.0
+
+    def value(p: float) -> float:
+        return step_worth(1.0 - p, measured.ratio) / (1.0 - p * branch_share)
+
+    return max(sorted(rates), key=lambda p: (round(value(p), 12), -p))
