@@ -225,6 +225,30 @@ def test_trainer_resumed_with_another_length_says_what_happens(tmp_path, caplog)
     assert f"mean drop rate is {mean:.3f}" in said[0]
 
 
+@pytest.mark.parametrize(
+    ("option", "value"), [("drop_rate", 0.75), ("pattern", "uniform"), ("max_patterns", 8), ("stratify", 2)]
+)
+def test_a_resumed_trainer_honours_its_callbacks_options_and_says_so(tmp_path, caplog, option, value):
+    """Class A: a checkpoint saved at drop_rate=0.5 (cut, unbounded, stratify 1) does not silently replace what a
+    resumed run's callback asks for: the callback's setting is used from there on, with a warning naming it."""
+    from test_hf_integration import _trainer
+
+    from dropbp.integrations.hf import attach
+
+    kw = dict(save_strategy="steps", save_steps=10, output_dir=str(tmp_path / "run"))
+    first = _trainer(tmp_path, **kw)
+    attach(first, drop_rate=0.5, pattern="cut")
+    first.train()
+    resumed = _trainer(tmp_path, **kw, gradient_accumulation_steps=2 if option == "stratify" else 1)
+    asked = {"drop_rate": 0.5, "pattern": "cut", option: value}
+    callback = attach(resumed, **asked)
+    with caplog.at_level(logging.WARNING, logger="dropbp"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-10"))
+    assert getattr(callback.controller.options_given, option) == value
+    said = [r.getMessage() for r in caplog.records if "this callback asks for" in r.getMessage()]
+    assert len(said) == 1 and f"{option}={value!r}" in said[0] and "checkpoint-10" in said[0]
+
+
 def _saved_trainer_state(tmp_path):
     """A Trainer run under ``attach`` that saved a checkpoint at step 10; returns a function making a fresh attached
     trainer over the same output folder, and the path of that checkpoint's dropbp state file."""
@@ -405,3 +429,75 @@ def test_a_deep_copy_of_a_parametrized_branch_is_clean():
     _, want = loss_and_grads(plain, ids)
     _, got = loss_and_grads(clone, ids)
     assert_same_grads(got, want)
+
+
+def _model_init_trainer(tmp_path, callbacks=None):
+    import transformers
+    from conftest import with_lora
+    from test_hf_integration import _args, _dataset
+
+    return transformers.Trainer(
+        model_init=lambda: with_lora(tiny_model("llama", layers=4)),
+        args=_args(tmp_path),
+        train_dataset=_dataset(),
+        data_collator=transformers.default_data_collator,
+        callbacks=callbacks,
+    )
+
+
+@pytest.mark.parametrize("how", ["callback", "attach"])
+def test_a_model_init_trainer_drops_in_every_model_it_trains(tmp_path, how):
+    """Class B: ``Trainer(model_init=...)`` makes a new model at every ``train()`` (as ``hyperparameter_search``
+    does); DropBP follows it, with the same options, instead of leaving it to full backprop."""
+    from dropbp.controller import controller_of
+    from dropbp.integrations.hf import DropBPCallback, attach
+
+    callback = DropBPCallback(0.5) if how == "callback" else None
+    trainer = _model_init_trainer(tmp_path, callbacks=[callback] if callback else None)
+    if how == "attach":
+        callback = attach(trainer, drop_rate=0.5)
+    for _ in range(2):
+        trainer.train()
+        assert controller_of(trainer.model) is callback.controller and callback.controller.step == 20
+        assert sum(len(callback.controller.dropped_at(s)) for s in range(20)) > 0
+    assert callback in trainer.callback_handler.callbacks
+
+
+def test_a_second_train_restarts_the_schedule(tmp_path, caplog):
+    """Class B: ``train()`` again on the same model is a new run from step 0: its warm-up and schedule start again
+    rather than continuing past the first run's end."""
+    from test_hf_integration import _trainer
+
+    from dropbp.integrations.hf import attach
+
+    trainer = _trainer(tmp_path)
+    ctl = attach(trainer, drop_rate=0.5).controller
+    trainer.train()
+    first = [ctl.dropped_at(s) for s in range(20)]
+    with caplog.at_level(logging.INFO, logger="dropbp"):
+        trainer.train()
+    assert ctl.step == 20 and [ctl.dropped_at(s) for s in range(20)] == first
+    assert any("the drop schedule restarts (it had counted 20" in r.getMessage() for r in caplog.records)
+
+
+def test_epochs_with_a_short_last_window_schedule_the_forwards_the_run_makes(tmp_path):
+    """Class B: 15 batches an epoch at accumulation 4 make 4 optimizer steps an epoch, the last of 3 batches
+    (transformers' short window): 2 epochs are 30 training forwards, not 8 x 4 = 32, and the schedule (whose mean
+    over the run is the drop rate) spans exactly those."""
+    import transformers
+    from test_hf_integration import _args, _dataset
+
+    from dropbp.integrations.hf import attach, training_forwards
+
+    trainer = transformers.Trainer(
+        model=tiny_model("llama", layers=4),
+        args=_args(tmp_path, max_steps=-1, num_train_epochs=2, gradient_accumulation_steps=4),
+        train_dataset=_dataset(30),
+        data_collator=transformers.default_data_collator,
+    )
+    ctl = attach(trainer, drop_rate=0.5).controller
+    trainer.train()
+    assert trainer.state.max_steps == 8 and ctl.step == 30 and ctl.total_steps == 30
+    assert ctl.mean_drop_rate(0, 30) == pytest.approx(0.5)
+    assert training_forwards(8, 4, range(15)) == 30 and training_forwards(5, 4, range(15)) == 19
+    assert training_forwards(8, 4, range(16)) == 32 and training_forwards(8, 4, iter([])) == 32

@@ -21,11 +21,12 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_callback import CallbackHandler
 
 from dropbp.api import apply_options
-from dropbp.controller import DropBPController
+from dropbp.controller import DropBPController, controller_of
+from dropbp.execution.frameworks import unwrap
 from dropbp.files import read_json, write_atomically
 from dropbp.integrations.forecast import forecast, noise_scale_forecast
 from dropbp.internals import prepared_inputs
-from dropbp.options import AUTO_WARMUP, TrainerOptions, takes_options
+from dropbp.options import AUTO, AUTO_WARMUP, TrainerOptions, takes_options
 
 __all__ = [
     "STATE_FILE",
@@ -40,6 +41,8 @@ __all__ = [
 log = logging.getLogger("dropbp")
 
 STATE_FILE = "dropbp_state.json"
+#: The settings a callback's own options decide, which a resumed checkpoint's state must not silently replace.
+CALLBACK_DECIDES = ("drop_rate", "pattern", "max_patterns", "stratify", "drop_schedule", "ramp")
 #: Optimizer steps measured before the noise scale's forecast is logged (once).
 NOISE_FORECAST_STEPS = 4
 
@@ -55,6 +58,22 @@ def log_forecast(args: TrainingArguments, state: TrainerState, drop_rate: float)
     tokens = sequences * length if isinstance(length, int) and length > 0 else None
     seen = forecast(state.max_steps, tokens, drop_rate)
     log.log(logging.INFO if seen.pays else logging.WARNING, "%s", seen.message)
+
+
+def training_forwards(optimizer_steps: int, accumulation: int, dataloader: object | None) -> int:
+    """The training forwards (micro-batches) a run of ``optimizer_steps`` makes. Transformers ends each epoch with
+    a short window where the dataloader's length is not a multiple of ``accumulation`` (``ceil(n / accumulation)``
+    steps of ``n`` batches), so the count is per epoch, not ``optimizer_steps * accumulation``; a dataloader
+    without a length (an iterable dataset) has no epochs to end."""
+    try:
+        batches = len(dataloader)  # type: ignore[arg-type]
+    except TypeError:
+        batches = 0
+    if batches <= 0 or batches % accumulation == 0:
+        return optimizer_steps * accumulation
+    per_epoch = -(-batches // accumulation)
+    epochs, rest = divmod(optimizer_steps, per_epoch)
+    return epochs * batches + rest * accumulation
 
 
 class DropBPCallback(TrainerCallback):
@@ -76,6 +95,8 @@ class DropBPCallback(TrainerCallback):
         #: The controller; ``None`` until DropBP is applied (by :func:`attach`, or when training begins).
         self.controller: DropBPController | None = None
         self._noise_forecast_said = False
+        self._moving = False  # a new train()'s model takes the controller: its removal keeps the callback
+        self._forwards = 0  # the training forwards of the run under way (training_forwards)
         #: The trainer, known when :func:`attach` (or :func:`build_callback`) made this callback; else ``None``.
         self.trainer: Trainer | None = None
         self.calibrated = False
@@ -126,9 +147,35 @@ class DropBPCallback(TrainerCallback):
         self.controller.at_remove(self._leave)
 
     def _leave(self) -> None:
+        if self._moving:
+            return  # the controller moves to the model a new train() trains (model_init): the callback stays
         self._removed = True
         if self._handler is not None and self in self._handler.callbacks:
             self._handler.remove_callback(self)
+
+    def _move_to(self, model: Any, args: TrainingArguments) -> None:
+        """``Trainer(model_init=...)``: each ``train()`` (every trial of ``hyperparameter_search``) trains a new
+        model; DropBP leaves the previous one and applies to it with the same options, from step 0."""
+        previous, self._moving = self.controller, True
+        try:
+            previous.remove()
+        finally:
+            self._moving = False
+        self._apply(model, args)
+        self.calibrated = False
+        log.info("dropbp: this train() trains a new model (model_init): DropBP applied to it with the same options")
+
+    def _restart(self) -> None:
+        """A second ``train()`` of the same model from step 0: a new run, whose schedule (warm-up, time schedule,
+        calibration) starts again rather than continuing past the previous run's end."""
+        ctl = self.controller
+        log.info(
+            "dropbp: a new training run on this model (train() again, from step 0): the drop schedule restarts "
+            "(it had counted %d training forwards)",
+            ctl.step,
+        )
+        ctl.load_state_dict(ctl.state_dict() | {"step": 0})
+        self.calibrated = False
 
     def _active(self) -> bool:
         return self.controller is not None and not self._removed
@@ -151,7 +198,13 @@ class DropBPCallback(TrainerCallback):
             if plugin is not None:
                 self._check_deepspeed(plugin, args)
             self._apply(kw["model"], args)
-        self._schedule(state.max_steps * args.gradient_accumulation_steps)  # the controller counts micro-batches
+        elif kw.get("model") is not None and controller_of(unwrap(kw["model"])[0]) is not self.controller:
+            self._move_to(kw["model"], args)
+        elif state.global_step == 0 and self.controller.step > 0:
+            self._restart()
+        loader = kw.get("train_dataloader")
+        self._forwards = training_forwards(state.max_steps, args.gradient_accumulation_steps, loader)
+        self._schedule(self._forwards)  # the controller counts micro-batches
         if state.global_step == 0:
             log_forecast(args, state, self.controller.drop_rate)
             return
@@ -180,13 +233,33 @@ class DropBPCallback(TrainerCallback):
                 f"dropbp: {path} is not a state dropbp wrote (expected the keys 'controller' and 'calibrated', a "
                 "bool); delete it to restart the drop patterns from this controller's state"
             )
+        asked = {name: getattr(self.controller.options_given, name) for name in CALLBACK_DECIDES}
         try:
             self.controller.load_state_dict(saved["controller"])
         except (TypeError, ValueError) as error:
             raise type(error)(f"dropbp: the state in {path} was refused: {error}") from None
         self.calibrated = saved["calibrated"]
-        if self.controller.total_steps != state.max_steps * args.gradient_accumulation_steps:
-            self._replan(state.max_steps * args.gradient_accumulation_steps)
+        self._honour(asked, path)
+        forwards = self._forwards
+        if self.options.drop_rate != AUTO and self.controller.total_steps != forwards:
+            self._replan(forwards)
+
+    def _honour(self, asked: dict[str, Any], path: str) -> None:
+        """A resumed run whose callback asks for other settings than the checkpoint's: the callback's are used from
+        here on (the step counter, and the rates where the shape's own, resume from the checkpoint), said once."""
+        ctl = self.controller
+        saved = {name: getattr(ctl.options_given, name) for name in asked}
+        changed = {name: value for name, value in asked.items() if saved[name] != value}
+        if not changed:
+            return
+        ctl.replace_options(**changed)
+        log.warning(
+            "dropbp: resumed from %s, saved with %s; this callback asks for %s: the callback's settings are used "
+            "from here on, so the patterns differ from an uninterrupted run of either.",
+            path,
+            ", ".join(f"{name}={saved[name]!r}" for name in changed),
+            ", ".join(f"{name}={value!r}" for name, value in changed.items()),
+        )
 
     def _replan(self, forwards: int) -> None:
         """A run resumed with another length (``max_steps`` changed): the schedule follows the new length from
@@ -217,6 +290,8 @@ class DropBPCallback(TrainerCallback):
         (the controller's message says what to change); ``"auto"`` takes the longest that fits, up to 20%.
         """
         ctl = self.controller
+        if self.options.drop_rate == AUTO:
+            return  # the measured noise scale sets each step's rate: no warm-up or time schedule
         if self.options.warmup != "auto":
             ctl.replace_options(warmup_steps=round(self.warmup * forwards), total_steps=forwards)
             return
