@@ -38,6 +38,10 @@ ARMS_END = "<!-- end of arms-table -->"
 TOKEN_DROPS = RESULTS / "token_drops" / "token_drops.json"
 TOKEN_PAGE = ROOT / "docs" / "token-drops.md"
 TOKEN_BENCH = RESULTS / "bench_tokens_cpu"
+NOISE_PAGE = ROOT / "docs" / "noise-scale.md"
+NOISE_RECORDS = RESULTS / "noise_scale"
+NOISE_BEGIN = "<!-- noise-scale-tables: made by benchmarks/readme_results.py -->"
+NOISE_END = "<!-- end of noise-scale-tables -->"
 TBENCH_BEGIN = "<!-- token-bench-table: made by benchmarks/readme_results.py -->"
 TBENCH_END = "<!-- end of token-bench-table -->"
 TFRONT_BEGIN = "<!-- token-frontier-table: made by benchmarks/readme_results.py -->"
@@ -46,6 +50,8 @@ TFRONT_END = "<!-- end of token-frontier-table -->"
 ARM_NAMES = {
     "tokens": "token drops {r}, by gradient",
     "tokens-random": "token drops {r}, random rows",
+    "tokens-residual": "token drops {r}, by the branch output's size (TokenDrop's rule)",
+    "tokens-cumulative": "token drops {r}, cumulative (TokenDrop's selection)",
     "branch": "branch drops {r} (DropBP)",
     "both0.5+tokens": "branch drops 0.5 + token drops {r}",
 }
@@ -275,6 +281,8 @@ def claims_table() -> str:
 
 
 def _arm_name(arm: str) -> str:
+    if arm == "auto":
+        return 'branch drops, drop_rate="auto" (rate from the measured noise scale)'
     for prefix in sorted(ARM_NAMES, key=len, reverse=True):
         rate = arm.removeprefix(prefix)
         if arm.startswith(prefix) and rate.replace(".", "").isdigit():
@@ -379,6 +387,18 @@ def token_bench_table() -> str:
     return "\n".join(lines)
 
 
+def noise_tables() -> str:
+    """docs/noise-scale.md: the forecast against the map (benchmarks/noise_scale.py) and what the reads cost
+    (benchmarks/noise_scale_cost.py), as their records' tables say them."""
+    parts = [NOISE_BEGIN]
+    for name in ("validation.md", "cost_cpu.md"):
+        path = NOISE_RECORDS / name
+        if path.exists():
+            parts += [path.read_text().strip(), f"(record: [{name}](../benchmarks/results/noise_scale/{name}))", ""]
+    parts.append(NOISE_END)
+    return "\n".join(parts)
+
+
 def between(text: str, begin: str, end: str) -> str | None:
     """The part of ``text`` from ``begin`` to ``end`` (markers included), or None."""
     if begin not in text or end not in text:
@@ -403,6 +423,7 @@ def main() -> None:
             (TFRONT_BEGIN, TFRONT_END): token_frontier_table(),
         },
         RESULTS_PAGE: {(MAP_BEGIN, MAP_END): map_table(), (EQ_BEGIN, EQ_END): smollm2_table(), (BEGIN, END): table()},
+        NOISE_PAGE: {(NOISE_BEGIN, NOISE_END): noise_tables()},
     }
     for page, tables in made.items():
         if args.write:

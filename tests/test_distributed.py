@@ -281,3 +281,68 @@ def test_a_rank_that_raises_fails_the_run():
     """Ranks leave through ``os._exit`` (conftest.run_ranks): an exception must still be a non-zero exit."""
     with pytest.raises(AssertionError, match=r"\[0, 1\]"):
         run_ranks(_raising_rank, world=2, timeout=60)
+
+
+def _tokens_rank_main(rank: int, init_file: str, out_dir: str, mode: str) -> None:
+    """Token drops (0.5) with branch drops (0.5) under DDP / FSDP2: each rank selects from its own batch's gradient;
+    per step, the pattern, each rank's recorded token weights and the reduced gradients."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        model = tiny_model("llama", layers=3)
+        ctl = dropbp.apply(model, 0.5, seed=0, token_drop_rate=0.5)
+        if mode == "ddp":
+            wrapped = DistributedDataParallel(model, find_unused_parameters=True)
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model.model.layers:
+                fully_shard(layer)
+            wrapped = fully_shard(model)
+        names = [n for n, _ in model.named_parameters()]
+        optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-2)
+        record = []
+        for step in range(4):
+            before = [_full(p) for p in model.parameters()]
+            ids = _ids(step, rank)
+            wrapped(input_ids=ids, labels=ids).loss.backward()
+            record.append({
+                "dropped": ctl.last_dropped,
+                "weights": ctl.token_weights(),
+                "before": dict(zip(names, before, strict=True)),
+                "grads": {n: _full(p.grad) for n, p in zip(names, model.parameters(), strict=True)},
+            })  # fmt: skip
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_token_drops_on_two_ranks_average_each_ranks_own_selection(mode):
+    """Nothing hangs; the ranks draw the same branch pattern but each its own token rows, from its own data; the
+    reduced gradient is the mean over ranks of the reference (no dropbp) for each rank's batch and recorded weights."""
+    from test_token_drops import _weighted_outputs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        _run_ranks(_tokens_rank_main, os.path.join(tmp, "init"), tmp, mode)
+        ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
+    reference = tiny_model("llama", layers=3)
+    for step in range(4):
+        a, b = ranks[0][step], ranks[1][step]
+        assert a["dropped"] == b["dropped"] and a["weights"].keys() == b["weights"].keys()
+        assert any(not torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])  # own selections
+        per_rank = []
+        for rank, rec in enumerate((a, b)):
+            reference.load_state_dict(rec["before"])
+            reference.zero_grad(set_to_none=True)
+            handles = detach_outputs(reference, rec["dropped"]) + _weighted_outputs(reference, rec["weights"])
+            ids = _ids(step, rank)
+            reference(input_ids=ids, labels=ids).loss.backward()
+            for h in handles:
+                h.remove()
+            per_rank.append({n: None if p.grad is None else p.grad.clone() for n, p in reference.named_parameters()})
+        mean = {n: None if g is None else (g + per_rank[1][n]) / WORLD for n, g in per_rank[0].items()}
+        assert_same_grads(a["grads"], mean, atol=1e-5)
+        assert_same_grads(b["grads"], mean, atol=1e-5)

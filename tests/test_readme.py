@@ -102,6 +102,13 @@ def test_the_readme_leads_with_the_arms_table_and_the_token_page_tables_are_the_
     assert results.between(page, results.TFRONT_BEGIN, results.TFRONT_END) == results.token_frontier_table()
 
 
+def test_the_noise_scale_page_tables_are_the_records():
+    results = _readme_results()
+    page = results.NOISE_PAGE.read_text()
+    assert results.between(page, results.NOISE_BEGIN, results.NOISE_END) == results.noise_tables()
+    assert "validation.md" in results.noise_tables() and "cost_cpu.md" in results.noise_tables()
+
+
 def test_no_figure_in_the_readme_has_two_values():
     """One value per figure: no ranges of speedups or percentages, no "a / b" pairs of one figure."""
     import re
