@@ -23,6 +23,7 @@ import argparse
 import importlib.util
 import json
 import math
+import statistics
 import sys
 import time
 from datetime import date
@@ -167,8 +168,8 @@ def report() -> None:
             mean_got = None if got is None else got["mean"]
             rows.append({
                 "cell": cell.name, "arm": arm, "seeds": len(seeds),
-                "noise_start": sum(_start(r) for r in seeds) / len(seeds),
-                "noise_end": sum(r["noise_scale"][-1] for r in seeds) / len(seeds),
+                "noise_start": statistics.median(_start(r) for r in seeds),
+                "noise_end": statistics.median(r["noise_scale"][-1] for r in seeds),
                 "step_speedup": _step_speedup(cell, arm),
                 "forecast_worth": sum(w for w, _ in predicted) / len(predicted),
                 "forecast": sum(s for _, s in predicted) / len(predicted),
@@ -180,12 +181,12 @@ def report() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "validation.json").write_text(json.dumps(record, indent=2) + "\n")
     lines = [
-        "The gradient noise scale of full backprop on the map's cells (mean of 3 seeds; read at 10% of the run and at "
-        "its end) and the speedup at equal quality it forecasts against full backprop at the cell's batch, beside "
-        "the one measured (the map's equal-time runs; full backprop at half the batch from benchmarks/token_drops.py; "
-        "mean [95% interval] over 3 seeds). Forecast: a step keeping a random share q of its samples is worth "
-        "(1 + r) / (1 + r / q), r = B_simple / tokens per step, averaged over the run, times the modelled step "
-        "speedup. Method: benchmarks/noise_scale.py.",
+        "The gradient noise scale of full backprop on the map's cells (median of 3 seeds; read at 10% of the run "
+        "and at its end; inf where the estimate of |G|^2 was not positive) and the speedup at equal quality it "
+        "forecasts against full backprop at the cell's batch, beside the one measured (the map's equal-time runs; "
+        "full backprop at half the batch from benchmarks/token_drops.py; mean [95% interval] over 3 seeds). "
+        "Forecast: a step keeping a random share q of its samples is worth (1 + r) / (1 + r / q), r = B_simple / "
+        "tokens per step, averaged over the run, times the modelled step speedup. Method: benchmarks/noise_scale.py.",
         "",
         "| cell | arm | noise scale at 10% / end (tokens) | step speedup | forecast worth of a step | forecast speedup "
         "| measured speedup | forecast - measured |",

@@ -501,3 +501,33 @@ def test_epochs_with_a_short_last_window_schedule_the_forwards_the_run_makes(tmp
     assert ctl.mean_drop_rate(0, 30) == pytest.approx(0.5)
     assert training_forwards(8, 4, range(15)) == 30 and training_forwards(5, 4, range(15)) == 19
     assert training_forwards(8, 4, range(16)) == 32 and training_forwards(8, 4, iter([])) == 32
+
+
+@pytest.mark.parametrize("checkpointing", [None, "reentrant", "non-reentrant"])
+def test_importance_weights_are_the_forwards_whatever_changes_before_its_backward(checkpointing):
+    """Class C: with ``unbiased=True`` a kept branch's weight is ``1 / (1 - r)`` for the rate of the forward that
+    drew its pattern; a setter between that forward and its backward (which a re-entrant checkpoint recomputes)
+    changes the next step, not this one's gradients."""
+    import copy
+
+    from conftest import loss_and_grads
+
+    model = tiny_model("llama", layers=4)
+    if checkpointing:
+        reentrant = checkpointing == "reentrant"
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    twin = copy.deepcopy(model)
+    ids = batch(4, size=2, length=12)
+    ctl = dropbp.apply(model, 0.5, unbiased=True, pattern="uniform", seed=3)
+    still = dropbp.apply(twin, 0.5, unbiased=True, pattern="uniform", seed=3)
+    loss = model(input_ids=ids, labels=ids).loss
+    ctl.drop_rate = 0.25  # after the forward, before its backward
+    loss.backward()
+    got = {n: p.grad for n, p in model.named_parameters()}
+    _, want = loss_and_grads(twin, ids)
+    assert ctl.last_dropped == still.last_dropped and ctl.last_dropped
+    for name, g in want.items():
+        assert (g is None) == (got[name] is None), name
+        if g is not None:
+            assert torch.allclose(got[name], g, atol=1e-6), name

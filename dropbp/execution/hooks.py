@@ -76,6 +76,10 @@ class ExecutionSettings:
         )
 
 
+#: A forward's decision: the dropped branches, and every branch's drop rate then (empty: nothing drops).
+Decision = tuple[frozenset[int], tuple[float, ...]]
+
+
 class StepHooks:
     """Draws each training step's pattern and makes the branch modules obey it.
 
@@ -114,8 +118,10 @@ class StepHooks:
         self.step = 0
         #: The pattern in force: indices of the dropped branches.
         self.dropped: frozenset[int] = frozenset()
-        #: The factor the warm-up or time schedule put on the rates at the forward in force.
-        self.factor = 1.0
+        #: Per branch, its drop rate at the forward in force (the rates times the warm-up's or time schedule's
+        #: factor), recorded with the pattern: a kept branch's importance weight is its forward's, whatever changes
+        #: before its backward (a setter, a recomputation under re-entrant checkpointing).
+        self.rates_in_force: tuple[float, ...] = ()
         #: The pattern of the most recent training-mode forward (calibration's forced ones excluded).
         self.last: frozenset[int] = frozenset()
         #: The pattern calibration forces, or None.
@@ -134,7 +140,7 @@ class StepHooks:
         self._probe = ResidualProbe(self._names, self._modules)
         #: Per checkpointed region of a training forward (as checkpointing keeps it), that forward's pattern and
         #: rate factor.
-        self._regions: weakref.WeakKeyDictionary[object, tuple[frozenset[int], float]] = weakref.WeakKeyDictionary()
+        self._regions: weakref.WeakKeyDictionary[object, Decision] = weakref.WeakKeyDictionary()
         self._handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(self._on_model_forward),
             model.register_forward_hook(self._after_model_forward, always_call=True),
@@ -174,24 +180,24 @@ class StepHooks:
         """The pattern a branch called now obeys (:meth:`decision_in_force`)."""
         return self.decision_in_force()[0]
 
-    def decision_in_force(self) -> tuple[frozenset[int], float]:
-        """The pattern a branch called now obeys and the rate factor of its forward: during a backward, those of
+    def decision_in_force(self) -> Decision:
+        """The pattern a branch called now obeys and the rates of its forward: during a backward, those of
         the forward whose checkpointed region is being recomputed; inside a training forward of the model, that
         forward's, which a call inside a (non-re-entrant) checkpointed region records for that region (a
         re-entrant one's are recorded when the forward ends); elsewhere none."""
-        decision = (self.dropped, self.factor)
+        decision = (self.dropped, self.rates_in_force)
         if in_backward():
             region = recomputed_region()
             if region is None:
                 return decision
             if region not in self._regions:  # a region no training forward of the model recorded: drop nothing
                 self._warn_unknown_region()
-                return frozenset(), 1.0
+                return frozenset(), ()
             return self._regions[region]
         if not self._forward:
             if self._forward is None:
                 self._warn_outside()
-            return frozenset(), 1.0
+            return frozenset(), ()
         if self._recompute.recording:
             region = forward_region()
             if region is not None:
@@ -256,7 +262,8 @@ class StepHooks:
         def scale(module: nn.Module) -> float:
             if not self.weighting or self.forced is not None:
                 return 1.0  # calibration measures the plain gradients
-            rate = min(1.0, self._policy.rates[index] * self.decision_in_force()[1])
+            rates = self.decision_in_force()[1]
+            rate = rates[index] if rates else 0.0
             return 1.0 if rate >= 1.0 else compensation(rate)
 
         return scale
@@ -297,7 +304,8 @@ class StepHooks:
         if not (model.training and torch.is_grad_enabled()):
             return  # eval or no-grad forwards drop nothing and leave the step's decision alone
         self.dropped = self.pattern(self.step)
-        self.factor = self._policy.factor(self.step)
+        factor = self._policy.factor(self.step)
+        self.rates_in_force = tuple(min(1.0, r * factor) for r in self._policy.rates)
         for listener in self._listeners:  # one may refuse the step (raise): before anything moves on
             listener.on_training_forward(self.dropped)
         self._recompute.begin_forward()
@@ -317,7 +325,7 @@ class StepHooks:
         if self._recompute.reentrant:
             check_running_ddp_checkpointing()
             for region in self._recompute.claim_reentrant_regions(output):
-                self._regions[region] = (self.dropped, self.factor)
+                self._regions[region] = (self.dropped, self.rates_in_force)
         if self.forced is None and model.training and torch.is_grad_enabled() and not in_backward():
             self._check_output_needs_a_gradient(output)
 
