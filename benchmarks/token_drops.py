@@ -316,14 +316,19 @@ def cell_report(cell, done: dict[str, dict], cost: Cost) -> dict | None:
 
     arms = cell_arms(cell)
     lrs = {arm.name: best_lr(done, cell, arm, cost) for arm in arms}
-    if None in lrs.values():
-        return None
-    rows = {}
+    rows, unfinished = {}, []
     for arm in arms:
-        found = [done.get(key(cell, arm, lrs[arm.name], s, seed)) for seed in SEEDS for s in budgets(arm, cell, cost)]
-        if None in found:
-            return None
+        lr = lrs[arm.name]
+        plan = [] if lr is None else [(s, seed) for seed in SEEDS for s in budgets(arm, cell, cost)]
+        found = [done.get(key(cell, arm, lr, s, seed)) for s, seed in plan]
+        if lr is None or None in found:
+            if arm.drop_rate is None:
+                return None  # no frontier yet
+            unfinished.append(arm.name)  # an arm still running is left out, and named
+            continue
         rows[arm.name] = found
+    arms = [arm for arm in arms if arm.name in rows]
+    lrs = {name: lr for name, lr in lrs.items() if name in rows}
     front = {name: {s: [] for s in SEEDS} for name in ("full", "best")}
     for name in ("full", "full-half"):
         for r in rows[name]:
@@ -332,6 +337,8 @@ def cell_report(cell, done: dict[str, dict], cost: Cost) -> dict | None:
             if name == "full":
                 front["full"][r["seed"]].append(point)
     report = {"cell": cell.name, "steps": cell.steps, "tokens": cell.tokens, "lr": lrs, "arms": {}}
+    if unfinished:
+        report["unfinished"] = unfinished
     full_step = cost.step_seconds(BY_NAME["full"], 0.0, cell.tokens)
     half = BY_NAME["full-half"]
     runs = sorted((r for r in rows[half.name] if r["steps"] == budgets(half, cell, cost)[0]), key=lambda r: r["seed"])

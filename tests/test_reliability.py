@@ -531,3 +531,47 @@ def test_importance_weights_are_the_forwards_whatever_changes_before_its_backwar
         assert (g is None) == (got[name] is None), name
         if g is not None:
             assert torch.allclose(got[name], g, atol=1e-6), name
+
+
+@pytest.mark.parametrize(
+    ("options", "lora_attention"),
+    [
+        ({"pattern": "cut", "max_patterns": 5}, False),
+        ({"pattern": "cut", "max_patterns": 6, "warmup_steps": 40}, False),
+        ({"pattern": "cut"}, True),
+    ],
+    ids=["cut-pool", "cut-pool-warming", "cut-lora-attention"],
+)
+def test_importance_weights_follow_how_the_patterns_are_drawn(options, lora_attention):
+    """Class C: with ``unbiased=True`` the mean gradient over the patterns drawn equals full backprop's: under a
+    pattern pool each kept branch is weighted by its frequency over the pool's cycle (not its nominal rate), and a
+    branch the keep rule always keeps (LoRA on attention only, cut patterns) is not weighted at all. One batch, no
+    optimizer step; cut patterns keep every kept branch's gradient exact, so the mean over whole cycles is exact (the
+    unbiasedness of the uniform shape is only approximate: a kept branch's gradient depends on those dropped above)."""
+    import peft
+    from conftest import loss_and_grads
+
+    model = tiny_model("llama", layers=3)
+    if lora_attention:
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        model = peft.get_peft_model(model, config)
+    model.train()
+    ids = batch(6, size=2, length=12)
+    _, full = loss_and_grads(model, ids)
+    dropbp.apply(model, 0.5, unbiased=True, seed=1, **options)
+    steps = 240 if options.get("warmup_steps") else 60
+    total = {}
+    for _ in range(steps):
+        _, got = loss_and_grads(model, ids)
+        for name, g in got.items():
+            if g is not None:
+                total[name] = total.get(name, 0) + g
+    # the branch modules' own parameters (the contract of unbiased=True; a branch's norm is not weighted); with LoRA
+    # on attention only and patterns drawn afresh, the top attention branch the keep rule keeps in every step (the
+    # others' means carry the draws' sampling noise)
+    branch_params = [n for n in full if full[n] is not None and (".self_attn." in n or ".mlp." in n)]
+    if lora_attention:
+        branch_params = [n for n in branch_params if ".layers.2." in n]
+    worst = max((total.get(n, 0) / steps - full[n]).abs().max() / full[n].abs().max() for n in branch_params)
+    # exact over whole cycles; a warm-up under a pool thins whole blocks, exact only in expectation over them
+    assert worst < (0.05 if options.get("warmup_steps") else 1e-4)

@@ -118,9 +118,10 @@ class StepHooks:
         self.step = 0
         #: The pattern in force: indices of the dropped branches.
         self.dropped: frozenset[int] = frozenset()
-        #: Per branch, its drop rate at the forward in force (the rates times the warm-up's or time schedule's
-        #: factor), recorded with the pattern: a kept branch's importance weight is its forward's, whatever changes
-        #: before its backward (a setter, a recomputation under re-entrant checkpointing).
+        #: Per branch, how often it is dropped where the forward in force drew its pattern
+        #: (:meth:`~dropbp.policy.drop_policy.DropPolicy.drop_probabilities`), recorded with the pattern: a kept
+        #: branch's importance weight is its forward's, whatever changes before its backward (a setter, a
+        #: recomputation under re-entrant checkpointing).
         self.rates_in_force: tuple[float, ...] = ()
         #: The pattern of the most recent training-mode forward (calibration's forced ones excluded).
         self.last: frozenset[int] = frozenset()
@@ -304,8 +305,9 @@ class StepHooks:
         if not (model.training and torch.is_grad_enabled()):
             return  # eval or no-grad forwards drop nothing and leave the step's decision alone
         self.dropped = self.pattern(self.step)
-        factor = self._policy.factor(self.step)
-        self.rates_in_force = tuple(min(1.0, r * factor) for r in self._policy.rates)
+        # read only where kept branches are weighted (unbiased=True): the hot path stays as it was without
+        weighted = self._policy.drop_probabilities(self.step, self._trainable_branches) if self.weighting else ()
+        self.rates_in_force = weighted
         for listener in self._listeners:  # one may refuse the step (raise): before anything moves on
             listener.on_training_forward(self.dropped)
         self._recompute.begin_forward()

@@ -245,6 +245,32 @@ class DropPolicy:
             pattern = self._bounded(step)
         return keep_a_trainable_branch(pattern, self._rates, trainable)
 
+    def drop_probabilities(
+        self, step: int, trainable: Callable[[], list[bool] | None] = lambda: None
+    ) -> tuple[float, ...]:
+        """Per branch, how often it is dropped where ``step`` draws from (what ``unbiased=True`` weights a kept
+        branch by: ``1 / (1 - p)``), the keep rule (``trainable``, as :meth:`draw`) included: drawn afresh, its rate
+        times the factor (the samplers' marginals are exact), and 0 for the branch a cut's keep rule always keeps;
+        from a pattern pool (``max_patterns``), its frequency over the pool's cycle, which is the rate only within
+        ``1 / K``, times the share of blocks that follow the pool where the rates move. (Drawn afresh with the
+        uniform shape, the keep rule's rare rescues are not counted.)"""
+        bound = self._options.max_patterns
+        if bound is None or self._options.stratify > 1:
+            factor = self.factor(step)
+            rates = [min(1.0, r * factor) for r in self._rates]
+            if self._options.pattern == "cut" or self._options.stratify > 1:
+                rescued = keep_a_trainable_branch(frozenset(range(len(rates))), self._rates, trainable)
+                rates = [0.0 if i not in rescued else r for i, r in enumerate(rates)]
+            return tuple(rates)
+        moving = self._rates_move()
+        sampler = self._sampler(self.peak * bound / (bound - 1) if moving else self.peak)
+        pool = [keep_a_trainable_branch(p, self._rates, trainable) for p in sampler.pool()]
+        frequencies = [sum(i in p for p in pool) / len(pool) for i in range(len(self._rates))]
+        if not moving:
+            return tuple(frequencies)
+        share = min(1.0, self.factor((step // THINNING_BLOCK) * THINNING_BLOCK) / self.peak)
+        return tuple(share * (bound - 1) / bound * f for f in frequencies)
+
     def _bounded(self, step: int) -> frozenset[int]:
         """The pattern at ``step`` under a pattern bound ``K``: a pool of ``K`` patterns, cycled. When the rates move
         (a warm-up, a rising time schedule), one of the ``K`` slots is the empty pattern and the other ``K - 1`` are

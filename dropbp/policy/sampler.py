@@ -90,6 +90,12 @@ class PatternSampler:
             return self._pool[step % len(self._pool)]
         return self._draw(step)
 
+    def pool(self) -> tuple[frozenset[int], ...]:
+        """The patterns cycled (``max_patterns``; the empty pattern where every rate is 0)."""
+        if self._pool is None:
+            raise ValueError("this sampler draws afresh each step: it has no pool")
+        return self._pool if any(self.rates) else (frozenset(),)
+
     def distinct_patterns(self) -> int | None:
         """How many different patterns can occur (``None``: unbounded)."""
         return None if self._pool is None else len(set(self._pool))
