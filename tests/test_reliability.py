@@ -575,3 +575,46 @@ def test_importance_weights_follow_how_the_patterns_are_drawn(options, lora_atte
     worst = max((total.get(n, 0) / steps - full[n]).abs().max() / full[n].abs().max() for n in branch_params)
     # exact over whole cycles; a warm-up under a pool thins whole blocks, exact only in expectation over them
     assert worst < (0.05 if options.get("warmup_steps") else 1e-4)
+
+
+def test_importance_weights_are_unbiased_over_pools_keep_rules_and_checkpointing():
+    """Class C, drawn beyond the listed cases: any pool size, LoRA on every linear layer or on attention only, and
+    activation checkpointing off, re-entrant or not - the mean weighted gradient over whole pool cycles of cut patterns
+    equals full backprop's for every branch module's parameters."""
+    hypothesis = pytest.importorskip("hypothesis")
+    import peft
+    from conftest import loss_and_grads
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=8, deadline=None, derandomize=True)
+    @given(
+        pool=st.integers(2, 7),
+        rate=st.sampled_from([0.25, 0.5, 0.75]),
+        targets=st.sampled_from([["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]]),
+        checkpointing=st.sampled_from([None, True, False]),
+        seed=st.integers(0, 5),
+    )
+    def check(pool, rate, targets, checkpointing, seed):
+        model = tiny_model("llama", layers=3)
+        if checkpointing is not None:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
+        config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=targets, init_lora_weights=False)
+        model = peft.get_peft_model(model, config)
+        model.train()
+        ids = batch(seed, size=1, length=8)
+        _, full = loss_and_grads(model, ids)
+        ctl = dropbp.apply(model, rate, unbiased=True, seed=seed, pattern="cut", max_patterns=pool)
+        total: dict = {}
+        for _ in range(2 * pool):  # two whole cycles
+            _, got = loss_and_grads(model, ids)
+            for name, g in got.items():
+                if g is not None:
+                    total[name] = total.get(name, 0) + g
+        ctl.remove()
+        for name, g in full.items():
+            if g is not None:
+                assert torch.allclose(total[name] / (2 * pool), g, rtol=1e-4, atol=1e-6), (name, pool, rate)
+
+    assert hypothesis is not None
+    check()
