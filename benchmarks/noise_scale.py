@@ -10,8 +10,9 @@ read after every step. From that trajectory, per arm (branch drops at 0.5 and 0.
   ``1/2`` for half the batch;
 - the forecast speedup at equal quality against full backprop at the cell's batch: that worth times the arm's
   modelled step speedup (the map's cost record, as the map's own runs);
-- what was measured: the map's equal-time speedup at equal quality (``where_it_pays/map.json``) and full backprop at
-  half the batch against full backprop (``token_drops/token_drops.json``).
+- what was measured: the map's equal-time speedup at equal quality (``where_it_pays/map.json``; for a cell the map
+  did not run, benchmarks/token_drops.py's branch arms) and full backprop at half the batch against full backprop
+  (``token_drops/token_drops.json``).
 
     python benchmarks/noise_scale.py --cells 100x1k 300x1k 1000x1k 100x8k   # runs (resumable)
     python benchmarks/noise_scale.py --report                                # validation.md / .json / .png
@@ -150,8 +151,14 @@ def measured(cell_name: str) -> dict[str, dict]:
                     found[arm] = next(b for b in c[f"{rate:g}"].values() if b["equal_time"])
     tokens = json.loads((HERE / "results" / "token_drops" / "token_drops.json").read_text())
     for c in tokens["cells"]:
-        if c["cell"] == cell_name and "half_batch" in c:
+        if c["cell"] != cell_name:
+            continue
+        if "half_batch" in c:
             found["full-half"] = c["half_batch"]["full"]
+        for arm, rate in ARMS.items():  # a cell the map did not run (benchmarks/token_drops.py ran its branch arms)
+            budgets = c["arms"].get(arm)
+            if rate is not None and arm not in found and budgets:
+                found[arm] = next(b for b in budgets.values() if b["equal_time"])["full"]
     return found
 
 
