@@ -73,7 +73,7 @@ def test_demo_quick_leads_with_step_times_and_the_maps_verdict(tiny_model_dir, t
     out_dir = tmp_path / "demo"
     code, out, err = _run(["demo", "--quick", "--model", str(tiny_model_dir), "--out", str(out_dir)], capsys)
     assert code == 0, err
-    assert "dropbp demo --quick: step times, memory and the measured map's verdict, about 3 minutes" in err
+    assert "dropbp demo --quick: step times, memory and the measured map's verdict, about 1.5 minutes" in err
     record = json.loads((out_dir / "demo.json").read_text())
     assert "summary" not in record and "runs" not in record and not (out_dir / "demo.png").exists()
     speed = record["step_speedups"]

@@ -63,8 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--quick",
         action="store_true",
-        help="step times, memory and the measured map's verdict, about 3 minutes on 2 CPU cores (the full demo, with "
-        "its convergence runs: about 15 minutes)",
+        help="step times, memory and the measured map's verdict, about 1.5 minutes on 2 idle CPU cores (the full "
+        "demo, with its convergence runs: about 15 minutes)",
     )
     demo.add_argument("--out", type=Path, default=Path("dropbp-demo"), help="folder for demo.json and demo.png")
     demo.add_argument("--model", help="a model id or path instead of the bundled SmolLM2-135M-Instruct")

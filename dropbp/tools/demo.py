@@ -47,10 +47,10 @@ _DEFAULT = {"pattern": "cut", "schedule": "warmup", "drop_schedule": "constant"}
 
 #: What ``dropbp demo`` says before it starts: how long it takes (docs/demo.md has the timed runs).
 DURATION = {
-    "quick": "dropbp demo --quick: step times, memory and the measured map's verdict, about 3 minutes on 2 CPU cores "
-    "(set-up aside; the convergence runs are the full demo's)",
+    "quick": "dropbp demo --quick: step times, memory and the measured map's verdict, about 1.5 minutes on 2 idle CPU "
+    "cores (set-up aside; the convergence runs are the full demo's)",
     "full": "dropbp demo: three lockstep fine-tuning runs, step times and memory, about 15 minutes on 2 idle CPU cores "
-    "(set-up aside; --quick: about 3 minutes, without the convergence runs)",
+    "(set-up aside; --quick: about 1.5 minutes, without the convergence runs)",
 }
 
 
