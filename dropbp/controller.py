@@ -28,7 +28,7 @@ from dropbp.execution.discovery import Branch, row_local_linears
 from dropbp.execution.distributed import RunningDDPCheck, check_ddp
 from dropbp.execution.dropped_grads import DroppedGrads
 from dropbp.execution.frameworks import FrameworkWatch, calibration_closure, calibration_method, check_wrapper, unwrap
-from dropbp.execution.gradient_noise import MicroBatchGradients, check_single_process
+from dropbp.execution.gradient_noise import MicroBatchGradients, check_reads
 from dropbp.execution.hooks import ExecutionSettings, StepHooks
 from dropbp.execution.patching import CleanCopies
 from dropbp.execution.token_backward import TokenDrops
@@ -106,7 +106,9 @@ class DropBPController:
         self._policy = policy
         options = policy.options
         self._given = options if given is None else given
-        if ddp is None and wrapper is not model:  # a framework's wrapper (a DeepSpeedEngine)
+        #: Whether a framework's engine wraps the model (DeepSpeed): it holds the gradients, not ``.grad``.
+        self._framework = ddp is None and wrapper is not model
+        if self._framework:  # a framework's wrapper (a DeepSpeedEngine)
             check_wrapper(wrapper, options.dropped_grads)
         #: The device backend whose step boundaries :meth:`backward` and :meth:`optimizer_step` place.
         self.backend = backend
@@ -206,7 +208,7 @@ class DropBPController:
             self._tokens.install()
             self._tokens.warn_full_rows(self._full_rows)
         if options.measure_noise_scale and not self._noise.installed:
-            check_single_process()
+            check_reads(self._model, self._framework)
             self._noise.install()
         elif not options.measure_noise_scale and self._noise.installed:
             self._noise.remove()

@@ -236,7 +236,8 @@ class DropBPOptions:
             """Measure the gradient noise scale of this run (``ctl.noise_scale()``, in tokens; logged by the Trainer
             callback as ``dropbp/noise_scale``) from the micro-batch gradients gradient accumulation computes anyway
             (:mod:`dropbp.execution.gradient_noise`): needs at least 2 micro-batches per optimizer step, costs one
-            copy of the trainable parameters' gradients; ``ctl.measure_noise_scale``, settable."""
+            copy of the trainable parameters' gradients; averaged across ranks under DDP, refused under FSDP and
+            DeepSpeed; ``ctl.measure_noise_scale``, settable."""
         ),
     )
 

@@ -346,3 +346,62 @@ def test_token_drops_on_two_ranks_average_each_ranks_own_selection(mode):
         mean = {n: None if g is None else (g + per_rank[1][n]) / WORLD for n, g in per_rank[0].items()}
         assert_same_grads(a["grads"], mean, atol=1e-5)
         assert_same_grads(b["grads"], mean, atol=1e-5)
+
+
+def _noise_rank_main(rank: int, init_file: str, out_dir: str) -> None:
+    """``measure_noise_scale`` under DDP: 3 optimizer steps of 2 micro-batches (the first under ``no_sync``, as
+    Trainer accumulates), then the next step's first forward; per rank, the estimate and, per step, the terms of
+    this rank's micro-batch gradients computed apart (``torch.autograd.grad`` on a plain copy)."""
+    import copy
+
+    from dropbp.policy.noise_scale import window_terms
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        model = tiny_model("llama", layers=2)
+        ctl = dropbp.apply(model, 0.0, measure_noise_scale=True)
+        wrapped = DistributedDataParallel(model, find_unused_parameters=True)
+        optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.05)
+        terms = []
+        for step in range(3):
+            ids = [_ids(2 * step + k, rank) for k in range(2)]
+            plain = copy.deepcopy(model)
+            params = [p for p in plain.parameters() if p.requires_grad]
+            grads = [torch.autograd.grad(plain(input_ids=x, labels=x).loss / 2, params) for x in ids]
+            total = [a + b for a, b in zip(*grads, strict=True)]
+            squares = [sum(float(t.double().pow(2).sum()) for t in g) * 4 for g in grads]
+            terms.append(window_terms(squares, sum(float(t.double().pow(2).sum()) for t in total), ids[0].numel()))
+            with wrapped.no_sync():
+                (wrapped(input_ids=ids[0], labels=ids[0]).loss / 2).backward()
+            (wrapped(input_ids=ids[1], labels=ids[1]).loss / 2).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        wrapped(input_ids=ids[0], labels=ids[0])  # closes the last step
+        measured = ctl.noise_scale()
+        record = {"terms": terms, "measured": measured, "tokens": 2 * ids[0].numel()}
+        torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_noise_scale_under_ddp_averages_each_ranks_own_micro_batches():
+    """Every rank reads its own micro-batches (before DDP writes the averaged gradient) and the step's terms are
+    averaged across ranks: both ranks' estimate equals the estimator fed the mean of the ranks' terms computed apart,
+    at the global tokens per step."""
+    from dropbp.policy.noise_scale import NoiseScaleEstimator
+
+    with tempfile.TemporaryDirectory() as tmp:
+        _run_ranks(_noise_rank_main, os.path.join(tmp, "init"), tmp)
+        ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+    reference = NoiseScaleEstimator()
+    for step in range(3):
+        g = sum(r["terms"][step][0] for r in ranks) / WORLD
+        t = sum(r["terms"][step][1] for r in ranks) / WORLD
+        reference.add(g, t, ranks[0]["tokens"] * WORLD)
+    want = reference.estimate()
+    for r in ranks:
+        got = r["measured"]
+        assert got.steps == 3 and got.tokens_per_step == want.tokens_per_step
+        assert abs(got.gradient_sq_norm / want.gradient_sq_norm - 1) < 1e-4
+        assert abs(got.trace / want.trace - 1) < 1e-4

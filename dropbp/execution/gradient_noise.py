@@ -14,8 +14,8 @@ Costs: one copy of the trainable parameters' gradients (small for LoRA; a full c
 each micro-batch's forward, and two norms at its backward's end (``benchmarks/noise_scale_cost.py`` measures it).
 Tokens per micro-batch are read from the input's shape (``input_ids`` or ``inputs_embeds``; padding included), so
 nothing waits on the device. Needs at least two micro-batches per optimizer step (gradient accumulation): with one,
-nothing is measured. Not supported under DDP, FSDP or DeepSpeed (their gradients are reduced or sharded between the
-reads): refused at ``apply``.
+nothing is measured. Under DDP every rank reads its own micro-batches (before DDP writes the averaged gradient) and
+each step's terms are averaged across the ranks; FSDP (sharded gradients) and DeepSpeed's engine are refused.
 """
 
 from __future__ import annotations
@@ -29,22 +29,30 @@ from torch.utils.hooks import RemovableHandle
 from dropbp.execution.compile_guards import outside_graphs
 from dropbp.execution.recompute import in_backward
 from dropbp.internals import at_backward_end, tensor_version
-from dropbp.policy.noise_scale import NoiseScaleEstimator
+from dropbp.policy.noise_scale import NoiseScaleEstimator, window_terms
 
-__all__ = ["MicroBatchGradients", "check_single_process"]
+__all__ = ["MicroBatchGradients", "check_reads"]
 
 
-def check_single_process() -> None:
-    """Refuse the reads where several processes train (DDP, FSDP, DeepSpeed): their gradients are reduced or sharded
-    between a micro-batch's forward and the reads, so a difference would not be that micro-batch's gradient."""
+def check_reads(model: nn.Module, framework: bool) -> None:
+    """Refuse the reads where they would not see one micro-batch's gradient: FSDP (sharded gradients) and a
+    framework's engine (``framework``: DeepSpeed partitions or reduces them itself). Under DDP each rank reads its
+    own micro-batches (the reads run before DDP writes the averaged gradient) and the terms are averaged across the
+    ranks when a step closes."""
+    sharded = any(type(p).__name__ == "DTensor" for p in model.parameters())
+    if framework or sharded:
+        what = "FSDP shards" if sharded else "this framework's engine partitions or reduces"
+        raise RuntimeError(
+            f"measure_noise_scale reads each micro-batch's gradient from .grad, which {what} between the reads. "
+            "Measure the noise scale under DDP or in a one-process run (e.g. `dropbp check --model PATH`), or set "
+            "measure_noise_scale=False"
+        )
+
+
+def _world() -> int:
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise RuntimeError(
-            f"measure_noise_scale reads one process's gradients; this run has {dist.get_world_size()} processes "
-            "(DDP, FSDP or DeepSpeed), whose gradients are reduced or sharded between the reads. Measure the noise "
-            "scale in a one-process run (e.g. `dropbp check --model PATH`), or set measure_noise_scale=False"
-        )
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _tokens(args: tuple, kwargs: dict) -> int | None:
@@ -190,7 +198,15 @@ class MicroBatchGradients:
             return
         m = len(micro)
         scale = float(m * m)  # micro-batch gradients as means over their own tokens, the sum as the window's mean
-        self.estimator.update([float(x) * scale for x in micro], float(batch), sum(tokens) / m)
+        gradient, trace = window_terms([float(x) * scale for x in micro], float(batch), sum(tokens) / m)
+        ranks = _world()
+        if ranks > 1:  # every rank closes the same steps (the same forwards): the terms averaged across them
+            import torch.distributed as dist
+
+            terms = torch.tensor([gradient, trace], dtype=torch.float64, device=batch.device)
+            dist.all_reduce(terms)
+            gradient, trace = (terms / ranks).tolist()
+        self.estimator.add(gradient, trace, sum(tokens) * ranks)
         self._on_step()
 
     def flush(self) -> None:

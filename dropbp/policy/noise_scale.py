@@ -107,10 +107,14 @@ class NoiseScaleEstimator:
     def update(self, micro_sq_norms: Sequence[float], batch_sq_norm: float, micro_tokens: float) -> None:
         """Add one optimizer step (see :func:`window_terms`)."""
         gradient, trace = window_terms(micro_sq_norms, batch_sq_norm, micro_tokens)
+        self.add(gradient, trace, micro_tokens * len(micro_sq_norms))
+
+    def add(self, gradient: float, trace: float, tokens_per_step: float) -> None:
+        """Add one optimizer step's terms (:func:`window_terms`'s; averaged over ranks where several read)."""
         keep = self.smoothing
         self._gradient = keep * self._gradient + (1 - keep) * gradient
         self._trace = keep * self._trace + (1 - keep) * trace
-        self._tokens_per_step = micro_tokens * len(micro_sq_norms)
+        self._tokens_per_step = float(tokens_per_step)
         self.steps += 1
 
     def estimate(self) -> NoiseScale | None:
