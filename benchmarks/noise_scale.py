@@ -14,7 +14,8 @@ read after every step. From that trajectory, per arm (branch drops at 0.5 and 0.
   did not run, benchmarks/token_drops.py's branch arms) and full backprop at half the batch against full backprop
   (``token_drops/token_drops.json``).
 
-    python benchmarks/noise_scale.py --cells 100x1k 300x1k 1000x1k 100x8k   # runs (resumable)
+    python benchmarks/noise_scale.py --cells 100x1k 300x1k 1000x1k 100x8k 30x32k   # runs (resumable)
+    python benchmarks/noise_scale.py --smollm2                               # the SmolLM2 cell, one seed
     python benchmarks/noise_scale.py --report                                # validation.md / .json / .png
 """
 
@@ -97,25 +98,53 @@ def train(cell, seed: int) -> dict:
             "wall_s": time.perf_counter() - started}  # fmt: skip
 
 
+SMOLLM2 = "smollm2-lora-100x1k"  # the README's regime: benchmarks/smollm2_equal_quality.py's cell
+
+
+def train_smollm2(seed: int) -> dict:
+    """Full backprop on SmolLM2-135M-Instruct as benchmarks/smollm2_equal_quality.py ran it (LoRA r=8 on every
+    linear layer, Python's help text, 8 micro-batches of 1 x 128 tokens, lr 2e-3 warm-up + cosine, weight decay
+    0.01, 100 steps), with the noise scale measured (one thread)."""
+    torch.set_num_threads(1)
+    from dropbp import backends
+    from dropbp.tools.compare import Run, compare
+    from dropbp.tools.pretrained import load_causal_lm
+    from dropbp.tools.qlora import with_lora
+    from dropbp.tools.textdata import pydoc_topics
+
+    model, tokenizer = load_causal_lm()
+    model = with_lora(model)
+    data = pydoc_topics(tokenizer, 128)
+    started = time.perf_counter()
+    [result] = compare(
+        model, [Run("full", 0.0, lr=2e-3, steps=100, measure_noise_scale=True)], data, steps=100, lr=2e-3,
+        batch_size=8, backend=backends.get("cpu"), eval_every=100, seed=seed, accumulation=8,
+        lr_schedule="cosine", weight_decay=0.01,
+    )  # fmt: skip
+    return {"cell": SMOLLM2, "seed": seed, "lr": 2e-3, "tokens": 1024, "steps": 100,
+            "noise_scale": result.noise_scale, "final_loss": result.val_loss[-1],
+            "wall_s": time.perf_counter() - started}  # fmt: skip
+
+
 def load_runs() -> dict[str, dict]:
     path = OUT / "runs.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     return {f"{r['cell']}/seed{r['seed']}": r for r in rows}
 
 
-def run_cells(cells: list) -> None:
+def run_cells(cells: list, seeds: tuple[int, ...] = SEEDS) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     done = load_runs()
     started = time.perf_counter()
     for cell in cells:
-        for seed in SEEDS:
-            if f"{cell.name}/seed{seed}" in done:
+        for seed in seeds:
+            if f"{getattr(cell, 'name', cell)}/seed{seed}" in done:
                 continue
-            row = train(cell, seed)
+            row = train_smollm2(seed) if cell == SMOLLM2 else train(cell, seed)
             with (OUT / "runs.jsonl").open("a") as f:
                 f.write(json.dumps(row) + "\n")
             elapsed = time.perf_counter() - started
-            print(f"[{elapsed:6.0f} s] {cell.name}/seed{seed}: noise scale start {_start(row):.0f}, end "
+            print(f"[{elapsed:6.0f} s] {row['cell']}/seed{seed}: noise scale start {_start(row):.0f}, end "
                   f"{row['noise_scale'][-1]:.0f} tokens ({row['wall_s']:.0f} s)", flush=True)  # fmt: skip
 
 
@@ -123,7 +152,18 @@ def _start(row: dict) -> float:
     return row["noise_scale"][max(1, round(START * row["steps"]))]
 
 
+def _smollm2_step_speedup() -> float:
+    """DropBP 0.5's step speedup on the SmolLM2 cell: its 135 steps over their time in full-backprop steps."""
+    record = json.loads((HERE / "results" / "smollm2_equal_quality.json").read_text())
+    row = next(r for r in record["rows"] if r["run"] == "DropBP 0.5, equal time")
+    return 135 * len(row["time_in_full_steps"]) / sum(row["time_in_full_steps"])
+
+
 def _step_speedup(cell, arm: str) -> float:
+    if cell == SMOLLM2:
+        if arm != "branch0.5":
+            raise KeyError(arm)  # only DropBP 0.5 ran on SmolLM2
+        return _smollm2_step_speedup()
     cost = wip.StepCost.from_bench(wip.COST_RECORD)
     if ARMS[arm] is None:
         return cost.step_seconds(0.0, cell.tokens) / cost.step_seconds(0.0, cell.tokens // 2)
@@ -138,12 +178,17 @@ def forecast(row: dict, arm: str) -> tuple[float, float]:
     tokens = row["tokens"]
     read = [n for n in row["noise_scale"][max(1, round(START * row["steps"])) :] if n is not None]
     worth = sum(step_worth(kept, n / tokens if math.isfinite(n) else math.inf) for n in read) / len(read)
-    return worth, worth * _step_speedup(wip.Cell.parse(row["cell"]), arm)
+    cell = SMOLLM2 if row["cell"] == SMOLLM2 else wip.Cell.parse(row["cell"])
+    return worth, worth * _step_speedup(cell, arm)
 
 
 def measured(cell_name: str) -> dict[str, dict]:
-    """What the map (branch drops, equal time) and token_drops.py (half the batch) measured against full backprop."""
+    """What the map (branch drops, equal time) and token_drops.py (half the batch) measured against full backprop;
+    on the SmolLM2 cell, benchmarks/smollm2_equal_quality.py's DropBP 0.5 at equal time."""
     found = {}
+    if cell_name == SMOLLM2:
+        record = json.loads((HERE / "results" / "smollm2_equal_quality.json").read_text())
+        return {"branch0.5": next(r for r in record["rows"] if r["run"] == "DropBP 0.5, equal time")["speedup"]}
     for c in json.loads((wip.OUT / "map.json").read_text())["cells"]:
         if c["cell"] == cell_name:
             for arm, rate in ARMS.items():
@@ -164,17 +209,20 @@ def measured(cell_name: str) -> dict[str, dict]:
 
 def report() -> None:
     runs = load_runs()
-    cells = sorted({wip.Cell.parse(r["cell"]) for r in runs.values()}, key=lambda c: (c.tokens, c.steps))
+    cells = sorted({wip.Cell.parse(r["cell"]) for r in runs.values() if r["cell"] != SMOLLM2},
+                   key=lambda c: (c.tokens, c.steps))  # fmt: skip
+    cells += [SMOLLM2] if any(r["cell"] == SMOLLM2 for r in runs.values()) else []
     rows = []
     for cell in cells:
-        seeds = [runs[f"{cell.name}/seed{s}"] for s in SEEDS if f"{cell.name}/seed{s}" in runs]
-        seen = measured(cell.name)
-        for arm in ARMS:
+        name = getattr(cell, "name", cell)
+        seeds = [runs[f"{name}/seed{s}"] for s in SEEDS if f"{name}/seed{s}" in runs]
+        seen = measured(name)
+        for arm in ARMS if cell != SMOLLM2 else ["branch0.5"]:
             predicted = [forecast(r, arm) for r in seeds]
             got = seen.get(arm)
             mean_got = None if got is None else got["mean"]
             rows.append({
-                "cell": cell.name, "arm": arm, "seeds": len(seeds),
+                "cell": name, "arm": arm, "seeds": len(seeds),
                 "noise_start": statistics.median(_start(r) for r in seeds),
                 "noise_end": statistics.median(r["noise_scale"][-1] for r in seeds),
                 "step_speedup": _step_speedup(cell, arm),
@@ -188,7 +236,8 @@ def report() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "validation.json").write_text(json.dumps(record, indent=2) + "\n")
     lines = [
-        "The gradient noise scale of full backprop on the map's cells (median of 3 seeds; read at 10% of the run "
+        "The gradient noise scale of full backprop on the map's cells and the README's SmolLM2 cell (median of the "
+        "seeds: 3 on the proxy, 1 on SmolLM2 (LoRA, lr 2e-3); read at 10% of the run "
         "and at its end; inf where the estimate of |G|^2 was not positive) and the speedup at equal quality it "
         "forecasts against full backprop at the cell's batch, beside the one measured (the map's equal-time runs; "
         "full backprop at half the batch from benchmarks/token_drops.py; mean [95% interval] over 3 seeds). "
@@ -244,10 +293,13 @@ def _plot(rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", nargs="+", type=wip.Cell.parse, default=[])
+    parser.add_argument("--smollm2", action="store_true", help="also the SmolLM2 cell (one seed: minutes a run here)")
     parser.add_argument("--report", action="store_true")
     args = parser.parse_args()
     if args.cells:
         run_cells(args.cells)
+    if args.smollm2:
+        run_cells([SMOLLM2], seeds=(0,))
     if args.report:
         report()
 
