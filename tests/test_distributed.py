@@ -42,6 +42,17 @@ def _full(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.detach().cpu().clone()
 
 
+def _distribute(model: torch.nn.Module, mode: str) -> torch.nn.Module:
+    """``model`` under DDP (unused parameters allowed: dropped branches leave some) or FSDP2 (each layer sharded)."""
+    if mode == "ddp":
+        return DistributedDataParallel(model, find_unused_parameters=True)
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
 def _wrap(
     model: torch.nn.Module, mode: str, order: str, pattern: str
 ) -> tuple[torch.nn.Module, dropbp.DropBPController]:
@@ -51,14 +62,7 @@ def _wrap(
     options = {"pattern": "cut", "memory_bound": True} if pattern == "cut+bound" else {"pattern": pattern}
     if order == "apply-first":
         ctl = dropbp.apply(model, 0.5, seed=0, **options)
-    if mode == "ddp":
-        wrapped = DistributedDataParallel(model, find_unused_parameters=True)
-    else:
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.model.layers:
-            fully_shard(layer)
-        wrapped = fully_shard(model)
+    wrapped = _distribute(model, mode)
     if order == "wrap-first":
         ctl = dropbp.apply(wrapped, 0.5, seed=0, **options)
     return wrapped, ctl
@@ -291,14 +295,7 @@ def _tokens_rank_main(rank: int, init_file: str, out_dir: str, mode: str) -> Non
     try:
         model = tiny_model("llama", layers=3)
         ctl = dropbp.apply(model, 0.5, seed=0, token_drop_rate=0.5)
-        if mode == "ddp":
-            wrapped = DistributedDataParallel(model, find_unused_parameters=True)
-        else:
-            from torch.distributed.fsdp import fully_shard
-
-            for layer in model.model.layers:
-                fully_shard(layer)
-            wrapped = fully_shard(model)
+        wrapped = _distribute(model, mode)
         names = [n for n, _ in model.named_parameters()]
         optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-2)
         record = []
