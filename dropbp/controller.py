@@ -300,6 +300,11 @@ class DropBPController:
         "The run's length in training forwards (``None``: unknown); known, the rates follow ``drop_schedule`` "
         "with the run's mean drop rate equal to ``drop_rate``.",
     )
+    windows = _setting(
+        "windows",
+        "The run's optimizer-step windows, (training forwards per epoch, accumulation), or None: stratified groups "
+        "and a pattern pool start at every optimizer step even where an epoch ends with a short window.",
+    )
     drop_schedule = _setting(
         "drop_schedule", 'How the rates move over a run of known length: "constant", "linear", "cosine" or "step".'
     )
@@ -498,7 +503,12 @@ class DropBPController:
                 f"saved {len(state['branches'])} starting {list(state['branches'])[:2]}, "
                 f"this model has {len(names)} starting {names[:2]}"
             )
-        given = dataclasses.replace(self._given, **{name: state[name] for name in POLICY_STATE})
+        windows = state.get("windows")
+        given = dataclasses.replace(
+            self._given,
+            **{name: state[name] for name in POLICY_STATE},
+            windows=None if windows is None else tuple(windows),
+        )
         estimator = NoiseScaleEstimator()
         if "noise_scale" in state:
             estimator.load_state_dict(state["noise_scale"])

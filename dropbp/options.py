@@ -1,8 +1,8 @@
 """The options of ``dropbp.apply`` and of the Trainer integration, declared and validated once.
 
 :class:`DropBPOptions` holds every keyword option of :func:`dropbp.apply`; :class:`TrainerOptions` adds ``warmup``
-and ``calibrate_at`` (fractions of the run) and leaves out ``warmup_steps`` and ``total_steps`` (the callback of
-:mod:`dropbp.integrations.hf` derives them from the run's length). :func:`takes_options` makes each field's default
+and ``calibrate_at`` (fractions of the run) and leaves out ``warmup_steps``, ``total_steps`` and ``windows`` (the
+callback of :mod:`dropbp.integrations.hf` derives them from the run). :func:`takes_options` makes each field's default
 and help the keyword parameters of ``apply``, ``attach`` and ``DropBPCallback``; the axolotl ``dropbp_*`` keys come
 from the same fields (:mod:`dropbp.integrations.axolotl`). Adding an option is one field here (default, help, check
 in ``__post_init__``), then wired where it acts (the policy, the controller). An object is valid once made (frozen):
@@ -208,6 +208,19 @@ class DropBPOptions:
         ),
     )
 
+    windows: tuple[int, int] | None = field(
+        default=None,
+        metadata=_help(
+            """The run's optimizer-step windows, ``(training forwards per epoch, gradient accumulation steps)``,
+            for epochs whose length is not a multiple of the accumulation (each ends with a short window): given,
+            ``stratify`` groups and a pattern pool's cycle (``max_patterns``) start at every optimizer step, and a
+            short window's stratified group has as many slices as it has forwards (:mod:`dropbp.policy.windows`).
+            ``None``: windows of ``stratify`` forwards, the pool cycled by forward. ``ctl.windows``, saved in
+            ``state_dict``.""",
+            trainer="the run decides it: the dataloader's length and gradient_accumulation_steps",
+        ),
+    )
+
     token_drop_rate: float = field(
         default=0.0,
         metadata=_help(
@@ -279,6 +292,8 @@ class DropBPOptions:
         check_choice(key("drop_schedule"), self.drop_schedule, DROP_SCHEDULES)
         self._set("ramp", check_ramp(key("ramp"), self.ramp))
         check_int(key("stratify"), self.stratify, 1)
+        if self.windows is not None:
+            self._set("windows", _windows(key("windows"), self.windows))
         self._rate(
             "token_drop_rate",
             "it is the share of token rows whose backward each kept branch skips; set it to e.g. 0.5, or 0 for none",
@@ -348,13 +363,22 @@ class DropBPOptions:
         return DropBPOptions(**{**own, **overrides})
 
 
+def _windows(name: str, value: object) -> tuple[int, int]:
+    """``value`` as a ``(forwards per epoch, accumulation)`` pair of positive ints, or a TypeError naming it."""
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise TypeError(
+            f"{name} must be (training forwards per epoch, gradient accumulation steps), or None, got {value!r:.80}"
+        )
+    return check_int(f"{name}[0]", value[0], 1), check_int(f"{name}[1]", value[1], 1)
+
+
 _O = TypeVar("_O", bound=DropBPOptions)
 
 
 @dataclass(frozen=True)
 class TrainerOptions(DropBPOptions):
     """The options of a Trainer run (``attach``, ``DropBPCallback``, the axolotl keys): ``apply``'s, less
-    ``warmup_steps`` and ``total_steps`` (the run's length decides them), plus ``warmup`` and ``calibrate_at``."""
+    ``warmup_steps``, ``total_steps`` and ``windows`` (the run decides them), plus ``warmup`` and ``calibrate_at``."""
 
     drop_rate: float | str = field(default=0.5, metadata=DropBPOptions.__dataclass_fields__["drop_rate"].metadata)
     seed: int | None = field(
@@ -365,6 +389,9 @@ class TrainerOptions(DropBPOptions):
     )
     total_steps: int | None = field(
         default=None, init=False, metadata=DropBPOptions.__dataclass_fields__["total_steps"].metadata
+    )
+    windows: tuple[int, int] | None = field(
+        default=None, init=False, metadata=DropBPOptions.__dataclass_fields__["windows"].metadata
     )
     warmup: float | str = field(
         default="auto",

@@ -35,8 +35,9 @@ POLICY_STATE = (
 
 #: The keys of a state (every one required: no release wrote states with fewer).
 REQUIRED = ("version", "branches", "rates", "step", *POLICY_STATE, "rates_follow_drop_rate")
-#: Keys only some states have: ``noise_scale`` where ``drop_rate="auto"`` (the estimator's state).
-OPTIONAL = ("noise_scale",)
+#: Keys only some states have: ``noise_scale`` where ``drop_rate="auto"`` (the estimator's state), ``windows`` where
+#: the run's optimizer-step windows are set.
+OPTIONAL = ("noise_scale", "windows")
 NOISE_SCALE_KEYS = ("steps", "gradient", "trace", "tokens_per_step")
 
 
@@ -100,5 +101,11 @@ def check_state(state: object) -> dict[str, Any]:
     check_choice(_field("drop_schedule"), state["drop_schedule"], DROP_SCHEDULES)
     check_ramp(_field("ramp"), state["ramp"])
     check_int(_field("stratify"), state["stratify"], 1)
+    if "windows" in state:
+        windows = state["windows"]
+        if not isinstance(windows, (list, tuple)) or len(windows) != 2:
+            raise TypeError(f"{_field('windows')} must be [forwards per epoch, accumulation], got {windows!r:.80}")
+        for i, value in enumerate(windows):
+            check_int(f"{_field('windows')}[{i}]", value, 1)
     check_bool(_field("rates_follow_drop_rate"), state["rates_follow_drop_rate"])
     return state

@@ -503,6 +503,54 @@ def test_epochs_with_a_short_last_window_schedule_the_forwards_the_run_makes(tmp
     assert training_forwards(8, 4, range(16)) == 32 and training_forwards(8, 4, iter([])) == 32
 
 
+def _patterns_per_optimizer_step(tmp_path, epochs: int, **options) -> tuple[list[list[tuple[str, ...]]], object]:
+    """Epochs of 15 batches at accumulation 4 (optimizer steps of 4, 4, 4 and 3 forwards, transformers' short last
+    window): the branches each training forward dropped, grouped by the optimizer step it belongs to; and the
+    controller."""
+    import transformers
+    from test_hf_integration import _args, _dataset
+
+    from dropbp.integrations.hf import attach
+
+    trainer = transformers.Trainer(
+        model=tiny_model("llama", layers=4),
+        args=_args(tmp_path, max_steps=-1, num_train_epochs=epochs, gradient_accumulation_steps=4, seed=3),
+        train_dataset=_dataset(30),
+        data_collator=transformers.default_data_collator,
+    )
+    ctl = attach(trainer, drop_rate=0.5, warmup=0, **options).controller
+    seen: list[tuple[str, ...]] = []
+    trainer.model.register_forward_hook(lambda m, args, out: seen.append(ctl.last_dropped) if m.training else None)
+    trainer.train()
+    sizes = [4, 4, 4, 3] * epochs
+    assert len(seen) == sum(sizes) == ctl.step
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [seen[a : a + n] for a, n in zip(starts, sizes, strict=True)], ctl
+
+
+def test_stratified_groups_are_the_optimizer_steps_when_epochs_end_with_a_short_window(tmp_path):
+    """Class B: with stratify=4 every optimizer step's cut depths take one slice each of [0, 1), so a branch whose
+    rate is at most 1 - 1/m is kept in at least one of the step's m forwards - in every step, not only while the
+    forward count stays a multiple of 4 (a short window of 3 is a group of its own, of 3 slices)."""
+    steps, ctl = _patterns_per_optimizer_step(tmp_path, epochs=6, stratify=4)
+    assert ctl.windows == (15, 4)
+    names = [b.name for b in ctl.branches]
+    for forwards in steps:
+        m = len(forwards)
+        for name, rate in zip(names, ctl.rates, strict=True):
+            if rate <= 1 - 1 / m:
+                assert any(name not in dropped for dropped in forwards), (name, rate, forwards)
+
+
+def test_a_pattern_pool_cycles_by_optimizer_step_when_epochs_end_with_a_short_window(tmp_path):
+    """Class B, the lazy devices' promise: under a pool of 16 patterns, optimizer steps of 4 forwards see at most
+    16 / 4 sequences of patterns, each four consecutive patterns of the pool, whatever the epochs' short windows."""
+    steps, ctl = _patterns_per_optimizer_step(tmp_path, epochs=4, max_patterns=16, pattern="cut")
+    whole = {tuple(forwards) for forwards in steps if len(forwards) == 4}
+    assert len(whole) <= 4, len(whole)
+    assert len({dropped for forwards in steps for dropped in forwards}) <= 16
+
+
 @pytest.mark.parametrize("checkpointing", [None, "reentrant", "non-reentrant"])
 def test_importance_weights_are_the_forwards_whatever_changes_before_its_backward(checkpointing):
     """Class C: with ``unbiased=True`` a kept branch's weight is ``1 / (1 - r)`` for the rate of the forward that

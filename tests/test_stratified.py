@@ -9,6 +9,7 @@ from conftest import batch, tiny_model
 
 import dropbp
 from dropbp.policy.sampler import CutSampler, stratified_depth
+from dropbp.policy.windows import Windows
 
 
 @pytest.mark.parametrize("group", [2, 3, 8])
@@ -75,3 +76,58 @@ def test_apply_stratifies_and_the_setting_is_saved():
 def test_bad_stratification_is_refused_with_the_reason(options, message):
     with pytest.raises(ValueError, match=message):
         dropbp.apply(tiny_model("llama", layers=3), 0.5, **options)
+
+
+def test_windows_map_forwards_to_indices_that_start_every_optimizer_step():
+    """Epochs of 15 forwards at accumulation 4 (optimizer steps of 4, 4, 4 and 3): each epoch's forwards take the
+    indices of 16 - the 16th, which the short window leaves out, is never drawn - so every optimizer step starts
+    at a multiple of 4; a stratified group that a short window ends has as many slices as forwards."""
+    w = Windows(forwards_per_epoch=15, accumulation=4)
+    assert [w.index(s) for s in (0, 11, 12, 14, 15, 18, 29, 30)] == [0, 11, 12, 14, 16, 19, 30, 32]
+    assert [w.forward(i) for i in (0, 14, 15, 16, 31, 32)] == [0, 14, 15, 15, 30, 30]
+    assert [w.group_size(i, 4) for i in (0, 3, 12, 14, 16, 28, 30)] == [4, 4, 3, 3, 4, 3, 3]
+    assert w.group_size(12, 2) == 2 and w.group_size(14, 2) == 1 and w.group_size(12, 3) == 3  # 3 crosses windows
+    assert [Windows(16, 4).index(s) for s in range(40)] == list(range(40))  # whole windows: the forward itself
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_a_short_group_takes_one_depth_in_each_of_its_own_slices(size):
+    for start in range(0, 160, 4):
+        depths = [stratified_depth(7, 4, start + j, size) for j in range(size)]
+        assert sorted(math.floor(u * size) for u in depths) == list(range(size))
+    assert stratified_depth(7, 4, 9, 4) == stratified_depth(7, 4, 9)  # a whole group: as before windows existed
+    with pytest.raises(ValueError, match="not among the first 2 of its group of 4"):
+        stratified_depth(7, 4, 10, 2)
+
+
+def test_windows_are_an_option_of_apply_saved_with_the_state():
+    model = tiny_model("llama", layers=3).train()
+    ctl = dropbp.apply(model, 0.5, seed=1, stratify=4, windows=[15, 4])
+    assert ctl.windows == (15, 4) and ctl.state_dict()["windows"] == [15, 4]
+    again = dropbp.apply(tiny_model("llama", layers=3), 0.5, seed=1)
+    assert "windows" not in again.state_dict()  # none set: the state has no key (states saved before windows load)
+    again.load_state_dict(ctl.state_dict())
+    assert again.windows == (15, 4)
+    assert [again.dropped_at(s) for s in range(40)] == [ctl.dropped_at(s) for s in range(40)]
+    plain = dropbp.apply(tiny_model("llama", layers=3), 0.5, seed=1)
+    plain.load_state_dict({k: v for k, v in ctl.state_dict().items() if k != "windows"})
+    assert plain.windows is None
+    ctl.windows = None
+    assert "windows" not in ctl.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("windows", "error", "message"),
+    [
+        ((0, 4), ValueError, r"windows\[0\] must be"),
+        ((15, 4, 1), TypeError, r"windows must be \(training forwards per epoch, gradient accumulation steps\)"),
+        (15, TypeError, "windows must be"),
+        ((15, 2.5), TypeError, r"windows\[1\] must be"),
+    ],
+)
+def test_bad_windows_are_refused_naming_them(windows, error, message):
+    with pytest.raises(error, match=message):
+        dropbp.apply(tiny_model("llama", layers=3), 0.5, windows=windows)
+    ctl = dropbp.apply(tiny_model("llama", layers=3), 0.5)
+    with pytest.raises((TypeError, ValueError), match=r"windows"):
+        ctl.load_state_dict(ctl.state_dict() | {"windows": windows})

@@ -76,6 +76,16 @@ def training_forwards(optimizer_steps: int, accumulation: int, dataloader: objec
     return epochs * batches + rest * accumulation
 
 
+def epoch_windows(accumulation: int, dataloader: object | None) -> tuple[int, int] | None:
+    """The run's optimizer-step windows (:mod:`dropbp.policy.windows`) where its epochs end with a short window:
+    ``(batches per epoch, accumulation)``; ``None`` where every window is whole or the dataloader has no length."""
+    try:
+        batches = len(dataloader)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    return (batches, accumulation) if batches > 0 and batches % accumulation else None
+
+
 class DropBPCallback(TrainerCallback):
     """DropBP in a Trainer, from its options alone: ``Trainer(..., callbacks=[DropBPCallback(drop_rate=0.5)])``.
 
@@ -97,6 +107,7 @@ class DropBPCallback(TrainerCallback):
         self._noise_forecast_said = False
         self._moving = False  # a new train()'s model takes the controller: its removal keeps the callback
         self._forwards = 0  # the training forwards of the run under way (training_forwards)
+        self._windows: tuple[int, int] | None = None  # its optimizer-step windows (epoch_windows)
         #: The trainer, known when :func:`attach` (or :func:`build_callback`) made this callback; else ``None``.
         self.trainer: Trainer | None = None
         self.calibrated = False
@@ -204,6 +215,8 @@ class DropBPCallback(TrainerCallback):
             self._restart()
         loader = kw.get("train_dataloader")
         self._forwards = training_forwards(state.max_steps, args.gradient_accumulation_steps, loader)
+        self._windows = epoch_windows(args.gradient_accumulation_steps, loader)
+        self._follow_windows()
         self._schedule(self._forwards)  # the controller counts micro-batches
         if state.global_step == 0:
             log_forecast(args, state, self.controller.drop_rate)
@@ -240,6 +253,7 @@ class DropBPCallback(TrainerCallback):
             raise type(error)(f"dropbp: the state in {path} was refused: {error}") from None
         self.calibrated = saved["calibrated"]
         self._honour(asked, path)
+        self._follow_windows()  # a state saved by another run, or before windows were kept, has others
         forwards = self._forwards
         if self.options.drop_rate != AUTO and self.controller.total_steps != forwards:
             self._replan(forwards)
@@ -281,6 +295,11 @@ class DropBPCallback(TrainerCallback):
             mean,
             ctl.drop_rate,
         )
+
+    def _follow_windows(self) -> None:
+        """The run's optimizer-step windows on the controller (the run decides them, as the schedule's length)."""
+        if self.controller.windows != self._windows:
+            self.controller.windows = self._windows
 
     def _schedule(self, forwards: int) -> None:
         """The warm-up and the time schedule over a run of ``forwards`` training forwards.

@@ -28,6 +28,7 @@ from dropbp.policy.never_drop_all import (
 )
 from dropbp.policy.sampler import SAMPLERS, CutSampler, PatternSampler
 from dropbp.policy.schedule import BOUNDED_WARMUP_LEVELS, SCHEDULE_LEVELS, TimeSchedule, warmup_factor
+from dropbp.policy.windows import Windows
 
 #: Pattern samplers kept at once (one per factor on the rates). A warm-up without a time schedule has a
 #: factor per step; the oldest sampler goes first (samplers are pure functions: rebuilt alike when needed).
@@ -53,6 +54,7 @@ class PolicySettings(Protocol):
     drop_schedule: str
     ramp: float
     stratify: int
+    windows: tuple[int, int] | None
 
 
 _SETTINGS = tuple(PolicySettings.__annotations__)
@@ -71,10 +73,12 @@ class DropPolicy:
 
     Args:
         flops: each branch's cost, in branch order; their number is the number of branches.
-        options: the settings (``drop_rate``, ``seed``, ``max_patterns`` (here ``None`` is unbounded),
-            ``warmup_steps``, ``pattern``, ``total_steps``, ``drop_schedule``, ``ramp``); its other fields
-            are not the policy's. With ``total_steps`` the rates follow a :class:`~dropbp.policy.schedule.TimeSchedule`
-            whose mean over the run is 1, so the run drops ``drop_rate`` on average, warm-up included.
+        options: the settings (``drop_rate``, ``seed``, ``max_patterns`` (here ``None`` is unbounded), ``warmup_steps``,
+            ``pattern``, ``total_steps``, ``drop_schedule``, ``ramp``, ``stratify``, ``windows``); its other fields are
+            not the policy's. Patterns are drawn at each forward's pattern index (:mod:`dropbp.policy.windows`), the
+            rates' schedule at the forward itself. With ``total_steps`` the rates follow a
+            :class:`~dropbp.policy.schedule.TimeSchedule` whose mean over the run is 1, so the run drops ``drop_rate``
+            on average, warm-up included.
     """
 
     def __init__(self, flops: Sequence[float], options: PolicySettings) -> None:
@@ -86,6 +90,7 @@ class DropPolicy:
         self._own_rates = True  # the rates are the shape's own for drop_rate (not given by set_rates)
         self._rates: list[float] = []
         self._time: TimeSchedule | None = None
+        self._windows: Windows | None = None
         self._options = options
         self.use(options)
 
@@ -121,6 +126,7 @@ class DropPolicy:
             rates = self._rates
             self._check_peak(rates, options.pattern, time)
         self._options, self._time, self._rates, self._own_rates = options, time, rates, own
+        self._windows = None if options.windows is None else Windows(*options.windows)
         self._samplers.clear()
 
     def _shape_rates(self, options: PolicySettings, time: TimeSchedule | None) -> list[float]:
@@ -239,11 +245,22 @@ class DropPolicy:
             trainable: per branch, whether it holds a trainable parameter, or ``None`` when something
                 outside the branches is trainable (see :func:`dropbp.policy.never_drop_all.keep_a_trainable_branch`).
         """
+        index = self._index(step)
         if self._options.max_patterns is None or self._options.stratify > 1:
-            pattern = self._sampler(self.factor(step)).pattern(step)
+            pattern = self._sampler(self.factor(step)).pattern(index)
         else:
-            pattern = self._bounded(step)
+            pattern = self._bounded(index)
         return keep_a_trainable_branch(pattern, self._rates, trainable)
+
+    def _index(self, step: int) -> int:
+        """The pattern index of forward ``step`` (:mod:`dropbp.policy.windows`)."""
+        return step if self._windows is None else self._windows.index(step)
+
+    def _block_factor(self, index: int) -> float:
+        """Under a pattern bound, the factor on the rates of the thinning block that holds pattern ``index``: the
+        factor at the block's first forward."""
+        start = (index // THINNING_BLOCK) * THINNING_BLOCK
+        return self.factor(start if self._windows is None else self._windows.forward(start))
 
     def drop_probabilities(
         self, step: int, trainable: Callable[[], list[bool] | None] = lambda: None
@@ -268,25 +285,25 @@ class DropPolicy:
         frequencies = [sum(i in p for p in pool) / len(pool) for i in range(len(self._rates))]
         if not moving:
             return tuple(frequencies)
-        share = min(1.0, self.factor((step // THINNING_BLOCK) * THINNING_BLOCK) / self.peak)
+        share = min(1.0, self._block_factor(self._index(step)) / self.peak)
         return tuple(share * (bound - 1) / bound * f for f in frequencies)
 
-    def _bounded(self, step: int) -> frozenset[int]:
-        """The pattern at ``step`` under a pattern bound ``K``: a pool of ``K`` patterns, cycled. When the rates move
-        (a warm-up, a rising time schedule), one of the ``K`` slots is the empty pattern and the other ``K - 1`` are
-        drawn at ``K / (K - 1)`` times the peak rates (capped at 1), and the forwards go in blocks of
+    def _bounded(self, index: int) -> frozenset[int]:
+        """The pattern at pattern index ``index`` under a pattern bound ``K``: a pool of ``K`` patterns, cycled. When
+        the rates move (a warm-up, a rising time schedule), one of the ``K`` slots is the empty pattern and the other
+        ``K - 1`` are drawn at ``K / (K - 1)`` times the peak rates (capped at 1), and the forwards go in blocks of
         :data:`THINNING_BLOCK`: a block whose factor (at its first forward) is below the peak follows the pool in a
-        share ``factor / peak`` of such blocks, spread evenly, and drops nothing in the others. Each branch drops at
-        its rate times the factor (within the pool's ``1 / K``), a whole run never sees more than ``K`` patterns
-        (each a compiled graph on a lazy device), and optimizer steps of 1, 2, 4 or 8 micro-batches see only the
-        pool's own sequences of patterns, or none dropped."""
+        share ``factor / peak`` of such blocks, spread evenly, and drops nothing in the others. Each branch drops at its
+        rate times the factor (within the pool's ``1 / K``), a whole run never sees more than ``K`` patterns (each a
+        compiled graph on a lazy device), and optimizer steps of 1, 2, 4 or 8 micro-batches see only the pool's own
+        sequences of patterns, or none dropped."""
         bound = self._options.max_patterns
         if not self._rates_move():
-            return self._sampler(self.peak).pattern(step)
-        block = step // THINNING_BLOCK
-        share = self.factor(block * THINNING_BLOCK) / self.peak
+            return self._sampler(self.peak).pattern(index)
+        block = index // THINNING_BLOCK
+        share = self._block_factor(index) / self.peak
         off = share < 1 - _ROUNDING and math.floor((block + 1) * share) == math.floor(block * share)
-        slot = step % bound
+        slot = index % bound
         if share <= _ROUNDING or off or slot == 0:
             return frozenset()
         return self._sampler(self.peak * bound / (bound - 1)).pattern(slot - 1)
@@ -301,7 +318,7 @@ class DropPolicy:
             rates = [min(1.0, r * factor) for r in self._rates]  # a peak's rounding must not pass 1
             options = self._options
             if options.stratify > 1:  # the options allow it with cut patterns and no pool only
-                sampler = CutSampler(rates, options.seed, stratify=options.stratify)
+                sampler = CutSampler(rates, options.seed, stratify=options.stratify, windows=self._windows)
             else:
                 sampler = SAMPLERS[options.pattern](rates, options.seed, self._pool_size())
             if len(self._samplers) >= MAX_SAMPLERS:
@@ -330,7 +347,7 @@ class DropPolicy:
             "ramp": options.ramp,
             "stratify": options.stratify,
             "rates_follow_drop_rate": self._own_rates,
-        }
+        } | ({} if options.windows is None else {"windows": list(options.windows)})
 
     def load_state_dict(self, state: dict[str, Any], options: PolicySettings) -> None:
         """Restore :meth:`state_dict` output: its rates under ``options`` (the state's settings as the controller

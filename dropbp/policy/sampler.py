@@ -1,4 +1,5 @@
-"""Which branches drop at a given step: a pure function of (seed, step, rates).
+"""Which branches drop at a given step: a pure function of (seed, step, rates). The policy passes each forward's
+pattern index (:mod:`dropbp.policy.windows`: the forward itself, unless the run's epochs end with short windows).
 
 :class:`PatternSampler` (the uniform shape) drops branch ``i`` with probability exactly ``rates[i]`` and exactly
 ``floor(R)`` or ``ceil(R)`` branches each step (``R = sum(rates)``); with ``R <= N - 1`` (the rule that
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+
+from dropbp.policy.windows import Windows
 
 __all__ = ["CutSampler", "PatternSampler", "SAMPLERS", "stratified_depth"]
 
@@ -116,12 +119,21 @@ class CutSampler(PatternSampler):
 
     _STREAM = ("cut",)
 
-    def __init__(self, rates: Sequence[float], seed: int, max_patterns: int | None = None, stratify: int = 1) -> None:
+    def __init__(
+        self,
+        rates: Sequence[float],
+        seed: int,
+        max_patterns: int | None = None,
+        stratify: int = 1,
+        windows: Windows | None = None,
+    ) -> None:
         super().__init__(rates, seed, max_patterns)
         if stratify > 1 and max_patterns is not None:
             raise ValueError("stratified cuts are drawn afresh each step: they take no pattern pool (max_patterns)")
         #: Forwards per stratified group (1: independent draws).
         self.stratify = stratify
+        #: The run's optimizer-step windows: a group a short window ends has as many slices as forwards.
+        self.windows = windows
 
     def _build_pool(self) -> tuple[frozenset[int], ...]:
         k = self.max_patterns
@@ -131,21 +143,26 @@ class CutSampler(PatternSampler):
     def _draw(self, step: int) -> frozenset[int]:
         if self.stratify == 1:
             return self._below(self._rng("step", step).random())
-        return self._below(stratified_depth(self.seed, self.stratify, step))
+        size = self.stratify if self.windows is None else self.windows.group_size(step, self.stratify)
+        return self._below(stratified_depth(self.seed, self.stratify, step, size))
 
     def _below(self, u: float) -> frozenset[int]:
         return frozenset(i for i, r in enumerate(self.rates) if u < r)
 
 
-def stratified_depth(seed: int, group: int, step: int) -> float:
-    """The cut depth ``u`` of forward ``step`` in groups of ``group`` forwards: the group's forwards take one point
-    in each slice ``[k / group, (k + 1) / group)``, slices in a random order, at one random offset in the slice.
-    Each ``u`` is uniform on [0, 1); it depends on (seed, step) only, not on the rates, so a warm-up that changes
-    the rates inside a group keeps the group's slices."""
-    rng = random.Random(f"stratified:{seed}:{group}:{step // group}")
-    order = list(range(group))
+def stratified_depth(seed: int, group: int, step: int, size: int | None = None) -> float:
+    """The cut depth ``u`` at pattern index ``step`` in groups of ``group`` indices, of which the first ``size``
+    (default ``group``; fewer where a short window ends the group) draw: they take one point in each slice
+    ``[k / size, (k + 1) / size)``, slices in a random order, at one random offset in the slice. Each ``u`` is
+    uniform on [0, 1); it depends on (seed, step, size) only, not on the rates, so a warm-up that changes the rates
+    inside a group keeps the group's slices."""
+    size = group if size is None else size
+    if not 0 <= step % group < size <= group:
+        raise ValueError(f"index {step} is not among the first {size} of its group of {group}")
+    rng = random.Random(f"stratified:{seed}:{size}:{step // group}")
+    order = list(range(size))
     rng.shuffle(order)
-    return (order[step % group] + rng.random()) / group
+    return (order[step % group] + rng.random()) / size
 
 
 #: Pattern shapes by name: cuts that drop every branch below a random depth (``dropbp.apply``'s
