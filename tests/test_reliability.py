@@ -249,6 +249,40 @@ def test_a_resumed_trainer_honours_its_callbacks_options_and_says_so(tmp_path, c
     assert len(said) == 1 and f"{option}={value!r}" in said[0] and "checkpoint-10" in said[0]
 
 
+@pytest.mark.parametrize(
+    ("saved", "resumed", "warned"),
+    [
+        # a CPU checkpoint with stratified cuts, resumed on the lazy device whose callback asks for none
+        ({"backend": "cpu", "stratify": 2}, {"backend": "lazy"}, "stratify=2"),
+        # the checkpoint's auto warm-up fitted 0.5; the callback asks for uniform 0.8, whose fit is shorter
+        ({"pattern": "cut"}, {"pattern": "uniform", "drop_rate": 0.8}, "drop_rate=0.5, pattern='cut'"),
+        # the lazy device's own bound, saved and asked (max_patterns=None): nothing differs, nothing said
+        ({"backend": "lazy"}, {"backend": "lazy"}, None),
+    ],
+)
+def test_a_resumed_trainer_loads_what_its_callback_asks_for_on_its_device(tmp_path, caplog, saved, resumed, warned):
+    """Class A, found by tests/test_trainer_runs.py: the checkpoint's settings are replaced by the callback's before
+    they reach this device (a state the lazy device refuses loads where the callback asks for what it takes), the
+    schedule is fitted again to the asked rate, and a device's own bound is not a change."""
+    from test_hf_integration import _trainer
+
+    from dropbp.integrations.hf import attach
+
+    kw = dict(save_strategy="steps", save_steps=10, output_dir=str(tmp_path / "run"), gradient_accumulation_steps=2)
+    first = _trainer(tmp_path, **kw)
+    attach(first, **{"drop_rate": 0.5, **saved})
+    first.train()
+    again = _trainer(tmp_path, **kw)
+    callback = attach(again, **{"drop_rate": 0.5, **resumed})
+    with caplog.at_level(logging.WARNING, logger="dropbp"):
+        again.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-10"))
+    ctl = callback.controller
+    assert ctl.step == 40 and ctl.total_steps == 40 and ctl.stratify == 1
+    assert ctl.mean_drop_rate(0, 40) == pytest.approx(ctl.drop_rate)
+    said = [r.getMessage() for r in caplog.records if "this callback asks for" in r.getMessage()]
+    assert said == [] if warned is None else (len(said) == 1 and warned in said[0])
+
+
 def _saved_trainer_state(tmp_path):
     """A Trainer run under ``attach`` that saved a checkpoint at step 10; returns a function making a fresh attached
     trainer over the same output folder, and the path of that checkpoint's dropbp state file."""

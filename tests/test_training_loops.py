@@ -3,7 +3,8 @@ optimizer steps, eval, ``no_grad`` and ``generate`` calls, activation checkpoint
 on and off, forwards that continue a cached prefix, state dicts saved and loaded, deep copies, ``remove`` and
 ``apply`` again (tiny Llama and GPT-2 with its cache on, full and LoRA, with and without Accelerate's bf16 forward).
 After every backward each gradient equals the hand-detached reference's for the patterns the forwards
-drew; after ``remove`` no dropbp hook is left and the model trains exactly like an untouched one."""
+drew; after ``remove`` no dropbp hook is left and the model trains exactly like an untouched one. The CPU and the
+lazy-graph backend, and states saved on the other one. (Trainer runs, drawn: tests/test_trainer_runs.py.)"""
 
 from __future__ import annotations
 
@@ -58,13 +59,16 @@ class TrainingLoop(RuleBasedStateMachine):
         pattern=st.sampled_from(["cut", "uniform"]),
         checkpointing=st.sampled_from([None, "reentrant", "non-reentrant"]),
         mixed_precision=st.booleans(),
+        backend=st.sampled_from(["cpu", "lazy"]),
     )
-    def build(self, arch: str, lora: bool, pattern: str, checkpointing: str | None, mixed_precision: bool) -> None:
+    def build(
+        self, arch: str, lora: bool, pattern: str, checkpointing: str | None, mixed_precision: bool, backend: str
+    ) -> None:
         model = tiny_model(arch, layers=2, **NO_DROPOUT.get(arch, {}))
         self.model = with_lora(model) if lora else model
         self.plain = copy.deepcopy(self.model)  # never under dropbp: the reference, kept at the same weights
-        self.lora, self.pattern = lora, pattern
-        self.ctl = dropbp.apply(self.model, 0.5, seed=7, pattern=pattern)
+        self.lora, self.pattern, self.backend = lora, pattern, backend
+        self.ctl = dropbp.apply(self.model, 0.5, seed=7, pattern=pattern, backend=backend)
         self.wrapper = None
         if mixed_precision:  # what Trainer(bf16=True) puts on the model: Accelerate's autocast forward, on top
             for m in (self.model, self.plain):
@@ -225,11 +229,37 @@ class TrainingLoop(RuleBasedStateMachine):
     @precondition(lambda self: self.ctl is None and not self.pending)
     @rule(seed=st.integers(0, 3))
     def apply(self, seed: int) -> None:
-        self.ctl = dropbp.apply(self.model, 0.5, seed=seed, pattern=self.pattern)
+        self.ctl = dropbp.apply(self.model, 0.5, seed=seed, pattern=self.pattern, backend=self.backend)
+
+    @precondition(lambda self: self.ctl is not None and not self.pending)
+    @rule(seed=st.integers(0, 3), stratify=st.booleans(), bound=st.sampled_from([None, 4]))
+    def state_from_another_backend(self, seed: int, stratify: bool, bound: int | None) -> None:
+        """A state saved on the other device (a Gaudi run resumed from a CPU checkpoint, or back): what this device
+        cannot run (stratified cuts on the lazy one) is refused naming it, changing nothing; the rest loads, and
+        the lazy device's bound holds."""
+        other = "cpu" if self.backend == "lazy" else "lazy"
+        options = {"stratify": 2} if other == "cpu" and stratify and self.pattern == "cut" else {"max_patterns": bound}
+        saver = dropbp.apply(copy.deepcopy(self.plain), 0.5, seed=seed, pattern=self.pattern, backend=other, **options)
+        state = saver.state_dict()
+        saver.remove()
+        before = self.ctl.state_dict()
+        if self.backend == "lazy" and state["stratify"] > 1:
+            with pytest.raises(ValueError, match="stratify=2 cannot run on the 'lazy' backend"):
+                self.ctl.load_state_dict(state)
+            assert self.ctl.state_dict() == before
+            return
+        self.ctl.load_state_dict(state)
+        assert self.ctl.state_dict() == state | {"max_patterns": self.ctl.max_patterns}
 
     @invariant()
     def train_mode(self) -> None:
         assert self.model.training
+
+    @invariant()
+    def device_bound(self) -> None:
+        """The lazy device draws from a pool of at most its 16 patterns, whatever set or loaded the settings."""
+        if self.ctl is not None and self.backend == "lazy":
+            assert self.ctl.max_patterns is not None and self.ctl.max_patterns <= 16
 
 
 TrainingLoop.TestCase.settings = settings(

@@ -246,27 +246,45 @@ class DropBPCallback(TrainerCallback):
                 f"dropbp: {path} is not a state dropbp wrote (expected the keys 'controller' and 'calibrated', a "
                 "bool); delete it to restart the drop patterns from this controller's state"
             )
-        asked = {name: getattr(self.controller.options_given, name) for name in CALLBACK_DECIDES}
+        state = saved["controller"]
+        changed = self._asked_otherwise(state)
+        # with the callback's settings, so that a state another device saved (stratify=2 from the CPU on a lazy
+        # device) loads where the callback asks for what this one takes; the drop rate follows in _honour
+        overlay = {name: value for name, value in changed.items() if name != "drop_rate"}
         try:
-            self.controller.load_state_dict(saved["controller"])
+            self.controller.load_state_dict(state | overlay if isinstance(state, dict) else state)
         except (TypeError, ValueError) as error:
             raise type(error)(f"dropbp: the state in {path} was refused: {error}") from None
         self.calibrated = saved["calibrated"]
-        self._honour(asked, path)
+        self._honour({name: state[name] for name in changed}, changed, path)
         self._follow_windows()  # a state saved by another run, or before windows were kept, has others
         forwards = self._forwards
         if self.options.drop_rate != AUTO and self.controller.total_steps != forwards:
             self._replan(forwards)
 
-    def _honour(self, asked: dict[str, Any], path: str) -> None:
-        """A resumed run whose callback asks for other settings than the checkpoint's: the callback's are used from
-        here on (the step counter, and the rates where the shape's own, resume from the checkpoint), said once."""
+    def _asked_otherwise(self, state: object) -> dict[str, Any]:
+        """The settings this callback decides (:data:`CALLBACK_DECIDES`) whose asked value differs from ``state``'s;
+        ``max_patterns=None`` asks for this device's own bound, which a state saved on the same device holds."""
+        if not isinstance(state, dict):
+            return {}  # load_state_dict refuses it, naming what is wrong
+        given = self.controller.options_given
+        asked = {name: getattr(given, name) for name in CALLBACK_DECIDES if name in state}
+        if asked.get("max_patterns", 0) is None:
+            asked["max_patterns"] = self.controller.backend.default_max_patterns
+        return {name: getattr(given, name) for name, value in asked.items() if state[name] != value}
+
+    def _honour(self, saved: dict[str, Any], changed: dict[str, Any], path: str) -> None:
+        """A resumed run whose callback asks for other settings (``changed``) than the checkpoint's (``saved``): the
+        callback's are used from here on (the step counter, and the rates where the shape's own, resume from the
+        checkpoint), said once."""
         ctl = self.controller
-        saved = {name: getattr(ctl.options_given, name) for name in asked}
-        changed = {name: value for name, value in asked.items() if saved[name] != value}
         if not changed:
             return
-        ctl.replace_options(**changed)
+        if self.options.drop_rate == AUTO:
+            ctl.replace_options(**changed)
+        else:  # the checkpoint's warm-up was fitted to its own rate: fit the schedule again to the asked one
+            ctl.replace_options(**changed, warmup_steps=0, total_steps=None)
+            self._schedule(self._forwards)
         log.warning(
             "dropbp: resumed from %s, saved with %s; this callback asks for %s: the callback's settings are used "
             "from here on, so the patterns differ from an uninterrupted run of either.",
