@@ -173,6 +173,27 @@ def test_the_weighted_selection_is_unbiased(rule):
     assert unweighted > 4.0  # the same samples read without the 1/p weights: biased, and the test sees it
 
 
+def test_the_weighted_selection_is_unbiased_for_lora_adapters():
+    """LoRA's A and B (whose weight gradients come from the kept rows' inputs and gradients through the adapter):
+    the mean over selections approaches full backprop's, as for full fine-tuning's weights."""
+    model = _model("llama", "lora", checkpointing=False)
+    ids = batch(5, size=2, length=16)
+    _, full = loss_and_grads(model, ids)
+    ctl = dropbp.apply(model, 0.0, token_drop_rate=0.5)
+    names = [n for n in full if full[n] is not None and ".layers.0.self_attn.q_proj.lora_" in n]
+    samples: dict[str, list] = {n: [] for n in names}
+    for seed in range(200):
+        ctl.seed = seed
+        _, got = loss_and_grads(model, ids)
+        for n in names:
+            samples[n].append(got[n])
+    assert len(names) == 2
+    for n in names:
+        stack = torch.stack(samples[n])
+        error = stack.std(0) / math.sqrt(len(stack))
+        assert ((stack.mean(0) - full[n]).abs() / error.clamp_min(1e-12)).mean() < 2.0, n
+
+
 @pytest.mark.parametrize("rule", ["residual", "cumulative"])
 def test_the_forward_and_cumulative_rules_match_the_reference_for_their_selection(rule):
     """The recorded weights of TokenDrop's two rules give the reference's gradients, as the default rule's do."""
