@@ -700,3 +700,64 @@ def test_importance_weights_are_unbiased_over_pools_keep_rules_and_checkpointing
 
     assert hypothesis is not None
     check()
+
+
+def test_every_number_a_user_gives_is_checked_before_anything_runs():
+    """Class F, drawn beyond the listed cases: any value (ints, floats with NaN and infinities, bools, None, strings,
+    lists) for the forecast's arguments and ``apply``'s numeric options is either valid by the options' stated range
+    and taken, or refused with a TypeError or ValueError naming the argument - nothing else escapes."""
+    hypothesis = pytest.importorskip("hypothesis")
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from dropbp.integrations.forecast import forecast
+
+    anything = st.one_of(
+        st.integers(-3, 10**7), st.floats(allow_nan=True, allow_infinity=True), st.booleans(), st.none(),
+        st.text(max_size=3), st.lists(st.integers(0, 20), max_size=3),
+    )  # fmt: skip
+
+    def whole(value, least):
+        return type(value) is int and value >= least
+
+    def fraction(value):
+        return type(value) in (int, float) and 0 <= value < 1
+
+    valid = {
+        "drop_rate": fraction,
+        "token_drop_rate": fraction,
+        "max_patterns": lambda v: v is None or whole(v, 1),
+        "warmup_steps": lambda v: whole(v, 0),
+        "total_steps": lambda v: v is None or whole(v, 1),
+        "stratify": lambda v: whole(v, 1),
+        "seq_len": lambda v: whole(v, 1),
+        "windows": lambda v: v is None or (type(v) in (list, tuple) and len(v) == 2 and all(whole(x, 1) for x in v)),
+    }
+    model = tiny_model("llama", layers=3)
+
+    @settings(max_examples=150, deadline=None, derandomize=True)
+    @given(name=st.sampled_from(sorted(valid)), value=anything)
+    def check_option(name, value):
+        try:
+            ctl = dropbp.apply(model, **{"drop_rate": 0.5, name: value})
+        except (TypeError, ValueError) as error:
+            assert not valid[name](value) and name in str(error), (name, value, error)
+            return
+        ctl.remove()
+        assert valid[name](value), (name, value)
+
+    @settings(max_examples=150, deadline=None, derandomize=True)
+    @given(steps=anything, tokens=anything, rate=anything)
+    def check_forecast(steps, tokens, rate):
+        ok = {"optimizer_steps": whole(steps, 1), "tokens_per_step": tokens is None or whole(tokens, 1),
+              "drop_rate": fraction(rate)}  # fmt: skip
+        try:
+            forecast(steps, tokens, rate)
+        except (TypeError, ValueError) as error:
+            assert any(name in str(error) and not good for name, good in ok.items()), (steps, tokens, rate, error)
+            return
+        assert all(ok.values()), (steps, tokens, rate)
+
+    assert hypothesis is not None
+    check_option()
+    check_forecast()
