@@ -430,11 +430,37 @@ def test_the_callback_logs_the_noise_scale_it_measures(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="dropbp"):
         trainer.train()
     said = [r.getMessage() for r in caplog.records if "gradient noise scale" in r.getMessage()]
-    assert len(said) == 1 and "128 tokens per step" in said[0]
-    assert "branch drops at 0.5:" in said[0] and "full backprop at half the batch:" in said[0]
+    assert len(said) == 2 and all("128 tokens per step" in m for m in said)  # before the first step; after 4 steps
+    assert said[0].startswith("dropbp: before the first step, on 8 micro-batches of this run's data")
+    assert all("branch drops at 0.5:" in m and "full backprop at half the batch:" in m for m in said)
     logged = [h for h in trainer.state.log_history if "dropbp/noise_scale" in h]
     assert [h["step"] for h in logged] == [2, 4, 6, 8, 10]
     final = callback.controller.noise_scale()
     assert final.tokens_per_step == 2 * 2 * SEQ and final.steps == 9  # the 10th closes at a next forward
     assert logged[-1]["dropbp/noise_scale"] == final.tokens
     assert logged[-1]["dropbp/noise_ratio"] == pytest.approx(final.tokens / final.tokens_per_step)
+
+
+def test_the_start_forecast_reads_the_runs_data_and_leaves_the_run_as_it_was(tmp_path, caplog, monkeypatch):
+    """With the noise scale measured, the forecast at the start comes from the run's own data before the first step
+    (instead of the map's nearest cell), and the run trains exactly as it does without that reading: same data
+    order, same patterns, same weights."""
+    from dropbp.integrations import hf
+
+    def trained(start_windows: int):
+        monkeypatch.setattr(hf, "START_WINDOWS", start_windows)
+        callback = DropBPCallback(0.5, measure_noise_scale=True)
+        trainer = _trainer(tmp_path, callbacks=[callback], gradient_accumulation_steps=2, max_steps=6)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="dropbp"):
+            trainer.train()
+        return trainer, [r.getMessage() for r in caplog.records]
+
+    read, said = trained(hf.START_WINDOWS)
+    assert any(m.startswith("dropbp: before the first step, on 8 micro-batches") for m in said)
+    assert not any("nearest the measured regime" in m for m in said)
+    plain, said = trained(0)  # no start reading: the map's forecast, as without measure_noise_scale
+    assert any("nearest the measured regime" in m for m in said)
+    assert [h.get("loss") for h in read.state.log_history] == [h.get("loss") for h in plain.state.log_history]
+    for (name, a), (_, b) in zip(read.model.named_parameters(), plain.model.named_parameters(), strict=True):
+        assert torch.equal(a, b), name

@@ -200,3 +200,33 @@ def test_drop_rate_auto_follows_the_noise_scale_and_resumes(monkeypatch):
     assert resumed.drop_rate == 0.25 and resumed.noise_scale().steps == 3
     with pytest.raises(ValueError, match="'auto' but the state has no 'noise_scale'"):
         resumed.load_state_dict({k: v for k, v in state.items() if k != "noise_scale"})
+
+
+def test_the_start_reading_equals_the_formulas_on_gradients_computed_apart():
+    """``measure_windows`` (the Trainer's reading before the first step): windows of two micro-batches, each loss
+    backpropagated on its own; against each micro-batch's gradient from ``torch.autograd.grad`` and the unbiased
+    formulas averaged as the estimator does (weights 0.9 ** age, bias-corrected); ``.grad`` left as found."""
+    from dropbp.execution.gradient_noise import measure_windows
+
+    model = tiny_model("llama", layers=2)
+    params = [p for p in model.parameters() if p.requires_grad]
+    marker = [torch.full_like(p, 0.5) for p in params]
+    for p, m in zip(params, marker, strict=True):
+        p.grad = m.clone()
+    windows = [[{"input_ids": batch(2 * w + k, size=1, length=8), "labels": batch(2 * w + k, size=1, length=8)}
+                for k in range(2)] for w in range(3)]  # fmt: skip
+    got = measure_windows(model, windows)
+    assert all(torch.equal(p.grad, m) for p, m in zip(params, marker, strict=True))
+    terms = []
+    for window in windows:
+        grads = [torch.autograd.grad(model(**x).loss, params) for x in window]
+        small = [sum(float(g.double().pow(2).sum()) for g in gs) for gs in grads]
+        mean = sum(float(((a.double() + b.double()) / 2).pow(2).sum()) for a, b in zip(*grads, strict=True))
+        b, big = 8.0, 16.0
+        terms.append(((big * mean - b * sum(small) / 2) / (big - b), (sum(small) / 2 - mean) / (1 / b - 1 / big)))
+    weights = [0.9 ** (len(terms) - 1 - i) for i in range(len(terms))]
+    gradient = sum(w * g for w, (g, _) in zip(weights, terms, strict=True)) / sum(weights)
+    trace = sum(w * t for w, (_, t) in zip(weights, terms, strict=True)) / sum(weights)
+    assert got.steps == 3 and got.tokens_per_step == 16
+    assert got.gradient_sq_norm == pytest.approx(gradient, rel=1e-6)
+    assert got.trace == pytest.approx(trace, rel=1e-6)

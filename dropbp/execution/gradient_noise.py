@@ -20,7 +20,7 @@ each step's terms are averaged across the ranks; FSDP (sharded gradients) and De
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -29,9 +29,9 @@ from torch.utils.hooks import RemovableHandle
 from dropbp.execution.compile_guards import outside_graphs
 from dropbp.execution.recompute import in_backward
 from dropbp.internals import at_backward_end, tensor_version
-from dropbp.policy.noise_scale import NoiseScaleEstimator, window_terms
+from dropbp.policy.noise_scale import NoiseScale, NoiseScaleEstimator, window_terms
 
-__all__ = ["MicroBatchGradients", "check_reads"]
+__all__ = ["MicroBatchGradients", "check_reads", "measure_windows"]
 
 
 def check_reads(model: nn.Module, framework: bool) -> None:
@@ -47,6 +47,43 @@ def check_reads(model: nn.Module, framework: bool) -> None:
             "Measure the noise scale under DDP or in a one-process run (e.g. `dropbp check --model PATH`), or set "
             "measure_noise_scale=False"
         )
+
+
+def measure_windows(model: nn.Module, windows: Iterable[Sequence[Mapping[str, object]]]) -> NoiseScale | None:
+    """The noise scale of ``windows`` of micro-batches (each the model's keyword inputs, labels included), read
+    before training (the Trainer callback's start-of-training forecast): each micro-batch's loss is backpropagated on
+    its own and its gradient read against its window's mean. No optimizer step; every trainable parameter's
+    ``.grad`` is as it was found. The caller keeps DropBP out of these forwards (``ctl.forcing(())``). None where
+    the model returns no loss or a window holds fewer than two micro-batches."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    found = [p.grad for p in params]
+    estimator = NoiseScaleEstimator()
+    try:
+        for window in windows:
+            if len(window) < 2:
+                return None
+            micro: list[float] = []
+            total: list[torch.Tensor] = []
+            for inputs in window:
+                for p in params:
+                    p.grad = None
+                loss = getattr(model(**inputs), "loss", None)
+                if loss is None:
+                    return None
+                loss.backward()
+                grads = [torch.zeros_like(p) if p.grad is None else p.grad.detach() for p in params]
+                micro.append(sum(float(g.double().pow(2).sum()) for g in grads))
+                if total:
+                    for t, g in zip(total, grads, strict=True):
+                        t.add_(g)
+                else:
+                    total = [g.clone() for g in grads]
+            batch = sum(float((t.double() / len(window)).pow(2).sum()) for t in total)
+            estimator.update(micro, batch, _tokens((), dict(window[0])) or 1)
+    finally:
+        for p, grad in zip(params, found, strict=True):
+            p.grad = grad
+    return estimator.estimate()
 
 
 def _world() -> int:

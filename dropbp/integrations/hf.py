@@ -45,6 +45,8 @@ STATE_FILE = "dropbp_state.json"
 CALLBACK_DECIDES = ("drop_rate", "pattern", "max_patterns", "stratify", "drop_schedule", "ramp")
 #: Optimizer steps measured before the noise scale's forecast is logged (once).
 NOISE_FORECAST_STEPS = 4
+#: With the noise scale measured, windows of 2 micro-batches read before the first step for the start's forecast.
+START_WINDOWS = 4
 
 
 def log_forecast(args: TrainingArguments, state: TrainerState, drop_rate: float) -> None:
@@ -58,6 +60,33 @@ def log_forecast(args: TrainingArguments, state: TrainerState, drop_rate: float)
     tokens = sequences * length if isinstance(length, int) and length > 0 else None
     seen = forecast(state.max_steps, tokens, drop_rate)
     log.log(logging.INFO if seen.pays else logging.WARNING, "%s", seen.message)
+
+
+def start_batches(loader: object, count: int) -> list[Any]:
+    """``count`` micro-batches of the run's data for the start's noise-scale reading, without iterating the
+    dataloader (whose iterator, sampler and RNG the run's own order depends on): dataset rows spread evenly over the
+    dataset, in micro-batches of the loader's size, through its collator, the RNG states restored after. Empty
+    where the loader has no indexable dataset (an iterable one) or too few rows."""
+    import random
+
+    import torch
+
+    dataset, collate = getattr(loader, "dataset", None), getattr(loader, "collate_fn", None)
+    size = getattr(loader, "batch_size", None) or getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    try:
+        rows = len(dataset)  # type: ignore[arg-type]
+        dataset[0]  # type: ignore[index]
+    except (TypeError, NotImplementedError, KeyError, IndexError):
+        return []
+    if collate is None or not isinstance(size, int) or rows < count * size:
+        return []
+    states = random.getstate(), torch.get_rng_state()
+    try:
+        spread = [round(i * (rows - 1) / (count * size - 1)) for i in range(count * size)]
+        return [collate([dataset[j] for j in spread[k * size : (k + 1) * size]]) for k in range(count)]
+    finally:
+        random.setstate(states[0])
+        torch.set_rng_state(states[1])
 
 
 def training_forwards(optimizer_steps: int, accumulation: int, dataloader: object | None) -> int:
@@ -219,7 +248,8 @@ class DropBPCallback(TrainerCallback):
         self._follow_windows()
         self._schedule(self._forwards)  # the controller counts micro-batches
         if state.global_step == 0:
-            log_forecast(args, state, self.controller.drop_rate)
+            if not self._forecast_at_start(args, state, kw.get("model"), loader):
+                log_forecast(args, state, self.controller.drop_rate)
             return
         folders = [_checkpoint_folder(args, state.global_step)]
         if isinstance(args.resume_from_checkpoint, str):
@@ -261,6 +291,36 @@ class DropBPCallback(TrainerCallback):
         forwards = self._forwards
         if self.options.drop_rate != AUTO and self.controller.total_steps != forwards:
             self._replan(forwards)
+
+    def _forecast_at_start(self, args: TrainingArguments, state: TrainerState, model: Any, loader: Any) -> bool:
+        """With the noise scale measured: read it before the first step on :data:`START_WINDOWS` windows of two
+        micro-batches of the run's own data (:func:`start_batches`; DropBP held off, the weights and gradients left as
+        they were) and log its forecast per arm at the run's tokens per step. False where it cannot be read (no
+        indexable data, no loss): the caller logs the map's forecast instead."""
+        from dataclasses import replace
+
+        from dropbp.execution.gradient_noise import measure_windows
+
+        ctl = self.controller
+        if not ctl.measure_noise_scale or model is None:
+            return False
+        batches = start_batches(loader, 2 * START_WINDOWS)
+        if not batches:
+            return False
+        device = next(model.parameters()).device
+        moved = [{k: v.to(device) if hasattr(v, "to") else v for k, v in b.items()} for b in batches]
+        with ctl.forcing(()):
+            measured = measure_windows(model, [moved[i : i + 2] for i in range(0, len(moved), 2)])
+        if measured is None:
+            return False
+        per_step = measured.tokens_per_step / 2 * args.gradient_accumulation_steps * max(1, args.world_size)
+        if state.is_world_process_zero:
+            log.info(
+                "dropbp: before the first step, on %d micro-batches of this run's data: %s",
+                len(batches),
+                noise_scale_forecast(replace(measured, tokens_per_step=per_step), ctl.drop_rate),
+            )
+        return True
 
     def _asked_otherwise(self, state: object) -> dict[str, Any]:
         """The settings this callback decides (:data:`CALLBACK_DECIDES`) whose asked value differs from ``state``'s;
