@@ -39,6 +39,13 @@ def test_long_context_runs_the_bounded_recipe(tmp_path):
     assert out.count("step ") == 2
 
 
+def test_the_paper_recipe_runs_both_arms(tmp_path):
+    """docs/reproduce-the-paper.md's command in its smoke mode: full backprop, then the paper's settings."""
+    out = run_example("reproduce_paper.py", "--tiny", "--steps", "10", cwd=tmp_path)
+    assert "full backprop:" in out and "DropBP 0.875 (uniform, rates allocated at 10%):" in out
+    assert "step speedup" in out
+
+
 def test_the_gaudi_recipe_runs_on_the_lazy_engine_stand_in(tmp_path):
     out = run_example(
         "gaudi.py", "--max-steps", "4", "--seq-len", "32", "--out", "o", cwd=tmp_path, env={"DROPBP_BACKEND": "lazy"}
