@@ -46,6 +46,9 @@ TBENCH_BEGIN = "<!-- token-bench-table: made by benchmarks/readme_results.py -->
 TBENCH_END = "<!-- end of token-bench-table -->"
 TFRONT_BEGIN = "<!-- token-frontier-table: made by benchmarks/readme_results.py -->"
 TFRONT_END = "<!-- end of token-frontier-table -->"
+TSMOL_BEGIN = "<!-- smollm2-token-table: made by benchmarks/readme_results.py -->"
+TSMOL_END = "<!-- end of smollm2-token-table -->"
+SMOLLM2_TOKENS = RESULTS / "smollm2_token_drops" / "smollm2_token_drops.json"
 #: How the arms of benchmarks/token_drops.py read in a table.
 ARM_NAMES = {
     "tokens": "token drops {r}, by gradient",
@@ -351,6 +354,45 @@ def arms_table() -> str:
     return "\n".join(lines)
 
 
+def _one_seed(entry: dict) -> str:
+    [reading] = entry["per_seed"]
+    bound = {"exact": "", "at most": "at most ", "at least": "at least "}[reading["bound"]]
+    return f"**{bound}{reading['value']:.2f}x** (one seed)"
+
+
+def smollm2_token_table() -> str:
+    """docs/token-drops.md: the token arms on SmolLM2-135M, the README's cell (benchmarks/smollm2_token_drops.py),
+    beside branch drops at 0.5 on the same cell (benchmarks/smollm2_equal_quality.py), against full backprop at the
+    cell's batch; markers included."""
+    tokens = json.loads(SMOLLM2_TOKENS.read_text())
+    branch = json.loads(SMOLLM2_EQUAL_QUALITY.read_text())
+    at_time = next(r for r in branch["rows"] if r["run"] == "DropBP 0.5, equal time")
+    lines = [
+        TSMOL_BEGIN,
+        "| arm | learning rate (seed 0's final loss over the grid) | step speedup | speedup at equal quality [95%] | "
+        "seeds |",
+        "|---|---|---|---|---|",
+        f"| branch drops 0.5 (DropBP) | {branch['lr']['DropBP 0.5']:g} | measured in the run | "
+        f"{_interval(at_time['speedup'])} | {at_time['speedup']['seeds']} |",
+    ]
+    for row in tokens["rows"]:
+        grid = ", ".join(f"{float(lr):g}: {loss:.4f}" for lr, loss in sorted(row["grid_seed0"].items()))
+        lines.append(
+            f"| {_arm_name(row['arm'])} | {row['lr']:g} ({grid}) | {row['step_speedup']:.2f}x (modelled) | "
+            f"{_interval(row['speedup']) if row['speedup']['seeds'] > 1 else _one_seed(row['speedup'])} | "
+            f"{row['speedup']['seeds']} |"
+        )
+    lines += [
+        "",
+        "Full backprop's complete runs at 50, 100 and 200 steps (lr 0.002, its best of "
+        f"{', '.join(f'{x:g}' for x in tokens['grid'])}) are the frontier; "
+        "[smollm2_token_drops.md](../benchmarks/results/smollm2_token_drops/smollm2_token_drops.md), "
+        "[smollm2_equal_quality.md](../benchmarks/results/smollm2_equal_quality.md).",
+        TSMOL_END,
+    ]
+    return "\n".join(lines)
+
+
 def token_frontier_table() -> str:
     """docs/token-drops.md: every arm and budget of benchmarks/token_drops.py against full backprop at the cell's
     batch and at its best of two."""
@@ -433,6 +475,7 @@ def main() -> None:
         TOKEN_PAGE: {
             (TBENCH_BEGIN, TBENCH_END): token_bench_table(),
             (TFRONT_BEGIN, TFRONT_END): token_frontier_table(),
+            (TSMOL_BEGIN, TSMOL_END): smollm2_token_table(),
         },
         RESULTS_PAGE: {(MAP_BEGIN, MAP_END): map_table(), (EQ_BEGIN, EQ_END): smollm2_table(), (BEGIN, END): table()},
         NOISE_PAGE: {(NOISE_BEGIN, NOISE_END): noise_tables()},
