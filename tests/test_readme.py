@@ -133,3 +133,16 @@ def test_the_results_page_tables_are_the_ones_the_records_make():
     assert "speedup at equal quality" in results.map_table() and "x 1k tokens" in results.map_table()
     assert "SmolLM2-135M" in results.smollm2_table() and "speedup at equal quality" in results.smollm2_table()
     assert "full, Python help text" in results.table() and "LoRA, Python help text" in results.table()
+
+
+LAB_NOTEBOOK = (r"issue \d", r"\(issue", "session", "was lent", "the aim was", "the goal was", "reverted",
+                "the issue asked", "against the targets")  # fmt: skip
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p.name != "history.md"], ids=lambda p: p.name)
+def test_user_pages_say_what_holds_now_not_how_it_came_about(page):
+    """README and docs/ (history.md aside) hold no lab notebook: no issue numbers, sessions, goals or reverted
+    attempts."""
+    text = page.read_text().lower()
+    found = [phrase for phrase in LAB_NOTEBOOK if re.search(phrase, text)]
+    assert not found, f"{page.name} says {found}: move it to docs/history.md or state what holds now"
