@@ -19,6 +19,7 @@ import dropbp.execution.hooks
 from dropbp import backends
 from dropbp.tools import cli
 from dropbp.tools.check import CheckSettings, CheckSetupError, run_check
+from dropbp.tools.check_report import render
 
 TINY = CheckSettings(seq_len=16, batch_size=1, rounds=1, warmup=0)
 CORRECTNESS = [
@@ -153,6 +154,18 @@ def test_run_check_function_for_notebooks(model_dir):
     assert result.check("gradients-equal-reference-uniform").figures["tolerance"] == 1e-5
     assert result.model["method"] == "lora" and result.model["trainable_parameters"] < result.model["parameters"]
     assert result.model["dtype"] == "bf16 (autocast bfloat16)"
+
+
+def test_the_check_runs_with_activation_checkpointing_as_a_trainer_would(model_dir, capsys):
+    """``--gradient-checkpointing``: every section with Hugging Face's non-re-entrant checkpointing on; the gradients
+    still equal the hand-detached reference's, and the report says it was on."""
+    result = run_check("cpu", model=model_dir, method="lora", settings=TINY, gradient_checkpointing=True)
+    statuses = _statuses(result)
+    exact = [name for name in CORRECTNESS if name != "dropped-branches-build-no-graph"]
+    assert result.passed and all(statuses[name] == "PASS" for name in exact), statuses
+    assert statuses["dropped-branches-build-no-graph"] == "SKIP"  # no layer saves inside its region in the forward
+    assert result.model["activation_checkpointing"] is True
+    assert "activation checkpointing on" in render(result)
 
 
 def test_a_drop_that_does_nothing_fails_the_gradient_check(model_dir, monkeypatch):

@@ -66,10 +66,11 @@ class CheckSettings:
 
 
 def _load(
-    model: str | None, method: str, backend: Backend, settings: CheckSettings
+    model: str | None, method: str, backend: Backend, settings: CheckSettings, checkpointing: bool = False
 ) -> tuple[nn.Module, str, object | None]:
-    """The model to check, on the device, in float32 weights, in training mode; its name; its tokenizer, or None
-    where it has none (the random default, or a folder without one)."""
+    """The model to check, on the device, in float32 weights, in training mode (with Hugging Face's non-re-entrant
+    activation checkpointing where ``checkpointing``, as ``gradient_checkpointing=True`` trains it); its name; its
+    tokenizer, or None where it has none (the random default, or a folder without one)."""
     tokenizer = None
     if model is None:
         net = build_model(settings.preset, "full", settings.seq_len, torch.float32, torch.device("cpu"))
@@ -96,6 +97,10 @@ def _load(
         require("peft", f"dropbp check --method {method}")
         # init_lora_weights=False: non-zero adapters, so every adapter gets a gradient worth comparing
         net = with_lora(net, init_lora_weights=False)
+    if checkpointing:
+        if not getattr(net, "supports_gradient_checkpointing", False):
+            raise CheckSetupError(f"{name} does not support Hugging Face activation checkpointing")
+        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     net, _ = backend.prepare(net)
     return net.train(), name, tokenizer
 
@@ -116,7 +121,9 @@ def _tokenizer(transformers: object, model: str) -> object | None:
         return None
 
 
-def _model_facts(model: nn.Module, name: str, method: str, dtype: str, backend: Backend) -> dict:
+def _model_facts(
+    model: nn.Module, name: str, method: str, dtype: str, backend: Backend, checkpointing: bool = False
+) -> dict:
     probe = apply(model, 0.0, pattern="uniform", backend=backend)
     branches = len(probe.branches)
     probe.remove()
@@ -127,6 +134,7 @@ def _model_facts(model: nn.Module, name: str, method: str, dtype: str, backend: 
         "method": method,
         "dtype": dtype if dtype == "fp32" else f"{dtype} (autocast {str(backend.autocast_dtype).split('.')[1]})",
         "branches": branches,
+        "activation_checkpointing": checkpointing,
         "parameters": sum(p.numel() for p in model.parameters()),
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }
@@ -186,6 +194,7 @@ def run_check(
     progress: Callable[[str], None] | None = None,
     data: str | Path | None = None,
     tokens_per_step: int | None = None,
+    gradient_checkpointing: bool = False,
 ) -> CheckResult:
     """Run every check on this device and return what was found (``result.passed``, ``result.checks``).
 
@@ -204,6 +213,8 @@ def run_check(
         data: a UTF-8 text file for the gradient noise scale (default: Python's help topics).
         tokens_per_step: the tokens of one optimizer step of the user's run, for the noise scale's forecast
             (default: the measurement's own, :data:`dropbp.tools.check_noise.NOISE_MICRO_BATCHES` x ``seq_len``).
+        gradient_checkpointing: every section with Hugging Face's activation checkpointing on (non-re-entrant, as
+            the Trainer's ``gradient_checkpointing=True``): exactness, step times and memory as such a run has them.
 
     Raises:
         CheckSetupError, dropbp.backends.BackendUnavailable, dropbp.imports.MissingDependency: the
@@ -220,7 +231,8 @@ def run_check(
         raise CheckSetupError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     settings = settings or (CheckSettings.quick() if quick else CheckSettings())
     require("transformers", "dropbp check")
-    net, name, tokenizer = _load(model, method, resolved, settings)  # before any output: a setup error is one line
+    # before any output: a setup error is one line
+    net, name, tokenizer = _load(model, method, resolved, settings, gradient_checkpointing)
     if getattr(getattr(net, "config", None), "vocab_size", None) is None:
         raise CheckSetupError(f"{name} is not a causal LM with config.vocab_size; dropbp check feeds it token ids")
     if tokens_per_step is not None and (not isinstance(tokens_per_step, int) or tokens_per_step < 1):
@@ -231,7 +243,7 @@ def run_check(
     except ValueError as exc:
         raise CheckSetupError(str(exc)) from None
     try:
-        facts = _model_facts(net, name, method, dtype, resolved)
+        facts = _model_facts(net, name, method, dtype, resolved, gradient_checkpointing)
     except ValueError as exc:  # e.g. an architecture whose branches dropbp does not recognise
         raise CheckSetupError(f"dropbp cannot attach to {name}: {str(exc).strip().splitlines()[0]}") from None
     say(f"environment and model ({resolved.name}, {name})")

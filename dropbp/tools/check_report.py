@@ -112,6 +112,7 @@ def _environment_lines(env: dict[str, Any], model: dict[str, Any]) -> list[str]:
     lines.append(
         f"model     {model['name']}, {model['method']}, {model['dtype']}: {model['branches']} branches, "
         f"{model['parameters'] / 1e6:.1f}M parameters ({model['trainable_parameters'] / 1e6:.2f}M trainable)"
+        + (", activation checkpointing on" if model.get("activation_checkpointing") else "")
     )
     return lines
 

@@ -168,6 +168,12 @@ def _parser() -> argparse.ArgumentParser:
         type=positive,
         help="tokens per optimizer step of your run, for the noise scale's forecast (default: the measurement's)",
     )
+    check.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="check with Hugging Face activation checkpointing on (non-re-entrant, as the Trainer's "
+        "gradient_checkpointing=True): exactness, step times and memory as such a run has them",
+    )
     check.add_argument("--out", type=Path, default=Path("dropbp-check"), help="folder for check.json and check.md")
     return parser
 
@@ -398,6 +404,7 @@ def _check(args: argparse.Namespace) -> int:
             progress=lambda line: print(f"dropbp check: {line}", file=sys.stderr),
             data=args.data,
             tokens_per_step=args.tokens_per_step,
+            gradient_checkpointing=args.gradient_checkpointing,
         )
     except (CheckSetupError, BackendUnavailable) as err:
         raise UsageError(str(err)) from None
