@@ -173,6 +173,20 @@ def test_bench_tiny_grid_writes_results(tmp_path, capsys):
     assert (tmp_path / "bench.png").is_file() and "| tiny | full | 16 | 1 | baseline |" in out
 
 
+def test_bench_times_the_users_own_model(tiny_model_dir, tmp_path, capsys):
+    """``--model PATH``: the user's causal LM folder timed in place of the presets (LoRA, checkpointing on)."""
+    argv = ["bench", "--model", str(tiny_model_dir), "--methods", "lora", "--rates", "0.5", "--seq-lens", "16",
+            "--batch-sizes", "1", "--rounds", "1", "--warmup", "0", "--checkpointing", "on",
+            "--out", str(tmp_path)]  # fmt: skip
+    code, out, err = _run(argv, capsys)
+    assert code == 0, err
+    [point] = json.loads((tmp_path / "bench.json").read_text())["points"]
+    assert point["preset"] == str(tiny_model_dir) and point["checkpointing"] and point["branches"] == 32
+    assert [r["drop_rate"] for r in point["rows"]] == [0.5]
+    code, _, err = _run(["bench", "--model", str(tmp_path / "missing" / "x"), "--out", str(tmp_path)], capsys)
+    assert code == 2 and "the model folder" in err and "does not exist" in err
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

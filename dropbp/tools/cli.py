@@ -101,6 +101,11 @@ def _parser() -> argparse.ArgumentParser:
         "rate, importance-sampled by the gradient, no branch drops; tokens:random for random rows), whose ideal is "
         "measured from the backward with every row-local linear map on one row",
     )
+    bench.add_argument(
+        "--model",
+        help="a local folder or model id of a causal LM to time instead of the presets (SmolLM2-135M-Instruct: "
+        "the bundled one, as --presets smollm2)",
+    )
     bench.add_argument("--seq-lens", nargs="+", type=positive, default=[128], help="tokens per sequence (default 128)")
     bench.add_argument("--batch-sizes", nargs="+", type=positive, default=[2], help="sequences per step (default 2)")
     bench.add_argument(
@@ -254,6 +259,20 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_folder(model: str) -> str:
+    """``model`` where it names a loadable causal LM folder (or a hub id, which loads only if cached: nothing is
+    downloaded by the tests); else a UsageError saying what is wrong, before anything is timed."""
+    from dropbp.tools.pretrained import not_a_model_folder
+
+    if Path(model).exists():
+        problem = not_a_model_folder(model)
+        if problem is not None:
+            raise UsageError(f"--model: cannot load {model}: {problem}")
+    elif model.count("/") != 1:
+        raise UsageError(f"--model: the model folder {model} does not exist; pass a local model folder or a model id")
+    return model
+
+
 def _bench(args: argparse.Namespace) -> int:
     import torch
 
@@ -262,6 +281,10 @@ def _bench(args: argparse.Namespace) -> int:
     from dropbp.tools.membench import parse_size
 
     _check_choices(args.presets, [*PRESETS, PRETRAINED], "preset")
+    if args.model is not None:  # timed as a preset of its own, in place of the presets
+        from dropbp.tools.pretrained import DEFAULT_MODEL
+
+        args.presets = [PRETRAINED if args.model == DEFAULT_MODEL else _model_folder(args.model)]
     _check_choices(args.methods, METHODS, "method")
     if "qlora" in args.methods:  # before anything runs: a grid fails here, not after its other methods
         require("bitsandbytes", "dropbp bench --methods qlora")
