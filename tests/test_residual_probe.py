@@ -36,6 +36,35 @@ def test_a_branch_that_takes_the_residual_is_refused_at_apply(arch, pattern):
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())  # nothing left attached
 
 
+def test_a_branch_that_takes_the_residual_is_refused_whatever_the_settings():
+    """Class G, drawn beyond the listed case: any drop rate, seed, pattern shape, warm-up and pattern bound - the
+    refusal comes at ``apply``, before any step could drop such a branch, and leaves nothing attached."""
+    hypothesis = pytest.importorskip("hypothesis")
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=12, deadline=None, derandomize=True)
+    @given(
+        arch=st.sampled_from(sorted(OWN_RESIDUAL)),
+        rate=st.sampled_from([0.1, 0.5, 0.75]),
+        seed=st.integers(0, 50),
+        pattern=st.sampled_from(["cut", "uniform"]),
+        warmup=st.sampled_from([0, 4]),
+        bound=st.sampled_from([None, 2, 16]),
+    )
+    def check(arch, rate, seed, pattern, warmup, bound):
+        config, kind = OWN_RESIDUAL[arch]
+        model = tiny_model(arch, layers=2, **config)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(ValueError, match=rf"\(({kind})\) adds the residual itself"):
+                dropbp.apply(model, rate, seed=seed, pattern=pattern, warmup_steps=warmup, max_patterns=bound)
+        assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+    assert hypothesis is not None
+    check()
+
+
 class _AddsItsInput(torch.nn.Module):
     """A branch that adds its input without naming it ``residual``: only its graph shows it."""
 
