@@ -20,9 +20,7 @@ best of 1e-3, 2e-3 and 4e-3, seeds 0-2) and branch drops at 0.5 are that script'
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import sys
 import time
 from dataclasses import dataclass
 from datetime import date
@@ -72,12 +70,12 @@ def best_lr(runs: list[dict], arm: str) -> float | None:
 def train(arm: Arm, lr: float, seed: int) -> dict:
     """One complete run of ``arm`` at its equal-time budget (one torch thread)."""
     torch.set_num_threads(1)
+    import convergence  # a sibling script (run as a script, this folder is on the path): full backprop's LoRA
+
     from dropbp import backends
     from dropbp.tools.compare import Run, compare
     from dropbp.tools.pretrained import load_causal_lm
     from dropbp.tools.textdata import pydoc_topics
-
-    convergence = _module("convergence")  # its LoRA and validation windows: full backprop's runs' own
 
     steps = round(FULL_STEPS * step_speedup(arm.rate))
     model, tokenizer = load_causal_lm()
@@ -96,7 +94,8 @@ def train(arm: Arm, lr: float, seed: int) -> dict:
 
 def report(out: Path = OUT) -> dict:
     """Per arm with its whole grid run: the best lr and the speedup at equal quality over the seeds run."""
-    eq = _module("smollm2_equal_quality")
+    import smollm2_equal_quality as eq  # full backprop's runs on this cell
+
     from dropbp.tools.frontier import equal_quality_speedup, over_seeds
 
     runs = load_runs(out)
@@ -155,14 +154,6 @@ def markdown(record: dict) -> str:
             f"{' / '.join(f'{x:.4f}' for x in row['final_loss'])} | {per} | **{s['mean']:.2f}x** {interval} |"
         )
     return "\n".join(lines) + "\n"
-
-
-def _module(name: str):
-    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def main() -> None:
