@@ -33,8 +33,12 @@ def test_sft_lora_trains_both_arms_and_prints_the_speedup_it_saw(tmp_path):
     assert "median step: full backprop" in out and "step speedup this run saw:" in out
 
 
-def test_long_context_runs_the_bounded_recipe(tmp_path):
-    out = run_example("long_context.py", "--model", "tiny", "--seq-len", "128", "--max-steps", "2", cwd=tmp_path)
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_long_context_runs_the_measured_recipe(tmp_path, checkpointing):
+    """Checkpointing on by default (what reached the longest sequence, like for like); the bound alone on request."""
+    flags = ("--model", "tiny", "--seq-len", "128", "--max-steps", "2")
+    out = run_example("long_context.py", *flags, *(() if checkpointing else ("--no-checkpointing",)), cwd=tmp_path)
+    assert f"activation checkpointing {'on' if checkpointing else 'off'}" in out
     assert "the memory bound on, at most 2 branches store activations" in out
     assert out.count("step ") == 2
 
