@@ -298,7 +298,7 @@ def test_an_option_is_declared_once_and_reaches_apply_attach_the_callback_and_ax
     text = pydoc.render_doc(dropbp.apply)
     assert all(f"{name}: " in text for name in names)
     run = [f.name for f in option_fields(TrainerOptions)]
-    assert run == [n for n in names if n not in ("warmup_steps", "total_steps")] + ["warmup", "calibrate_at"]
+    assert run == [n for n in names if n not in ("warmup_steps", "total_steps", "windows")] + ["warmup", "calibrate_at"]
     with pytest.raises(dataclasses.FrozenInstanceError):
         DropBPOptions(0.5).seed = 3
     with pytest.raises(ValueError, match="seed must be an int >= 0, got -1"):
