@@ -324,21 +324,29 @@ def arms_table() -> str:
             if equal is not None:
                 arms.setdefault(arm, {})[cell["cell"]] = {**equal, "lr": cell["lr"][arm]}
     names = [f"{c['steps']} steps x {c['tokens'] // 1024}k tokens" for c in cells]
+    smollm2 = _smollm2_arms()
     lines = [
         ARMS_BEGIN,
-        "| what is dropped | " + " | ".join(names) + " |",
-        "|---|" + "---|" * len(cells),
+        "| what is dropped | " + " | ".join(names) + " | SmolLM2-135M, LoRA, 100 steps x 1k tokens |",
+        "|---|" + "---|" * (len(cells) + 1),
     ]
-    order = sorted(arms, key=lambda a: -sum(e["best"]["mean"] for e in arms[a].values()) / len(arms[a]))
-    for arm in order:
+
+    def mean(arm: str) -> float:
+        values = [e["best"]["mean"] for e in arms[arm].values()] + [v for v, _ in smollm2.get(arm, [])]
+        return sum(values) / len(values)
+
+    for arm in sorted(arms, key=lambda a: -mean(a)):
         readings = [arms[arm].get(c["cell"]) for c in cells]
         texts = [
             "" if e is None else f"**{_reading(e['best'])}** (step {e['step_speedup']:.2f}x, lr {e['lr']:g})"
             for e in readings
         ]
+        texts.append(" ".join(text for _, text in smollm2.get(arm, [])))
         lines.append(f"| {_arm_name(arm)} | " + " | ".join(texts) + " |")
     full = [f"1.00x (lr {c['lr']['full']:g}; half batch {c['lr']['full-half']:g})" for c in cells]
-    lines.append("| nothing: full backprop at its best batch | " + " | ".join(full) + " |")
+    lines.append(
+        "| nothing: full backprop at its best batch | " + " | ".join(full) + " | 1.00x (lr 0.002; this batch only) |"
+    )
     cost = record["cost"]
     lines += [
         "",
@@ -348,10 +356,29 @@ def arms_table() -> str:
         "above full backprop's shortest run. Conditions: the "
         "map's proxy (a 6-layer Llama-shaped byte-level model, full fine-tuning on Python's help text); time modelled "
         f"on SmolLM2-135M's measured step on 2 CPU cores (full fine-tuning, {cost['tokens']} tokens: "
-        f"{record['cost_record']}). Worth of a step and every budget: [docs/token-drops.md](docs/token-drops.md).",
+        f"{record['cost_record']}). Worth of a step and every budget: [docs/token-drops.md](docs/token-drops.md). "
+        "The SmolLM2 column is the README's cell on the real model (LoRA r=8, Python's help text, 8 x 128 tokens a "
+        "step), against full backprop at that batch only (half the batch was not run there), each arm at its own "
+        "best learning rate: branch drops from benchmarks/results/smollm2_equal_quality.md (time measured in the "
+        "run), token drops from benchmarks/results/smollm2_token_drops/smollm2_token_drops.md (time modelled from "
+        "the measured LoRA step).",
         ARMS_END,
     ]
     return "\n".join(lines)
+
+
+def _smollm2_arms() -> dict[str, list[tuple[float, str]]]:
+    """The SmolLM2 cell's arms for README's first table: (mean, text) by token_drops.py's arm name."""
+    branch = json.loads(SMOLLM2_EQUAL_QUALITY.read_text())
+    at_time = next(r for r in branch["rows"] if r["run"] == "DropBP 0.5, equal time")["speedup"]
+    arms = {"branch0.5": [(at_time["mean"], f"**{_reading(at_time)}** (lr {branch['lr']['DropBP 0.5']:g})")]}
+    for row in json.loads(SMOLLM2_TOKENS.read_text())["rows"]:
+        entry = row["speedup"]
+        [first] = entry["per_seed"][:1]
+        bound = "" if first["bound"] == "exact" else f", {first['bound']}"
+        shown = _reading(entry) if entry["seeds"] > 1 else f"{first['value']:.2f}x (one seed{bound})"
+        arms[row["arm"]] = [(entry["mean"], f"**{shown}** (step {row['step_speedup']:.2f}x, lr {row['lr']:g})")]
+    return arms
 
 
 def _one_seed(entry: dict) -> str:
