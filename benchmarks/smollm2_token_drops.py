@@ -37,18 +37,41 @@ FULL_STEPS = 100
 
 @dataclass(frozen=True)
 class Arm:
-    """A token-drop arm: ``token_drop_rate`` with ``token_selection``, no branch drops."""
+    """A token-drop arm (``token_drop_rate`` with ``token_selection``, no branch drops), or ``half_batch``: full
+    backprop without the library at half the cell's tokens per step (4 x 128), the best-batch baseline's other batch."""
 
     name: str
     rate: float
     selection: str = "gradient"
+    half_batch: bool = False
 
 
-ARMS = {a.name: a for a in (Arm("tokens0.3", 0.3), Arm("tokens0.5", 0.5), Arm("tokens-random0.3", 0.3, "random"))}
+ARMS = {
+    a.name: a
+    for a in (
+        Arm("tokens0.3", 0.3),
+        Arm("tokens0.5", 0.5),
+        Arm("tokens-random0.3", 0.3, "random"),
+        Arm("full-half", 0.0, half_batch=True),
+    )
+}
 
 
-def step_speedup(rate: float, record: Path = COST_RECORD) -> float:
-    """``dropbp bench``'s measured SmolLM2 LoRA step speedup for token drops at ``rate``."""
+def budgets(arm: Arm) -> list[int]:
+    """A complete run's lengths in optimizer steps, the grid's (equal time: 100 full-backprop steps) first; the half
+    batch also at half that time, a second point of its frontier (full backprop's 200-step runs end worse than its
+    100-step ones on this cell, so a longer half-batch run is not where its best lies)."""
+    equal_time = round(FULL_STEPS * step_speedup(arm))
+    return [equal_time, equal_time // 2] if arm.half_batch else [equal_time]
+
+
+def step_speedup(arm: Arm, record: Path = COST_RECORD) -> float:
+    """Full backprop's step time over ``arm``'s: MODELLED as 2 for the half batch (half the micro-batches of the same
+    shape; each run's wall time is recorded to check it), else ``dropbp bench``'s measured SmolLM2 LoRA step speedup
+    for token drops at the arm's rate."""
+    if arm.half_batch:
+        return 2.0
+    rate = arm.rate
     [point] = json.loads(record.read_text())["points"]
     for row in point["rows"]:
         if row["pattern"] == "tokens" and row["drop_rate"] == rate:
@@ -62,13 +85,15 @@ def load_runs(out: Path = OUT) -> list[dict]:
 
 
 def best_lr(runs: list[dict], arm: str) -> float | None:
-    """The grid's learning rate with the lowest final loss on seed 0, once the whole grid has run."""
-    grid = {r["lr"]: r["final_loss"] for r in runs if r["arm"] == arm and r["seed"] == 0}
+    """The grid's learning rate with the lowest final loss on seed 0 at the equal-time budget, once the whole grid
+    has run."""
+    steps = budgets(ARMS[arm])[0]
+    grid = {r["lr"]: r["final_loss"] for r in runs if r["arm"] == arm and r["seed"] == 0 and r["steps"] == steps}
     return min(grid, key=grid.get) if set(GRID) <= set(grid) else None
 
 
-def train(arm: Arm, lr: float, seed: int) -> dict:
-    """One complete run of ``arm`` at its equal-time budget (one torch thread)."""
+def train(arm: Arm, lr: float, seed: int, steps: int) -> dict:
+    """One complete run of ``arm`` for ``steps`` optimizer steps (one torch thread)."""
     torch.set_num_threads(1)
     import convergence  # a sibling script (run as a script, this folder is on the path): full backprop's LoRA
 
@@ -77,82 +102,138 @@ def train(arm: Arm, lr: float, seed: int) -> dict:
     from dropbp.tools.pretrained import load_causal_lm
     from dropbp.tools.textdata import pydoc_topics
 
-    steps = round(FULL_STEPS * step_speedup(arm.rate))
     model, tokenizer = load_causal_lm()
     torch.manual_seed(seed)  # LoRA's A matrices: the same start as full backprop's runs of this seed
     model = convergence.with_lora(model)
     data = pydoc_topics(tokenizer, 128, max_val_windows=16)
-    run = Run(arm.name, 0.0, lr=lr, steps=steps, token_drop_rate=arm.rate, token_selection=arm.selection)
+    if arm.half_batch:
+        run, micro_batches = Run(arm.name, None, lr=lr, steps=steps), 4
+    else:
+        run = Run(arm.name, 0.0, lr=lr, steps=steps, token_drop_rate=arm.rate, token_selection=arm.selection)
+        micro_batches = 8
     started = time.perf_counter()
     [result] = compare(
-        model, [run], data, steps=steps, lr=lr, batch_size=8, backend=backends.get("cpu"), eval_every=steps,
-        seed=seed, accumulation=8, lr_schedule="cosine", weight_decay=0.01,
+        model, [run], data, steps=steps, lr=lr, batch_size=micro_batches, backend=backends.get("cpu"),
+        eval_every=steps, seed=seed, accumulation=micro_batches, lr_schedule="cosine", weight_decay=0.01,
     )  # fmt: skip
     return {"arm": arm.name, "lr": lr, "seed": seed, "steps": steps, "final_loss": result.val_loss[-1],
             "wall_s": time.perf_counter() - started, "date": date.today().isoformat()}  # fmt: skip
 
 
+def half_batch_front(runs: list[dict]) -> dict[int, list[tuple[float, float]]] | None:
+    """Per seed, the half batch's complete runs as (time in full-backprop steps, final loss) at its best learning
+    rate; None until every budget has run on every seed the grid's best ran on."""
+    arm = ARMS["full-half"]
+    lr = best_lr(runs, arm.name)
+    if lr is None:
+        return None
+    front: dict[int, list[tuple[float, float]]] = {}
+    for r in runs:
+        if r["arm"] == arm.name and r["lr"] == lr:
+            front.setdefault(r["seed"], []).append((r["steps"] / step_speedup(arm), r["final_loss"]))
+    complete = {seed: points for seed, points in front.items() if len(points) == len(budgets(arm))}
+    return complete or None
+
+
 def report(out: Path = OUT) -> dict:
-    """Per arm with its whole grid run: the best lr and the speedup at equal quality over the seeds run."""
+    """Per arm with its whole grid run: the best lr and the speedup at equal quality over the seeds run, against
+    full backprop at the cell's batch and, where the half batch has run on that seed, at its best of the two
+    (the lower envelope of both frontiers). Branch drops 0.5 (smollm2_equal_quality.py's runs) are read alike."""
     import smollm2_equal_quality as eq  # full backprop's runs on this cell
 
     from dropbp.tools.frontier import equal_quality_speedup, over_seeds
 
     runs = load_runs(out)
+    half = half_batch_front(runs) or {}
+
+    def readings(points: list[tuple[int, float, float]]) -> dict:
+        """``(seed, time in full steps, final loss)`` per seed against full backprop at the cell's batch and at
+        its best batch (only where every seed has the half batch's runs)."""
+        full = {seed: eq.seed_runs(eq.RESULTS, seed)[0] for seed, _, _ in points}
+        entry = {"full": over_seeds([equal_quality_speedup(full[s], t, loss) for s, t, loss in points])}
+        if all(s in half for s, _, _ in points):
+            best = [equal_quality_speedup(full[s] + half[s], t, loss) for s, t, loss in points]
+            entry["best"] = over_seeds(best)
+        return entry
+
     rows = []
     for arm in ARMS.values():
         lr = best_lr(runs, arm.name)
         if lr is None:
             continue
-        speedup = step_speedup(arm.rate)
-        at_best = sorted((r for r in runs if r["arm"] == arm.name and r["lr"] == lr), key=lambda r: r["seed"])
-        readings = [
-            equal_quality_speedup(eq.seed_runs(eq.RESULTS, r["seed"])[0], r["steps"] / speedup, r["final_loss"])
-            for r in at_best
-        ]
+        speedup, steps = step_speedup(arm), budgets(arm)[0]
+        at_best = sorted(
+            (r for r in runs if r["arm"] == arm.name and r["lr"] == lr and r["steps"] == steps), key=lambda r: r["seed"]
+        )
         rows.append(
             {
                 "arm": arm.name,
                 "lr": lr,
-                "grid_seed0": {str(r["lr"]): r["final_loss"] for r in runs if r["arm"] == arm.name and r["seed"] == 0},
-                "steps": at_best[0]["steps"],
+                "grid_seed0": {
+                    str(r["lr"]): r["final_loss"]
+                    for r in runs
+                    if r["arm"] == arm.name and r["seed"] == 0 and r["steps"] == steps
+                },
+                "steps": steps,
                 "step_speedup": speedup,
                 "seeds": [r["seed"] for r in at_best],
                 "final_loss": [r["final_loss"] for r in at_best],
-                "speedup": over_seeds(readings),
+                "wall_s": [round(r["wall_s"]) for r in at_best],
+                **readings([(r["seed"], r["steps"] / speedup, r["final_loss"]) for r in at_best]),
             }
         )
+    branch = [(seed, *eq.seed_runs(eq.RESULTS, seed)[1]["equal time"]) for seed in (0, 1, 2)]
     record = {"benchmark": "smollm2_token_drops", "date": date.today().isoformat(), "cost_record":
-              str(COST_RECORD.relative_to(HERE.parent)), "grid": list(GRID), "rows": rows}  # fmt: skip
+              str(COST_RECORD.relative_to(HERE.parent)), "grid": list(GRID), "rows": rows,
+              "branch0.5": readings(branch), "half_batch_runs": {str(s): p for s, p in half.items()}}  # fmt: skip
     (out / "smollm2_token_drops.json").write_text(json.dumps(record, indent=2) + "\n")
     (out / "smollm2_token_drops.md").write_text(markdown(record))
     return record
 
 
+def _reading(entry: dict | None) -> str:
+    """Per seed (bounds marked), then the mean and its 95% interval; "not run" where there is no entry."""
+    if entry is None:
+        return "not run (the half batch's runs are not all in)"
+    per = " / ".join(
+        ("" if p["bound"] == "exact" else {"at least": ">= ", "at most": "<= "}[p["bound"]]) + f"{p['value']:.2f}x"
+        for p in entry["per_seed"]
+    )
+    interval = f"[{entry['low']:.2f}, {entry['high']:.2f}]" if entry["seeds"] > 1 else "(one seed)"
+    return f"{per}: **{entry['mean']:.2f}x** {interval}"
+
+
 def markdown(record: dict) -> str:
     lines = [
         "Token drops on SmolLM2-135M-Instruct, the README's cell (LoRA r=8, pydoc, 8 x 128 tokens a step, 100 "
-        "full-backprop steps): speedup at equal quality against full backprop's complete runs "
-        "(benchmarks/smollm2_equal_quality.py's records), each arm at its own best learning rate of "
-        f"{', '.join(f'{x:g}' for x in record['grid'])} on seed 0. Time MODELLED from the measured step speedups "
-        f"({record['cost_record']}). Method: benchmarks/smollm2_token_drops.py.",
+        "full-backprop steps): speedup at equal quality against full backprop's complete runs at this batch "
+        "(benchmarks/smollm2_equal_quality.py's records) and at its best of two batches (this one and 4 x 128 "
+        "tokens a step, `full-half`: the lower envelope of both frontiers), each arm at its own best learning rate "
+        f"of {', '.join(f'{x:g}' for x in record['grid'])} on seed 0 at its equal-time budget. Time MODELLED from "
+        f"the measured step speedups ({record['cost_record']}; the half batch at 2x: half the micro-batches; each "
+        "run's wall time, one torch thread, two runs at a time, is beside it). Method: "
+        "benchmarks/smollm2_token_drops.py.",
         "",
-        "| arm | lr (seed 0's losses over the grid) | steps | step speedup | final val loss per seed | "
-        "speedup at equal quality, per seed | mean [95%] |",
-        "|---|---|---|---|---|---|---|",
+        "| arm | lr (seed 0's losses over the grid) | steps | step speedup | final val loss per seed | wall s | "
+        "vs full backprop, per seed: mean [95%] | vs full backprop at its best batch |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in record["rows"]:
-        s = row["speedup"]
         grid = ", ".join(f"{float(lr):g}: {loss:.4f}" for lr, loss in sorted(row["grid_seed0"].items()))
-        per = " / ".join(
-            ("" if p["bound"] == "exact" else {"at least": ">= ", "at most": "<= "}[p["bound"]]) + f"{p['value']:.2f}x"
-            for p in s["per_seed"]
-        )
-        interval = f"[{s['low']:.2f}, {s['high']:.2f}]" if s["seeds"] > 1 else "(one seed)"
         lines.append(
             f"| {row['arm']} | **{row['lr']:g}** ({grid}) | {row['steps']} | {row['step_speedup']:.2f}x | "
-            f"{' / '.join(f'{x:.4f}' for x in row['final_loss'])} | {per} | **{s['mean']:.2f}x** {interval} |"
+            f"{' / '.join(f'{x:.4f}' for x in row['final_loss'])} | {' / '.join(map(str, row['wall_s']))} | "
+            f"{_reading(row['full'])} | {_reading(row.get('best'))} |"
         )
+    branch = record["branch0.5"]
+    lines.append(
+        "| branch drops 0.5 (smollm2_equal_quality.md's runs, time measured) | 0.002 | 135 | | | | "
+        f"{_reading(branch['full'])} | {_reading(branch.get('best'))} |"
+    )
+    if record["half_batch_runs"]:
+        lines += ["", "The half batch's complete runs (time in full-backprop steps: final val loss):", ""]
+        for seed, points in sorted(record["half_batch_runs"].items()):
+            lines.append(f"- seed {seed}: " + ", ".join(f"time {t:g}: {loss:.4f}" for t, loss in sorted(points)))
     return "\n".join(lines) + "\n"
 
 
@@ -161,6 +242,7 @@ def main() -> None:
     parser.add_argument("--train", choices=sorted(ARMS))
     parser.add_argument("--lr", help="a learning rate of the grid, or 'best' (seed 0's best, once its grid ran)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, help="a budget of the arm other than its equal-time one (budgets())")
     parser.add_argument("--report", action="store_true")
     args = parser.parse_args()
     if args.report:
@@ -172,7 +254,11 @@ def main() -> None:
     if lr is None:
         raise SystemExit(f"{args.train}: seed 0 has not run the whole grid {GRID}; no best learning rate yet")
     OUT.mkdir(parents=True, exist_ok=True)
-    row = train(ARMS[args.train], lr, args.seed)
+    arm = ARMS[args.train]
+    steps = args.steps or budgets(arm)[0]
+    if steps not in budgets(arm):
+        parser.error(f"{arm.name} runs at {budgets(arm)} steps, not {steps}")
+    row = train(arm, lr, args.seed, steps)
     with (OUT / "runs.jsonl").open("a") as f:
         f.write(json.dumps(row) + "\n")
     print(json.dumps(row))
