@@ -57,14 +57,20 @@ def test_quick_start_is_two_commands_and_ci_runs_the_second():
     assert "ci/install.sh" in (ROOT / "ci" / "test.sh").read_text()  # line 2 sets up, too
 
 
-def _readme_results():
-    """benchmarks/readme_results.py, loaded by path (benchmarks/ is not a package)."""
+def _benchmark(name: str):
+    """benchmarks/NAME.py, loaded by path (benchmarks/ is not a package)."""
     import importlib.util
+    import sys
 
-    spec = importlib.util.spec_from_file_location("readme_results", ROOT / "benchmarks" / "readme_results.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # a dataclass resolves its annotations through its module
     spec.loader.exec_module(module)
     return module
+
+
+def _readme_results():
+    return _benchmark("readme_results")
 
 
 RESULTS_PAGE = ROOT / "docs" / "results.md"
@@ -146,3 +152,31 @@ def test_user_pages_say_what_holds_now_not_how_it_came_about(page):
     text = page.read_text().lower()
     found = [phrase for phrase in LAB_NOTEBOOK if re.search(phrase, text)]
     assert not found, f"{page.name} says {found}: move it to docs/history.md or state what holds now"
+
+
+USER_PAGES = [p for p in PAGES if p.name != "history.md"]
+
+
+@pytest.mark.parametrize("figure", _benchmark("figures").FIGURES, ids=lambda f: f.name)
+def test_a_figure_the_pages_quote_has_its_records_value_everywhere(figure):
+    """Each place a page states a registered figure (benchmarks/figures.py) is there and says the record's value:
+    one truth per figure."""
+    value = figure.read()
+    for page, pattern in figure.places:
+        said = [re.sub(r"\s+", " ", m) for m in re.findall(pattern, (ROOT / page).read_text())]
+        assert said, f"{page} no longer states {figure.name!r} where {pattern!r} looks: update benchmarks/figures.py"
+        assert set(said) == {value}, f"{page} says {figure.name} is {said}; its record says {value}"
+
+
+def test_every_speedup_interval_on_the_pages_is_one_a_record_holds():
+    """A speedup quoted with its 95% interval anywhere in README and docs/ (history aside) is a mean and interval
+    that some record under benchmarks/results holds: no interval typed by hand, none left behind by a re-run."""
+    recorded = _benchmark("figures").recorded_intervals()
+    quoted = [
+        (page.name, f"{m[0]}x [{m[1]}, {m[2]}]")
+        for page in USER_PAGES
+        for m in re.findall(r"(\d+\.\d\d)x(?:\*\*)? \[(?:95%: )?(-?\d+\.\d\d), (-?\d+\.\d\d)\]", page.read_text())
+    ]
+    assert len(quoted) > 50  # the pattern still finds the pages' intervals
+    unrecorded = sorted({q for q in quoted if q[1] not in recorded})
+    assert not unrecorded, f"intervals no record holds: {unrecorded}"

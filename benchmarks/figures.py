@@ -1,0 +1,154 @@
+"""The figures README.md and docs/ quote in prose, each read from its record: one truth per figure.
+
+A ``Figure`` names a record under ``benchmarks/results``, how to read the figure from it (formatted as the pages
+print it) and the places the pages state it: regular expressions whose one group is the figure's text there.
+``tests/test_readme.py`` checks that every place is on a page and says the record's value, so a figure cannot
+drift from its record or take two values. Tables are not here: ``readme_results.py`` makes them from the records
+and the same tests compare them whole. Intervals (``0.98x [0.87, 1.09]``) are checked apart, wherever they stand:
+each must be a mean and interval some record holds (``recorded_intervals``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+X = r"(\d+\.\d\dx)"  # a speedup as the pages print it
+
+
+@cache
+def _json(path: str) -> dict:
+    return json.loads((RESULTS / path).read_text())
+
+
+def _bench_row(path: str, checkpointing: bool, pattern: str, rate: float) -> dict:
+    for point in _json(path)["points"]:
+        if bool(point.get("checkpointing")) == checkpointing:
+            for row in point["rows"]:
+                if row["pattern"] == pattern and row["drop_rate"] == rate:
+                    return row
+    raise LookupError(f"{path} has no {pattern} row at {rate} with checkpointing {checkpointing}")
+
+
+def _at_expected(model: str, checkpointing: bool) -> str:
+    path = f"bench_checkpointing_cpu/{model}_0.5_at_expected/bench.json"
+    return f"{_bench_row(path, checkpointing, 'cut', 0.5)['speedup_at_expected']:.2f}x"
+
+
+def _fastest_token_step(method: str) -> str:
+    [point] = _json(f"bench_tokens_cpu/{method}/bench.json")["points"]
+    return f"{max(r['speedup'] for r in point['rows'] if r['pattern'] == 'tokens'):.2f}x"
+
+
+def _token_cell(name: str) -> dict:
+    return next(c for c in _json("token_drops/token_drops.json")["cells"] if c["cell"] == name)
+
+
+def _equal_time_worth(cell: str, arm: str) -> float:
+    """Worth of a step (against full backprop at its best batch) of ``arm`` at its equal-time budget in ``cell``."""
+    return next(b["step_worth"] for b in _token_cell(cell)["arms"][arm].values() if b["equal_time"])
+
+
+def _worths(arm: str) -> str:
+    values = [f"{_equal_time_worth(cell, arm):.2f}" for cell in ("100x1k", "300x1k", "100x8k")]
+    return f"{values[0]}, {values[1]} and {values[2]}"
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One figure: ``read()`` gives its text from the record; ``places`` are (page, regex with one group)."""
+
+    name: str
+    read: Callable[[], str]
+    places: tuple[tuple[str, str], ...]
+
+
+FIGURES = (
+    Figure(
+        "LoRA step speedup at 0.5 with activation checkpointing (bench, at the cut's expected fraction)",
+        lambda: _at_expected("lora", True),
+        (
+            ("docs/checkpointing.md", r"\| 0\.5 \| [\d.]+x \(at the cut's expected fraction, below\) \| \*\*" + X),
+            ("docs/checkpointing.md", r"\*\*" + X + r" with checkpointing, [\d.]+x without\*\*"),
+            ("docs/results.md", r"LoRA [\d.]+x,\s+" + X + r" with activation checkpointing"),
+        ),
+    ),
+    Figure(
+        "LoRA step speedup at 0.5 without checkpointing (bench, at the cut's expected fraction)",
+        lambda: _at_expected("lora", False),
+        (
+            ("docs/checkpointing.md", r"\| 0\.5 \| " + X + r" \(at the cut's expected fraction, below\)"),
+            ("docs/checkpointing.md", r"with checkpointing, " + X + r" without\*\*"),
+            ("docs/results.md", r"at the cut's expected fraction\): LoRA " + X),
+        ),
+    ),
+    Figure(
+        "full fine-tuning step speedup at 0.5 without / with checkpointing (bench, at the cut's expected fraction)",
+        lambda: f"{_at_expected('full', False)} / {_at_expected('full', True)}",
+        (
+            ("docs/checkpointing.md", r"\*\*(\d\.\d\dx / \d\.\d\dx)\*\* without / with checkpointing at 0\.5"),
+            ("docs/results.md", r"full fine-tuning (\d\.\d\dx / \d\.\d\dx);"),
+        ),
+    ),
+    Figure(
+        "the fastest token-dropped step, full fine-tuning (SmolLM2-135M, 512 tokens, CPU)",
+        lambda: _fastest_token_step("full"),
+        (
+            ("README.md", r"their step is at most " + X + " faster"),
+            ("docs/token-drops.md", r"a token-dropped step is at most " + X + " faster"),
+            ("docs/token-drops.md", r"a step at most\s+" + X + r" faster at 25%"),
+        ),
+    ),
+    Figure(
+        "the fastest token-dropped step, LoRA (SmolLM2-135M, 512 tokens, CPU)",
+        lambda: _fastest_token_step("lora"),
+        (("docs/token-drops.md", r"\(full fine-tuning;\s+" + X + r" with LoRA\)"),),
+    ),
+    Figure(
+        "full backprop at half the batch against the cell's batch, 30 steps x 32k tokens",
+        lambda: f"{_token_cell('30x32k')['half_batch']['full']['mean']:.2f}x",
+        (
+            ("README.md", r"full backprop at half the batch beats both \(" + X + r"\)"),
+            ("docs/noise-scale.md", r"at 30 x 32k \([\d.]+x forecast, " + X + r" measured\)"),
+        ),
+    ),
+    Figure(
+        "worth of a kept token row by gradient over a random one (token drops 0.3, 100 x 1k, equal time)",
+        lambda: f"{_equal_time_worth('100x1k', 'tokens0.3') / _equal_time_worth('100x1k', 'tokens-random0.3'):.1f}x",
+        (
+            ("README.md", r"worth (\d\.\dx) a random one"),
+            ("docs/token-drops.md", r"Importance sampling is worth (\d\.\dx) random rows"),
+        ),
+    ),
+    Figure(
+        "worth of a step keeping 70% of the token rows by gradient, per cell (100 x 1k, 300 x 1k, 100 x 8k)",
+        lambda: _worths("tokens0.3"),
+        (("docs/token-drops.md", r"70% of the rows is worth ([\d.]+, [\d.]+ and [\d.]+) of a full"),),
+    ),
+    Figure(
+        "worth of a step keeping 70% of the token rows at random, per cell (100 x 1k, 300 x 1k, 100 x 8k)",
+        lambda: _worths("tokens-random0.3"),
+        (("docs/token-drops.md", r"against ([\d.]+, [\d.]+ and [\d.]+) with random rows"),),
+    ),
+)
+
+
+def _intervals(value: object) -> Iterator[str]:
+    if isinstance(value, dict):
+        if all(isinstance(value.get(k), int | float) for k in ("mean", "low", "high")):
+            yield f"{value['mean']:.2f}x [{value['low']:.2f}, {value['high']:.2f}]"
+        for inner in value.values():
+            yield from _intervals(inner)
+    elif isinstance(value, list):
+        for inner in value:
+            yield from _intervals(inner)
+
+
+def recorded_intervals() -> set[str]:
+    """Every speedup with its 95% interval any JSON record holds, as the pages print it (``0.98x [0.87, 1.09]``)."""
+    return {text for path in RESULTS.rglob("*.json") for text in _intervals(json.loads(path.read_text()))}
