@@ -323,11 +323,13 @@ def arms_table() -> str:
             equal = next((b for b in budgets.values() if isinstance(b, dict) and b.get("equal_time")), None)
             if equal is not None:
                 arms.setdefault(arm, {})[cell["cell"]] = {**equal, "lr": cell["lr"][arm]}
-    names = [f"{c['steps']} steps x {c['tokens'] // 1024}k tokens" for c in cells]
+    names = [f"proxy, {c['steps']} steps x {c['tokens'] // 1024}k tokens" for c in cells]
     smollm2 = _smollm2_arms()
     lines = [
         ARMS_BEGIN,
-        "| what is dropped | " + " | ".join(names) + " | SmolLM2-135M, LoRA, 100 steps x 1k tokens |",
+        "| what is dropped (speedup at equal quality, 2 CPU cores) | "
+        + " | ".join(names)
+        + " | SmolLM2-135M, LoRA, 100 steps x 1k tokens |",
         "|---|" + "---|" * (len(cells) + 1),
     ]
 

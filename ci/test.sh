@@ -3,7 +3,8 @@
 # then lint and run the CPU test suite. Extra arguments go to pytest. Fails loudly if no test ran.
 # With no arguments it then runs the litgpt tests, and the gradient and hf integration tests again, in the second
 # environment, .venv-litgpt (litgpt and the lowest transformers / accelerate / peft the hf extra declares: see
-# ci/install-litgpt.sh), then builds the wheel and tests it installed (ci/wheel.sh).
+# ci/install-litgpt.sh), then builds the wheel and tests it installed (ci/wheel.sh), and runs README's install lines
+# in a fresh clone (ci/install-lines.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # Tiny models: one intra-op thread is as fast, and OpenMP threads never spin against other processes
@@ -33,5 +34,7 @@ if [ ! -x .venv-litgpt/bin/litgpt ]; then
 fi
 run_pytest .venv-litgpt/bin/python -m pytest -p no:cacheprovider tests/test_litgpt.py tests/test_layouts.py \
   tests/test_gradients.py tests/test_hf_integration.py tests/test_wrappers.py tests/test_chunked_loss.py || exit $?
-# The release artefacts: the wheel built, installed in a fresh environment and run there (no checkout in sight).
-bash ci/wheel.sh
+# The release artefacts: the wheel built, installed in a fresh environment and run there (no checkout in sight);
+# then README's install lines, verbatim, in a fresh clone and fresh environments.
+bash ci/wheel.sh || exit $?
+bash ci/install-lines.sh

@@ -25,6 +25,8 @@ _PROVIDERS: dict[str, tuple[str, str]] = {
     "tqdm": ("tqdm", "demo"),
     "gguf": ("gguf", "demo"),
     "bitsandbytes": ("bitsandbytes", "qlora"),
+    "yaml": ("pyyaml", ""),
+    "llamafactory": ("llamafactory==0.9.5", ""),  # the version tested (ci/llamafactory.sh)
 }
 
 

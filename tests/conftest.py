@@ -201,6 +201,13 @@ def _rank_entry(target, rank: int, *args) -> None:
         os._exit(code)
 
 
+def ranks_done() -> None:
+    """The last line of a rank's work, before its ``finally`` tears the process group down: every rank waits here
+    for the others, so none destroys its gloo group while a peer still talks to it (destroy_process_group then
+    hangs now and then, pytorch/pytorch#75097; a rank of these tests did once in a clean-clone CI run)."""
+    torch.distributed.barrier()
+
+
 def run_ranks(target, *args, world: int, timeout: float, tries: int = 2) -> None:
     """Run ``target(rank, *args)`` in ``world`` spawned processes; fail on a non-zero exit or a hang.
 

@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 import torch
-from conftest import batch, detach_outputs, run_ranks, tiny_model, with_lora
+from conftest import batch, detach_outputs, ranks_done, run_ranks, tiny_model, with_lora
 
 import dropbp
 
@@ -124,6 +124,7 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
         ids = batch(100 + rank)  # every rank calibrates on its own batch
         sens = ctl.calibrate(lambda: model(input_ids=ids, labels=ids).loss)
         torch.save({"rates": ctl.rates, "sens": sens}, os.path.join(out_dir, f"rank{rank}.pt"))
+        ranks_done()
     finally:
         torch.distributed.destroy_process_group()
 

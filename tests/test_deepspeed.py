@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import VOCAB, detach_outputs, run_ranks, tiny_model
+from conftest import VOCAB, detach_outputs, ranks_done, run_ranks, tiny_model
 
 
 def _why_no_deepspeed() -> str:
@@ -191,6 +191,7 @@ def _rank_main(rank: int, init_file: str, out_dir: str) -> None:
         result["calibration"] = {stage: _calibrate(stage) for stage in (2, 3)}
         result["refusals"] = _refusals()
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        ranks_done()
     finally:
         dist.destroy_process_group()
 
@@ -368,6 +369,7 @@ def _trainer_rank_main(rank: int, init_file: str, out_dir: str, stage: int) -> N
     try:
         result = _train_with_trainer(os.path.join(out_dir, f"rank{rank}"), stage)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        ranks_done()
     finally:
         dist.destroy_process_group()
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import assert_same_grads, batch, detach_outputs, run_ranks, tiny_model, with_lora
+from conftest import assert_same_grads, batch, detach_outputs, ranks_done, run_ranks, tiny_model, with_lora
 from torch.nn.parallel import DistributedDataParallel
 
 import dropbp
@@ -126,6 +126,7 @@ def _rank_main(rank: int, init_file: str, out_dir: str, mode: str, pattern: str)
         if mode == "ddp":
             result["errors"] = _clear_errors()
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        ranks_done()
     finally:
         dist.destroy_process_group()
 
@@ -224,6 +225,7 @@ def _trainer_rank_main(rank: int, init_file: str, out_dir: str) -> None:
     try:  # the trainer and its DDP wrapper are gone before the process group
         result = _train_with_trainer(Path(out_dir) / f"rank{rank}")
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        ranks_done()
     finally:
         dist.destroy_process_group()
 
@@ -312,6 +314,7 @@ def _tokens_rank_main(rank: int, init_file: str, out_dir: str, mode: str) -> Non
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
+        ranks_done()
     finally:
         dist.destroy_process_group()
 
@@ -378,6 +381,7 @@ def _noise_rank_main(rank: int, init_file: str, out_dir: str) -> None:
         measured = ctl.noise_scale()
         record = {"terms": terms, "measured": measured, "tokens": 2 * ids[0].numel()}
         torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
+        ranks_done()
     finally:
         dist.destroy_process_group()
 

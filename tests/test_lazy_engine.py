@@ -12,6 +12,7 @@ is SGD with momentum (one update graph per step, as Habana's FusedAdamW; torch's
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 from types import SimpleNamespace
 
@@ -227,6 +228,12 @@ class _GaudiLikeTrainer(transformers.Trainer):
         super().create_accelerator_and_postprocess()
         self.accelerator.device_placement = False  # the model stays on the lazy device
 
+    def compute_loss(self, *args, **kwargs):
+        out = super().compute_loss(*args, **kwargs)
+        if self.args.use_lazy_mode and self.args.pipelining_fwd_bwd:  # a break between forward and backward too
+            self.mark_step("forward")
+        return out
+
     def training_step(self, *args, **kwargs):
         loss = super().training_step(*args, **kwargs)
         self.mark_step("backward")
@@ -237,7 +244,16 @@ class _GaudiLikeTrainer(transformers.Trainer):
         self.engine.graph_break()
 
 
+@dataclasses.dataclass
 class _LazyArguments(transformers.TrainingArguments):
+    """The Trainer's arguments on the lazy device, with the fields of optimum-habana's ``GaudiTrainingArguments`` that
+    bear on graphs (its defaults; ``use_lazy_mode`` on, as on Gaudi before software 1.21)."""
+
+    use_lazy_mode: bool = True
+    use_hpu_graphs_for_training: bool = False
+    pipelining_fwd_bwd: bool = False
+    throughput_warmup_steps: int = 0
+
     @property
     def device(self) -> torch.device:
         transformers.TrainingArguments.device.fget(self)  # the trainer's own set-up (processes, accelerate state)
@@ -249,14 +265,17 @@ class _AfterOptimizerStep(transformers.TrainerCallback):
         self.trainer.mark_step("optimizer step")
 
 
-def _train_like_gaudi(tmp_path, steps: int, micro_batches: int, callbacks: list) -> tuple[Breaks, torch.nn.Module]:
-    """``steps`` optimizer steps of a fresh model through the Gaudi-like trainer; its breaks."""
+def _train_like_gaudi(
+    tmp_path, steps: int, micro_batches: int, callbacks: list, **gaudi_arguments
+) -> tuple[Breaks, torch.nn.Module]:
+    """``steps`` optimizer steps of a fresh model through the Gaudi-like trainer, ``gaudi_arguments`` set; its
+    breaks."""
     model = own_model()
     data = [{"input_ids": batch(i, size=1)[0], "labels": batch(i, size=1)[0]} for i in range(steps * micro_batches)]
     args = _LazyArguments(
         str(tmp_path), max_steps=steps, per_device_train_batch_size=1, gradient_accumulation_steps=micro_batches,
         optim="sgd", learning_rate=1e-3, lr_scheduler_type="constant", max_grad_norm=0, logging_nan_inf_filter=False,
-        logging_steps=10_000, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
+        logging_steps=10_000, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, **gaudi_arguments,
     )  # fmt: skip
     after_step = _AfterOptimizerStep()
     callbacks = [*callbacks, after_step]
@@ -392,3 +411,44 @@ def test_an_engine_the_user_started_first_is_used_as_it_is():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "trained True" in result.stdout, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_gaudis_pipelining_of_forward_and_backward_compiles_at_most_twice_the_plan(micro_batches, tmp_path):
+    """``pipelining_fwd_bwd`` (optimum-habana's break between each forward and its backward) splits every
+    forward+backward graph of the plan in two: at most twice the plan's graphs, none after the plan settles."""
+    from dropbp.integrations.hf import DropBPCallback
+
+    steps = {1: 60, 2: 40}[micro_batches]
+    backend = LazyEngineBackend()
+    backend.graph_break = lambda: None
+    callback = DropBPCallback(drop_rate=0.5, backend=backend)
+    plans = []
+    callback.on_train_begin = _after(callback.on_train_begin, lambda: plans.append(_plan(callback, micro_batches)))
+    breaks, _ = _train_like_gaudi(tmp_path, steps, micro_batches, [callback], pipelining_fwd_bwd=True)
+    plan = plans[0]
+    step_breaks = ["forward", "backward"] * micro_batches + ["optimizer step"]
+    assert [label for label, _, _ in breaks.events] == step_breaks * steps
+    compiled = [n for _, n, _ in breaks.events]
+    per_step = [sum(compiled[i * (2 * micro_batches + 1) : (i + 1) * (2 * micro_batches + 1)]) for i in range(steps)]
+    assert sum(compiled) <= 2 * plan.graphs
+    assert not any(per_step[plan.settled_at :]), per_step
+
+
+def test_gaudis_hpu_graphs_for_training_are_refused_with_the_reason(tmp_path):
+    """``use_hpu_graphs_for_training`` replays a captured forward by input shape alone: dropbp refuses it before the
+    first step, naming the flag, why and what to set; through ``attach`` too."""
+    from dropbp.integrations.hf import DropBPCallback, check_gaudi_arguments
+
+    refused = r"use_hpu_graphs_for_training=True cannot be used.*Set use_hpu_graphs_for_training=False"
+    with pytest.raises(ValueError, match=refused):
+        _train_like_gaudi(tmp_path, 2, 1, [DropBPCallback(drop_rate=0.5, backend=LazyEngineBackend())],
+                          use_hpu_graphs_for_training=True)  # fmt: skip
+    check_gaudi_arguments(SimpleNamespace(use_hpu_graphs_for_training=False, pipelining_fwd_bwd=True))
+    with pytest.raises(ValueError, match="replayed by input shape"):
+        dropbp.attach(_hpu_graphs_trainer(tmp_path), drop_rate=0.5)
+
+
+def _hpu_graphs_trainer(tmp_path) -> transformers.Trainer:
+    args = _LazyArguments(str(tmp_path), max_steps=1, report_to=[], use_cpu=True, use_hpu_graphs_for_training=True)
+    return transformers.Trainer(model=own_model(), args=args)

@@ -79,3 +79,25 @@ def test_run_exp_with_the_callback_trains_with_dropped_branches(tmp_path):
     env["HF_HOME"] = str(tmp_path / "hf")  # the dataset cache stays in the test's folder
     run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert_framework_run(run, tmp_path / "out" / "checkpoint-20")
+
+
+def test_the_yaml_route_trains_from_a_config_with_dropbp_keys(tmp_path):
+    """``dropbp llamafactory train.yaml``: LLaMA-Factory's own YAML with ``dropbp_*`` keys, run through its
+    ``run_exp`` with the callback the keys describe (the same run as above, from a file)."""
+    yaml = pytest.importorskip("yaml")
+    model_dir, data_dir = _model_and_data(tmp_path)
+    config = {
+        "stage": "pt", "do_train": True, "model_name_or_path": str(model_dir), "finetuning_type": "lora",
+        "lora_target": "all", "lora_rank": 4, "dataset": "words", "dataset_dir": str(data_dir), "cutoff_len": 32,
+        "output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 2, "max_steps": 20,
+        "learning_rate": 1e-3, "logging_steps": 5, "save_steps": 20, "report_to": "none", "seed": 7,
+        "use_cpu": True, "bf16": False, "overwrite_output_dir": True, "plot_loss": False,
+        "dropbp_drop_rate": 0.5, "dropbp_pattern": "uniform", "dropbp_warmup": 0.0, "dropbp_calibrate_at": 0.1,
+    }  # fmt: skip
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    env["HF_HOME"] = str(tmp_path / "hf")
+    command = [sys.executable, "-m", "dropbp", "llamafactory", str(path)]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert_framework_run(run, tmp_path / "out" / "checkpoint-20")

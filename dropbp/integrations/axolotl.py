@@ -4,24 +4,22 @@
       - dropbp.integrations.axolotl.DropBPPlugin
     dropbp_drop_rate: 0.5
 
-Every key is ``dropbp_`` and an option of :class:`dropbp.options.TrainerOptions`; :data:`DropBPArgs` is generated
-from them. ``add_callbacks_post_trainer`` does what :func:`dropbp.integrations.hf.attach` does and returns the
-callback; ``register`` sets ``ddp_find_unused_parameters: true`` when unset. Without axolotl installed the plugin
-subclasses ``object``. Why these hooks, and how it is tested against axolotl 0.19: docs/axolotl.md.
+Every key is ``dropbp_`` and an option of :class:`dropbp.options.TrainerOptions` (:data:`DropBPArgs`, generated from
+them in :mod:`dropbp.integrations.config_keys`). ``add_callbacks_post_trainer`` does what
+:func:`dropbp.integrations.hf.attach` does and returns the callback; ``register`` sets ``ddp_find_unused_parameters:
+true`` when unset. Without axolotl installed the plugin subclasses ``object``. Why these hooks, and how it is tested
+against axolotl 0.19: docs/axolotl.md.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping, MutableMapping, Sequence
-from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from collections.abc import Mapping, MutableMapping
+from typing import Any
 
-from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, create_model, model_validator
 from transformers import Trainer, TrainerCallback
 
+from dropbp.integrations.config_keys import DropBPArgs
 from dropbp.integrations.hf import callback_for
-from dropbp.options import TrainerOptions, named_as, option_fields
 
 try:
     from axolotl.integrations.base import BasePlugin
@@ -31,104 +29,6 @@ except ModuleNotFoundError as missing:
     BasePlugin = object  # type: ignore[assignment,misc]
 
 __all__ = ["DropBPArgs", "DropBPPlugin"]
-
-#: What goes before each option's name to make its config key.
-PREFIX = "dropbp_"
-
-
-def _yaml_type(annotation: Any) -> Any:
-    """The pydantic type of a config key for an option of this type: strict numbers and booleans (YAML gives
-    them their own types, and a lax model would read ``true`` as a drop rate of 1.0), lists for sequences;
-    what YAML cannot write (a ``Backend`` instance) is left out of a union."""
-    if annotation is float:
-        return StrictFloat
-    if annotation is int:
-        return StrictInt
-    if annotation is bool:
-        return StrictBool
-    if annotation in (str, type(None)):
-        return annotation
-    if get_origin(annotation) in (Sequence, list, tuple):
-        return list[get_args(annotation)[0]]
-    if get_origin(annotation) in (Union, UnionType):
-        kept = [_yaml_type(a) for a in get_args(annotation)]
-        kept = [k for k in kept if k is not None or type(None) in get_args(annotation)]
-        return Union[tuple(k if k is not None else type(None) for k in kept)]  # noqa: UP007
-    return None
-
-
-# The keys whose YAML form differs from the Python one: ``dropbp_calibrate_at: false`` means never.
-_YAML_OVERRIDES: dict[str, Any] = {
-    "calibrate_at": StrictFloat | Literal["auto", False],
-    "drop_rate": StrictFloat | Literal["auto"],
-}
-
-
-class _DropBPArgsBase(BaseModel):
-    """What :class:`DropBPArgs` adds to its generated fields: the checks, and the way back to the options."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _dropbp_null_calibrate_at_means_never(cls, data: Any) -> Any:
-        """An explicit ``dropbp_calibrate_at: null`` becomes ``False``.
-
-        axolotl drops null keys when it stores the checked config, after which a null could not be
-        told apart from a key left out (which means ``auto``).
-        """
-        if isinstance(data, Mapping) and "dropbp_calibrate_at" in data and data["dropbp_calibrate_at"] is None:
-            data = {**data, "dropbp_calibrate_at": False}
-        return data
-
-    @model_validator(mode="after")
-    def _dropbp_check(self) -> _DropBPArgsBase:
-        """The options' own checks (:class:`dropbp.options.TrainerOptions`), the messages naming the config keys.
-
-        The validators' names start with ``_dropbp`` because axolotl merges this class into its own
-        config model, where a validator of the same name would replace one of axolotl's or be replaced.
-        """
-        try:
-            with named_as(PREFIX):
-                self.options()
-        except TypeError as error:  # pydantic reports only ValueErrors
-            raise ValueError(str(error)) from None
-        return self
-
-    @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> DropBPArgs:
-        """The keys of an axolotl config (a ``DictDefault``, or any mapping) that belong to DropBP."""
-        return cls.model_validate({key: cfg[key] for key in cls.model_fields if key in cfg})
-
-    def attach_kwargs(self) -> dict[str, Any]:
-        """The arguments of :func:`dropbp.integrations.hf.attach` that these keys stand for."""
-        kwargs = {f.name: getattr(self, PREFIX + f.name) for f in option_fields(TrainerOptions)}
-        if kwargs["calibrate_at"] is False:
-            kwargs["calibrate_at"] = None
-        return kwargs
-
-    def options(self) -> TrainerOptions:
-        """The options these keys stand for, checked."""
-        return TrainerOptions(**self.attach_kwargs())
-
-
-def _key(option: dataclasses.Field, annotation: Any) -> tuple[Any, Any]:
-    kind = _YAML_OVERRIDES.get(option.name) or _yaml_type(annotation)
-    if kind is None:
-        raise TypeError(f"dropbp option {option.name} has a type YAML cannot write ({annotation}): give it a key type")
-    return kind, Field(default=option.default, description=option.metadata["help"])
-
-
-#: The plugin's config keys: ``dropbp_`` and the name of every option of :class:`dropbp.options.TrainerOptions`,
-#: with its default and help, checked by its own checks when axolotl checks the config.
-DropBPArgs = create_model(
-    "DropBPArgs",
-    __base__=_DropBPArgsBase,
-    __module__=__name__,
-    **{
-        PREFIX + f.name: _key(f, hint)
-        for f, hint in ((f, get_type_hints(TrainerOptions)[f.name]) for f in option_fields(TrainerOptions))
-    },
-)
-
 
 class DropBPPlugin(BasePlugin):
     """The axolotl plugin: its config keys, and DropBP applied to the trainer's model with its callback."""

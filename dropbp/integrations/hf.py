@@ -115,6 +115,20 @@ def epoch_windows(accumulation: int, dataloader: object | None) -> tuple[int, in
     return (batches, accumulation) if batches > 0 and batches % accumulation else None
 
 
+def check_gaudi_arguments(args: Any) -> None:
+    """Refuse the optimum-habana ``GaudiTrainingArguments`` dropbp cannot follow (the others work unchanged:
+    docs/backends.md's table). ``use_hpu_graphs_for_training`` caches the forward as HPU graphs replayed by input
+    shape alone, which Habana documents as unfit for data-dependent Python flow such as a per-step drop pattern."""
+    if getattr(args, "use_hpu_graphs_for_training", False):
+        raise ValueError(
+            "DropBPCallback: use_hpu_graphs_for_training=True cannot be used with dropbp. optimum-habana then caches "
+            "the model's forward as HPU graphs (Habana's ModuleCacher), which are replayed by input shape "
+            "alone: the branches dropbp chooses each step would not change after the capture. Set "
+            "use_hpu_graphs_for_training=False; in lazy mode dropbp bounds the graphs compiled itself (max_patterns; "
+            "ctl.pattern_plan() says how many)."
+        )
+
+
 class DropBPCallback(TrainerCallback):
     """DropBP in a Trainer, from its options alone: ``Trainer(..., callbacks=[DropBPCallback(drop_rate=0.5)])``.
 
@@ -167,6 +181,7 @@ class DropBPCallback(TrainerCallback):
         """Apply DropBP to ``trainer.model`` now, knowing the trainer (what :func:`attach` does)."""
         if not isinstance(trainer, Trainer):
             raise TypeError(f"trainer must be a transformers.Trainer, got {type(trainer).__name__}")
+        check_gaudi_arguments(trainer.args)
         if getattr(trainer, "is_deepspeed_enabled", False):  # --deepspeed, or accelerate launch with DeepSpeed
             self._check_deepspeed(trainer.accelerator.state.deepspeed_plugin, trainer.args)
         self.trainer = trainer
@@ -231,6 +246,7 @@ class DropBPCallback(TrainerCallback):
             )
         if self._removed:
             return
+        check_gaudi_arguments(args)
         if self.controller is None:
             if kw.get("model") is None:
                 raise RuntimeError("DropBPCallback: the Trainer handed its callbacks no model at on_train_begin")

@@ -180,6 +180,12 @@ def _parser() -> argparse.ArgumentParser:
         "gradient_checkpointing=True): exactness, step times and memory as such a run has them",
     )
     check.add_argument("--out", type=Path, default=Path("dropbp-check"), help="folder for check.json and check.md")
+
+    factory = sub.add_parser(
+        "llamafactory",
+        help="train with LLaMA-Factory from its YAML, dropbp_* keys in it (instead of llamafactory-cli train)",
+    )
+    factory.add_argument("config", type=Path, help="LLaMA-Factory's training YAML, with dropbp_* keys beside its own")
     return parser
 
 
@@ -436,10 +442,24 @@ def _check(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
+def _llamafactory(args: argparse.Namespace) -> int:
+    from dropbp.integrations.llamafactory import load_config, run, split_config
+
+    if not args.config.is_file():
+        raise UsageError(f"no LLaMA-Factory config at {args.config}")
+    try:
+        config = load_config(args.config)
+        split_config(config)  # its keys checked before LLaMA-Factory loads anything
+    except ValueError as err:
+        raise UsageError(f"{args.config}: {err}") from None
+    run(config)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
-        commands = {"demo": _demo, "bench": _bench, "check": _check}
+        commands = {"demo": _demo, "bench": _bench, "check": _check, "llamafactory": _llamafactory}
         return commands[args.command](args)
     except (UsageError, MissingDependency) as err:
         print(f"dropbp: {err}" if not str(err).startswith("dropbp") else str(err), file=sys.stderr)
