@@ -161,8 +161,10 @@ def _smollm2_step_speedup() -> float:
 
 def _step_speedup(cell, arm: str) -> float:
     if cell == SMOLLM2:
+        if arm == "full-half":
+            return 2.0  # half the micro-batches of the same shape: smollm2_token_drops.py's model of its time
         if arm != "branch0.5":
-            raise KeyError(arm)  # only DropBP 0.5 ran on SmolLM2
+            raise KeyError(arm)  # branch drops on SmolLM2 ran at 0.5 only
         return _smollm2_step_speedup()
     cost = wip.StepCost.from_bench(wip.COST_RECORD)
     if ARMS[arm] is None:
@@ -184,11 +186,17 @@ def forecast(row: dict, arm: str) -> tuple[float, float]:
 
 def measured(cell_name: str) -> dict[str, dict]:
     """What the map (branch drops, equal time) and token_drops.py (half the batch) measured against full backprop;
-    on the SmolLM2 cell, benchmarks/smollm2_equal_quality.py's DropBP 0.5 at equal time."""
+    on the SmolLM2 cell, benchmarks/smollm2_equal_quality.py's DropBP 0.5 at equal time and
+    benchmarks/smollm2_token_drops.py's half batch."""
     found = {}
     if cell_name == SMOLLM2:
         record = json.loads((HERE / "results" / "smollm2_equal_quality.json").read_text())
-        return {"branch0.5": next(r for r in record["rows"] if r["run"] == "DropBP 0.5, equal time")["speedup"]}
+        found["branch0.5"] = next(r for r in record["rows"] if r["run"] == "DropBP 0.5, equal time")["speedup"]
+        tokens = json.loads((HERE / "results" / "smollm2_token_drops" / "smollm2_token_drops.json").read_text())
+        half = next((r for r in tokens["rows"] if r["arm"] == "full-half"), None)
+        if half is not None and len(half["seeds"]) == len(SEEDS):  # the half batch, once on every seed
+            found["full-half"] = half["full"]
+        return found
     for c in json.loads((wip.OUT / "map.json").read_text())["cells"]:
         if c["cell"] == cell_name:
             for arm, rate in ARMS.items():
@@ -217,7 +225,7 @@ def report() -> None:
         name = getattr(cell, "name", cell)
         seeds = [runs[f"{name}/seed{s}"] for s in SEEDS if f"{name}/seed{s}" in runs]
         seen = measured(name)
-        for arm in ARMS if cell != SMOLLM2 else ["branch0.5"]:
+        for arm in ARMS if cell != SMOLLM2 else ["branch0.5", *(["full-half"] if "full-half" in seen else [])]:
             predicted = [forecast(r, arm) for r in seeds]
             got = seen.get(arm)
             mean_got = None if got is None else got["mean"]
