@@ -131,7 +131,7 @@ FIGURES = (
         lambda: f"{_token_cell('30x32k')['half_batch']['full']['mean']:.2f}x",
         (
             ("README.md", r"full backprop at half the batch beats both \(" + X + r"\)"),
-            ("docs/noise-scale.md", r"at 30 x 32k \([\d.]+x forecast, " + X + r" measured\)"),
+            ("docs/noise-scale.md", r"at 30 x 32k\s+\([\d.]+x forecast, " + X + r" measured\)"),
         ),
     ),
     Figure(
