@@ -325,7 +325,7 @@ def arms_table() -> str:
             equal = next((b for b in budgets.values() if isinstance(b, dict) and b.get("equal_time")), None)
             if equal is not None:
                 arms.setdefault(arm, {})[cell["cell"]] = {**equal, "lr": cell["lr"][arm]}
-    names = [f"proxy, {c['steps']} steps x {c['tokens'] // 1024}k tokens" for c in cells]
+    names = [f"6-layer Llama proxy, {c['steps']} steps x {c['tokens'] // 1024}k tokens" for c in cells]
     smollm2 = _smollm2_arms()
     lines = [
         ARMS_BEGIN,
