@@ -348,8 +348,9 @@ def arms_table() -> str:
         texts.append(" ".join(text for _, text in smollm2.get(arm, [])))
         lines.append(f"| {_arm_name(arm)} | " + " | ".join(texts) + " |")
     full = [f"1.00x (lr {c['lr']['full']:g}; half batch {c['lr']['full-half']:g})" for c in cells]
-    half = next((r for r in json.loads(SMOLLM2_TOKENS.read_text())["rows"] if r["arm"] == "full-half"), None)
-    best_batch = "best" in json.loads(SMOLLM2_TOKENS.read_text())["branch0.5"]
+    tokens = json.loads(SMOLLM2_TOKENS.read_text())
+    half = next((r for r in tokens["rows"] if r["arm"] == "full-half"), None)
+    best_batch = "best" in tokens["branch0.5"]
     full.append(f"1.00x (lr 0.002; half batch {half['lr']:g})" if best_batch else "1.00x (lr 0.002; this batch only)")
     lines.append("| nothing: full backprop at its best batch | " + " | ".join(full) + " |")
     cost = record["cost"]

@@ -18,7 +18,7 @@ from typing import Any
 from dropbp.imports import require
 from dropbp.integrations.config_keys import PREFIX, DropBPArgs
 
-__all__ = ["load_config", "run", "split_config"]
+__all__ = ["load_config", "run", "split_config", "train"]
 
 
 def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -44,10 +44,14 @@ def split_config(config: Mapping[str, Any]) -> tuple[dict[str, Any], DropBPArgs]
     return rest, keys
 
 
-def run(config: str | os.PathLike[str] | Mapping[str, Any]) -> None:
-    """Train with LLaMA-Factory's ``run_exp`` and DropBP, from a YAML file or its dict (see the module)."""
+def train(args: dict[str, Any], keys: DropBPArgs) -> None:
+    """``run_exp(args, callbacks=[DropBPCallback(...)])`` for a config :func:`split_config` split."""
     tuner = require("llamafactory.train.tuner", "dropbp llamafactory")
     from dropbp.integrations.hf import DropBPCallback
 
-    args, keys = split_config(config if isinstance(config, Mapping) else load_config(config))
     tuner.run_exp(args, callbacks=[DropBPCallback(**keys.attach_kwargs())])
+
+
+def run(config: str | os.PathLike[str] | Mapping[str, Any]) -> None:
+    """Train with LLaMA-Factory's ``run_exp`` and DropBP, from a YAML file or its dict (see the module)."""
+    train(*split_config(config if isinstance(config, Mapping) else load_config(config)))

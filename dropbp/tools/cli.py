@@ -443,16 +443,15 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _llamafactory(args: argparse.Namespace) -> int:
-    from dropbp.integrations.llamafactory import load_config, run, split_config
+    from dropbp.integrations.llamafactory import load_config, split_config, train
 
     if not args.config.is_file():
         raise UsageError(f"no LLaMA-Factory config at {args.config}")
-    try:
-        config = load_config(args.config)
-        split_config(config)  # its keys checked before LLaMA-Factory loads anything
+    try:  # the keys checked before LLaMA-Factory loads anything; its own errors pass through as they are
+        factory_args, keys = split_config(load_config(args.config))
     except ValueError as err:
         raise UsageError(f"{args.config}: {err}") from None
-    run(config)
+    train(factory_args, keys)
     return 0
 
 
