@@ -37,13 +37,15 @@ FULL_STEPS = 100
 
 @dataclass(frozen=True)
 class Arm:
-    """A token-drop arm (``token_drop_rate`` with ``token_selection``, no branch drops), or ``half_batch``: full
-    backprop without the library at half the cell's tokens per step (4 x 128), the best-batch baseline's other batch."""
+    """A dropped-backward arm (``token_drop_rate`` with ``token_selection``, and ``drop_rate`` for branch drops), or
+    ``half_batch``: full backprop without the library at half the cell's tokens per step (4 x 128), the best-batch
+    baseline's other batch. Names are benchmarks/token_drops.py's, so that both report the same arms alike."""
 
     name: str
     rate: float
     selection: str = "gradient"
     half_batch: bool = False
+    drop_rate: float = 0.0
 
 
 ARMS = {
@@ -52,6 +54,9 @@ ARMS = {
         Arm("tokens0.3", 0.3),
         Arm("tokens0.5", 0.5),
         Arm("tokens-random0.3", 0.3, "random"),
+        Arm("tokens-residual0.3", 0.3, "residual"),
+        Arm("branch0.75", 0.0, drop_rate=0.75),
+        Arm("both0.5+tokens0.3", 0.3, drop_rate=0.5),
         Arm("full-half", 0.0, half_batch=True),
     )
 }
@@ -67,10 +72,16 @@ def budgets(arm: Arm) -> list[int]:
 
 def step_speedup(arm: Arm, record: Path = COST_RECORD) -> float:
     """Full backprop's step time over ``arm``'s: MODELLED as 2 for the half batch (half the micro-batches of the same
-    shape; each run's wall time is recorded to check it), else ``dropbp bench``'s measured SmolLM2 LoRA step speedup
-    for token drops at the arm's rate."""
+    shape; each run's wall time is recorded to check it); with branch drops, from the same record's phase times as
+    benchmarks/token_drops.py models the proxy's arms (the kept branches' backward scaled by the token-drop ratio);
+    else ``dropbp bench``'s measured SmolLM2 LoRA step speedup for token drops at the arm's rate."""
     if arm.half_batch:
         return 2.0
+    if arm.drop_rate:
+        import token_drops  # a sibling script: the proxy's cost model
+
+        cost = token_drops.Cost.from_bench(record)
+        return cost.speedup(token_drops.BY_NAME[arm.name], cost.tokens)
     rate = arm.rate
     [point] = json.loads(record.read_text())["points"]
     for row in point["rows"]:
@@ -109,7 +120,10 @@ def train(arm: Arm, lr: float, seed: int, steps: int) -> dict:
     if arm.half_batch:
         run, micro_batches = Run(arm.name, None, lr=lr, steps=steps), 4
     else:
-        run = Run(arm.name, 0.0, lr=lr, steps=steps, token_drop_rate=arm.rate, token_selection=arm.selection)
+        options = {"token_drop_rate": arm.rate, "token_selection": arm.selection}
+        if arm.drop_rate:  # branch drops as the shipped default draws them, as branch drops 0.5's runs did
+            options |= convergence._CUT_WARMUP
+        run = Run(arm.name, arm.drop_rate, lr=lr, steps=steps, **options)
         micro_batches = 8
     started = time.perf_counter()
     [result] = compare(
