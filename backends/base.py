@@ -174,6 +174,11 @@ class Backend(ABC):
         rounds it up to a few fixed counts (:class:`LazyGraphBackend`), so that selections share compiled graphs."""
         return kept
 
+    def token_shares(self, shares: list[float]) -> list[float]:
+        """The keep shares the branches use under ``token_drop_rate="auto"``, from the shares each one's readings
+        allow: eager devices take each branch's own."""
+        return shares
+
     def place_rows(self, part: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
         """A ``(rows, width)`` tensor of zeros with ``part``'s rows at ``index`` (distinct): the input gradient of a
         token-dropped linear map. Eager devices copy the rows in (``index_copy``)."""
@@ -211,6 +216,12 @@ class LazyGraphBackend(Backend):
             return kept
         bucket = -(-rows // ROW_BUCKETS)
         return min(rows, -(-kept // bucket) * bucket)
+
+    def token_shares(self, shares: list[float]) -> list[float]:
+        """One share for every branch, the largest any asks for (so every branch's added variance stays within the
+        budget), in lazy mode: a step's graph is keyed by each branch's row counts, so per-branch shares would
+        compile a graph per combination; one share compiles one of a few."""
+        return [max(shares)] * len(shares) if self.lazy and shares else shares
 
     def place_rows(self, part: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
         """``scatter_add`` into zeros (the indices are distinct, so it places each row once): an operation lazy graphs

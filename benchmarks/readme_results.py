@@ -295,6 +295,8 @@ def claims_table() -> str:
 def _arm_name(arm: str) -> str:
     if arm == "auto":
         return 'branch drops, drop_rate="auto" (rate from the measured noise scale)'
+    if arm == "tokens-auto":
+        return 'token drops, token_drop_rate="auto" (each branch\'s share from its measured added variance)'
     if arm == "full-half":
         return "nothing: full backprop at half the batch"
     for prefix in sorted(ARM_NAMES, key=len, reverse=True):

@@ -17,7 +17,10 @@ warm-up and cosine decay) on 3 seeds. Arms at each cell (``L`` optimizer steps o
 - ``branch<r>``: DropBP's shipped default (cut patterns with warm-up), the map's own runs, at 0.5 and 0.75;
 - ``both0.5+tokens<r>``: branch drops at 0.5 and token drops at 0.3 or 0.5 on the kept branches;
 - ``auto``: ``drop_rate="auto"``, each step's rate chosen from the measured gradient noise scale (one budget, the
-  cell's steps: its time is what its own drops make it).
+  cell's steps: its time is what its own drops make it);
+- ``tokens-auto``: ``token_drop_rate="auto"``, each branch's keep share chosen after every forward from its measured
+  added variance (one budget, the cell's steps; its time modelled at the mean share its selections kept, ``t(r)``
+  linear between the measured rates and 1 at 0).
 
 Each DropBP arm runs at L steps and at its equal-time budget (the steps its modelled step speedup buys in L full
 steps). Time is MODELLED on SmolLM2-135M's measured CPU steps (``--cost-record``, a ``dropbp bench`` record with
@@ -73,7 +76,7 @@ MAP_COST = wip.StepCost.from_bench(wip.COST_RECORD)
 class Arm:
     name: str
     drop_rate: float | str | None  # None: full backprop, no library; "auto": the rate from the noise scale
-    token_drop_rate: float = 0.0
+    token_drop_rate: float | str = 0.0  # "auto": each branch's share from its added variance
     token_selection: str = "gradient"
     half_batch: bool = False
 
@@ -98,6 +101,7 @@ ARMS = [
     Arm("both0.5+tokens0.3", 0.5, 0.3),
     Arm("both0.5+tokens0.5", 0.5, 0.5),
     Arm("auto", "auto"),
+    Arm("tokens-auto", 0.0, "auto"),
 ]
 BY_NAME = {a.name: a for a in ARMS}
 
@@ -124,19 +128,35 @@ class Cost:
                 ratios[f"{row['drop_rate']:g}"] = (row["step_s"] - f - o - b0) / (b - b0)
         return cls(f, b, b0, o, point["seq_len"] * point["batch_size"], ratios)
 
-    def step_seconds(self, arm: Arm, dropped_fraction: float, tokens_per_step: int) -> float:
+    def token_ratio_at(self, rate: float) -> float:
+        """The kept branches' backward time at token drop ``rate`` over full rows': linear between the measured
+        rates, 1 at 0 (token_drop_rate="auto" runs at the mean share its selections kept)."""
+        points = sorted([(0.0, 1.0), *((float(r), t) for r, t in self.token_ratio.items())])
+        for (r0, t0), (r1, t1) in zip(points, points[1:], strict=False):
+            if rate <= r1:
+                return t0 + (t1 - t0) * (rate - r0) / (r1 - r0)
+        return points[-1][1]
+
+    def step_seconds(
+        self, arm: Arm, dropped_fraction: float, tokens_per_step: int, kept_token_share: float | None = None
+    ) -> float:
         ratio = 1.0
-        if arm.token_drop_rate:
+        if arm.token_drop_rate == "auto":
+            ratio = self.token_ratio_at(1.0 - kept_token_share)
+        elif arm.token_drop_rate:
             ratio = self.token_ratio[f"{arm.token_drop_rate:g}"]
         branch = (1 - dropped_fraction) * (self.backward - self.backward_all_dropped) * ratio
         micro = self.forward + self.backward_all_dropped + branch
         return micro * tokens_per_step / self.tokens + self.optimizer
 
-    def speedup(self, arm: Arm, tokens_per_step: int, dropped: float | None = None) -> float:
-        """Full backprop's step time over ``arm``'s, at ``dropped`` (default: its drop rate; "auto" needs it)."""
+    def speedup(
+        self, arm: Arm, tokens_per_step: int, dropped: float | None = None, kept_token_share: float | None = None
+    ) -> float:
+        """Full backprop's step time over ``arm``'s, at ``dropped`` (default: its drop rate; "auto" needs it) and
+        ``kept_token_share`` (token_drop_rate="auto" needs it)."""
         expected = dropped if dropped is not None else arm.drop_rate or 0.0
         full = self.step_seconds(BY_NAME["full"], 0.0, tokens_per_step)
-        return full / self.step_seconds(arm, expected, _tokens(arm, tokens_per_step))
+        return full / self.step_seconds(arm, expected, _tokens(arm, tokens_per_step), kept_token_share)
 
 
 def _tokens(arm: Arm, cell_tokens: int) -> int:
@@ -167,7 +187,7 @@ def _budgets(arm: Arm, cell, cost: Cost) -> list[int]:
     if arm.drop_rate is None:
         scale = 2 if arm.half_batch else 1
         return [cell.steps * scale, cell.steps * scale // 2, cell.steps * scale * 2]
-    if arm.drop_rate == "auto":  # its time is its own, known once it ran: one budget, the cell's steps
+    if "auto" in (arm.drop_rate, arm.token_drop_rate):  # its time is its own, known once it ran: the cell's steps
         return [cell.steps]
     if arm.map_key:  # the map's own runs: its equal-time budget (re-timed here, as every arm, on one clock)
         return [wip.equal_time_steps(MAP_COST, cell, arm.drop_rate), cell.steps]
@@ -272,6 +292,9 @@ def train(cell_name: str, tokens: int, arm: Arm, lr: float, steps: int, seed: in
         "seed": seed,
         "final_loss": result.val_loss[-1],
         "mean_dropped_fraction": sum(result.dropped_fractions) / len(result.dropped_fractions),
+        "mean_kept_token_share": (
+            sum(result.kept_token_shares) / len(result.kept_token_shares) if result.kept_token_shares else None
+        ),
         "wall_s": time.perf_counter() - started,
         "val_loss": result.val_loss,
     }
@@ -305,8 +328,17 @@ def _dropped(row: dict) -> float:
     return row.get("mean_dropped_fraction", 0.0)
 
 
+def _kept_share(row: dict) -> float | None:
+    return row.get("mean_kept_token_share")
+
+
 def _modelled(row: dict, arm: Arm, cost: Cost) -> float:
-    return row["steps"] * cost.step_seconds(arm, row.get("mean_dropped_fraction", 0.0), row["tokens"])
+    return row["steps"] * cost.step_seconds(arm, _dropped(row), row["tokens"], _kept_share(row))
+
+
+def _mean_share(runs: list[dict]) -> float | None:
+    shares = [_kept_share(r) for r in runs]
+    return None if None in shares else sum(shares) / len(shares)
 
 
 def cell_report(cell, done: dict[str, dict], cost: Cost) -> dict | None:
@@ -355,9 +387,10 @@ def cell_report(cell, done: dict[str, dict], cost: Cost) -> dict | None:
         per_budget = {}
         for steps in budgets(arm, cell, cost):
             runs = sorted((r for r in rows[arm.name] if r["steps"] == steps), key=lambda r: r["seed"])
+            dropped = sum(_dropped(r) for r in runs) / len(runs)
             entry = {
                 "final_loss": [r["final_loss"] for r in runs],
-                "step_speedup": cost.speedup(arm, cell.tokens, sum(_dropped(r) for r in runs) / len(runs)),
+                "step_speedup": cost.speedup(arm, cell.tokens, dropped, _mean_share(runs)),
                 "equal_time": steps == budgets(arm, cell, cost)[0],
             }
             for name in ("full", "best"):

@@ -204,7 +204,7 @@ class DropBPController:
         """What the options switch on beyond the hooks. Token drops' hooks go on the first time ``token_drop_rate``
         is above 0 (and stay: at 0 they select nothing, so the model computes exactly what it did without them);
         the noise scale's reads are on while ``measure_noise_scale`` is."""
-        if options.token_drop_rate > 0.0 and not self._tokens.installed:
+        if (options.token_drop_rate == AUTO or options.token_drop_rate > 0.0) and not self._tokens.installed:
             self._tokens.install()
             self._tokens.warn_full_rows(self._full_rows)
         if options.measure_noise_scale and not self._noise.installed:
@@ -248,6 +248,13 @@ class DropBPController:
         ``1 / p`` where kept, 0 where its backward was skipped), for branches that made one."""
         weights = self._tokens.last_weights
         return {b.name: w for b, w in zip(self._found, weights, strict=True) if w is not None}
+
+    def token_keep_shares(self) -> dict[str, float]:
+        """Per branch name, the share of its token rows a kept branch's backward keeps now: ``1 - token_drop_rate``,
+        or under ``token_drop_rate="auto"`` the share its readings chose (1 until it has one)."""
+        rate = self._given.token_drop_rate
+        shares = self._tokens.auto_shares if rate == AUTO else [1.0 - rate] * len(self._found)
+        return {b.name: share for b, share in zip(self._found, shares, strict=True)}
 
     measure_noise_scale = _setting("measure_noise_scale", "Whether the gradient noise scale is measured.")
     token_drop_rate = _setting(
@@ -490,6 +497,8 @@ class DropBPController:
         state = {"version": STATE_VERSION, "branches": names, **self._policy.state_dict(), "step": self._hooks.step}
         if self._given.drop_rate == AUTO:  # the rate in force follows the noise scale, which resumes with it
             state |= {"drop_rate": AUTO, "noise_scale": self._noise.estimator.state_dict()}
+        if self._given.token_drop_rate == AUTO:  # each branch's share follows its readings, which resume with it
+            state |= {"token_shares": self._tokens.auto_state()}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -522,6 +531,8 @@ class DropBPController:
             raise
         if "noise_scale" in state:
             self._noise.estimator.load_state_dict(state["noise_scale"])
+        if "token_shares" in state:
+            self._tokens.load_auto_state(state["token_shares"])
         self._hooks.step = state["step"]
 
     # -- the device's step boundaries ------------------------------------------------------------

@@ -221,14 +221,17 @@ class DropBPOptions:
         ),
     )
 
-    token_drop_rate: float = field(
+    token_drop_rate: float | str = field(
         default=0.0,
         metadata=_help(
             """The share of token rows whose backward each kept branch skips, in [0, 1): the gradient arriving at
             a kept branch's output keeps ``ceil((1 - rate) * rows)`` rows, drawn by ``token_selection`` and weighted
             by their inverse probability (an unbiased estimate of the branch's backward), and the branch's
             row-local linear maps run their backward on those rows only (:mod:`dropbp.execution.token_backward`).
-            Composes with ``drop_rate``; 0: off, nothing changes; ``ctl.token_drop_rate``, settable."""
+            Composes with ``drop_rate``; 0: off, nothing changes. ``"auto"``: each branch's share chosen after
+            every training forward from its measured gradient rows, the fewest rows whose added variance stays
+            within a tenth of the rows' own (:mod:`dropbp.policy.token_selection`; every row until measured);
+            ``ctl.token_drop_rate``, settable."""
         ),
     )
     token_selection: str = field(
@@ -294,10 +297,12 @@ class DropBPOptions:
         check_int(key("stratify"), self.stratify, 1)
         if self.windows is not None:
             self._set("windows", _windows(key("windows"), self.windows))
-        self._rate(
-            "token_drop_rate",
-            "it is the share of token rows whose backward each kept branch skips; set it to e.g. 0.5, or 0 for none",
-        )
+        if self.token_drop_rate != AUTO:
+            self._rate(
+                "token_drop_rate",
+                "it is the share of token rows whose backward each kept branch skips; set it to e.g. 0.5, 0 for none, "
+                "or 'auto' (each branch's share chosen from its measured gradient rows)",
+            )
         check_choice(key("token_selection"), self.token_selection, TOKEN_SELECTIONS)
         check_bool(key("measure_noise_scale"), self.measure_noise_scale)
         if self.stratify > 1 and (self.pattern != "cut" or self.max_patterns is not None):
@@ -311,8 +316,8 @@ class DropBPOptions:
         """Check the rate ``name`` is in [0, 1) and store it as a float; the error says what it means."""
         try:
             self._set(name, check_fraction(_PREFIX.get() + name, getattr(self, name)))
-        except ValueError as error:
-            raise ValueError(f"{error}: {meaning}") from None
+        except (ValueError, TypeError) as error:  # a wrong value, or a string other than "auto"
+            raise type(error)(f"{error}: {meaning}") from None
 
     def _set(self, name: str, value: Any) -> None:
         """Store a checked value in its normal form (a float for a number given as an int, a tuple of names)."""

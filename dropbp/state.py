@@ -14,6 +14,7 @@ from typing import Any
 from dropbp.checks import check_bool, check_choice, check_fraction, check_int, check_number, check_ramp, check_sequence
 from dropbp.policy.sampler import SAMPLERS
 from dropbp.policy.schedule import DROP_SCHEDULES
+from dropbp.policy.token_selection import AUTO_KEEP_SHARES
 
 __all__ = ["STATE_VERSION", "check_state"]
 
@@ -36,8 +37,9 @@ POLICY_STATE = (
 #: The keys of a state (every one required: no release wrote states with fewer).
 REQUIRED = ("version", "branches", "rates", "step", *POLICY_STATE, "rates_follow_drop_rate")
 #: Keys only some states have: ``noise_scale`` where ``drop_rate="auto"`` (the estimator's state), ``windows`` where
-#: the run's optimizer-step windows are set.
-OPTIONAL = ("noise_scale", "windows")
+#: the run's optimizer-step windows are set, ``token_shares`` where ``token_drop_rate="auto"`` (each branch's share
+#: and readings).
+OPTIONAL = ("noise_scale", "windows", "token_shares")
 NOISE_SCALE_KEYS = ("steps", "gradient", "trace", "tokens_per_step")
 
 
@@ -108,4 +110,28 @@ def check_state(state: object) -> dict[str, Any]:
         for i, value in enumerate(windows):
             check_int(f"{_field('windows')}[{i}]", value, 1)
     check_bool(_field("rates_follow_drop_rate"), state["rates_follow_drop_rate"])
+    if "token_shares" in state:
+        _check_token_shares(state["token_shares"], len(branches))
     return state
+
+
+def _check_token_shares(shares: object, branches: int) -> None:
+    """``token_shares``: per branch, a keep share of AUTO_KEEP_SHARES and None or one reading per share."""
+    name = _field("token_shares")
+    if not isinstance(shares, dict) or sorted(shares) != ["readings", "shares"]:
+        raise ValueError(f"{name} must be a dict of shares and readings, got {shares!r:.80}")
+    for key in ("shares", "readings"):
+        values = check_sequence(f"{name}[{key!r}]", shares[key])
+        if len(values) != branches:
+            raise ValueError(f"{name}[{key!r}] has {len(values)} entries, the state {branches} branches")
+    for i, share in enumerate(shares["shares"]):
+        if share not in AUTO_KEEP_SHARES:
+            raise ValueError(f"{name}['shares'][{i}] must be one of {AUTO_KEEP_SHARES}, got {share!r:.40}")
+    for i, readings in enumerate(shares["readings"]):
+        if readings is None:
+            continue
+        values = check_sequence(f"{name}['readings'][{i}]", readings)
+        if len(values) != len(AUTO_KEEP_SHARES):
+            raise ValueError(f"{name}['readings'][{i}] must hold {len(AUTO_KEEP_SHARES)} numbers, got {len(values)}")
+        for j, value in enumerate(values):
+            check_number(f"{name}['readings'][{i}][{j}]", value)

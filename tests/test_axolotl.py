@@ -251,3 +251,10 @@ def test_axolotl_train_runs_the_plugin_from_a_yaml_config(tmp_path):
 
 def test_drop_rate_auto_is_a_config_value():
     assert DropBPArgs.model_validate({"dropbp_drop_rate": "auto"}).attach_kwargs()["drop_rate"] == "auto"
+
+
+def test_token_drop_rate_auto_is_a_config_value():
+    args = DropBPArgs.model_validate({"dropbp_token_drop_rate": "auto"})
+    assert args.attach_kwargs()["token_drop_rate"] == "auto" and args.options().token_drop_rate == "auto"
+    with pytest.raises(pydantic.ValidationError, match=r"dropbp_token_drop_rate.*\n.*'auto'"):
+        DropBPArgs.model_validate({"dropbp_token_drop_rate": "most"})

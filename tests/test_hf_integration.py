@@ -147,6 +147,21 @@ def test_resume_continues_the_same_patterns(tmp_path):
     assert resumed_cb.controller.seed == 0
 
 
+def test_resume_continues_token_drop_rate_auto_with_its_shares(tmp_path):
+    kw = dict(save_strategy="steps", save_steps=10, output_dir=str(tmp_path / "run"))
+    full = _trainer(tmp_path, **kw)
+    full_cb = attach(full, drop_rate=0.5, token_drop_rate="auto")
+    full.train()
+    resumed = _trainer(tmp_path, **kw)
+    resumed_cb = attach(resumed, drop_rate=0.5, token_drop_rate="auto")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-10"))
+    want, got = full_cb.controller.state_dict()["token_shares"], resumed_cb.controller.state_dict()["token_shares"]
+    assert got["shares"] == want["shares"] and min(want["shares"]) < 1.0  # rows were dropped, the same after resume
+    for a, b in zip(got["readings"], want["readings"], strict=True):
+        assert a == b if a is None else a == pytest.approx(b, abs=1e-5)
+    assert set(full_cb.controller.token_keep_shares().values()) == set(want["shares"])
+
+
 def test_gradient_accumulation_draws_per_micro_batch(tmp_path):
     trainer = _trainer(tmp_path, gradient_accumulation_steps=2, max_steps=5)
     callback = attach(trainer, drop_rate=0.5, calibrate_at=None, pattern="uniform")

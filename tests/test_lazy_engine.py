@@ -33,6 +33,7 @@ from conftest import (
 from dropbp.backends.lazy import LazyEngineBackend, compiled_graphs, graph_runs, start
 
 import dropbp
+from dropbp.policy.token_selection import AUTO_KEEP_SHARES
 
 _vocab_sizes = itertools.count(VOCAB)
 
@@ -391,6 +392,10 @@ def test_token_drops_on_the_engine_are_exact_and_compile_no_graph_per_selection(
     branches_only, with_tokens = graphs(), graphs(token_drop_rate=0.5)
     # the same patterns compile no more graphs with token drops, and nothing new once every pattern has run
     assert with_tokens[-1] <= branches_only[-1] and with_tokens[-10:] == [with_tokens[-1]] * 10, with_tokens
+    # token_drop_rate="auto": one share for every branch (LazyGraphBackend.token_shares), so at most a graph per
+    # pattern and share, and none new once the shares settle
+    with_auto = graphs(token_drop_rate="auto")
+    assert with_auto[-1] <= len(AUTO_KEEP_SHARES) * branches_only[-1] and with_auto[-10:] == [with_auto[-1]] * 10
 
 
 def test_an_engine_the_user_started_first_is_used_as_it_is():

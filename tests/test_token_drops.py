@@ -7,6 +7,7 @@ times the arriving one) with forward hooks, and every parameter's gradient must 
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -15,7 +16,16 @@ from conftest import assert_same_grads, batch, loss_and_grads, tiny_model, with_
 from dropbp.backends.base import LazyGraphBackend
 
 import dropbp
-from dropbp.policy.token_selection import inclusion_probabilities, keep_count, selection_weights, systematic_sample
+from dropbp.policy.token_selection import (
+    AUTO_KEEP_SHARES,
+    AUTO_VARIANCE_BUDGET,
+    added_variance,
+    auto_keep_share,
+    inclusion_probabilities,
+    keep_count,
+    selection_weights,
+    systematic_sample,
+)
 
 MOE = {"qwen3_moe": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)}  # fmt: skip
@@ -289,10 +299,11 @@ def test_a_lazy_graph_device_gathers_fixed_row_counts():
         ("token_drop_rate", 1.0, "token_drop_rate must be .* the share of token rows whose backward each kept"),
         ("token_drop_rate", -0.1, "token_drop_rate must be"),
         ("token_selection", "largest", "token_selection must be one of"),
+        ("token_drop_rate", "most", "token_drop_rate must be .* or 'auto'"),
     ],
 )
 def test_bad_token_options_say_what_to_do(option, value, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         dropbp.apply(tiny_model("llama"), 0.5, **{option: value})
 
 
@@ -360,3 +371,156 @@ def test_grad_mode_is_restored_when_a_gathered_linear_map_raises(monkeypatch, er
     assert torch.is_grad_enabled()
     monkeypatch.undo()
     _matches_reference(model, ctl, reference, batch(1))
+
+
+# -- token_drop_rate="auto" ----------------------------------------------------------------------------------------
+
+
+def _probabilities_by_bisection(scores: list[float], keep: int) -> list[float]:
+    """The reference's ``p_t = min(1, c * s_t)`` with ``sum p = keep``: ``c`` found by bisection (where fewer rows
+    than ``keep`` have a score, each of them 1)."""
+    if sum(s > 0 for s in scores) <= keep:
+        return [1.0 if s > 0 else 0.0 for s in scores]
+    low, high = 0.0, 1e12
+    for _ in range(200):
+        c = (low + high) / 2
+        low, high = (c, high) if sum(min(1.0, c * s) for s in scores) < keep else (low, c)
+    return [min(1.0, high * s) for s in scores]
+
+
+def _reference_added_variance(norms: list[float], keep: int) -> float:
+    p = _probabilities_by_bisection(norms, keep)
+    return sum((1 / pt - 1) * n * n for pt, n in zip(p, norms, strict=True) if n > 0) / sum(n * n for n in norms)
+
+
+def test_added_variance_is_the_hand_computed_one():
+    norms = torch.rand(40, generator=torch.Generator().manual_seed(3)).pow(3) * 5
+    norms[[4, 17]] = 0.0  # rows carrying no gradient add nothing
+    keeps = (5, 10, 20, 30, 38, 40)
+    got = added_variance(norms, norms, keeps)
+    want = [_reference_added_variance(norms.tolist(), k) for k in keeps]
+    assert torch.allclose(got, torch.tensor(want), rtol=1e-4, atol=1e-6), (got, want)
+    assert float(got[-2]) == float(got[-1]) == 0.0  # keeping every row that carries gradient adds nothing
+
+
+def test_random_rows_add_the_inverse_kept_share_less_one():
+    norms = torch.rand(64, generator=torch.Generator().manual_seed(4)) + 0.1
+    got = added_variance(norms, torch.ones(64), (16, 32, 48))
+    assert torch.allclose(got, torch.tensor([64 / 16 - 1, 64 / 32 - 1, 64 / 48 - 1]))
+
+
+def test_auto_keeps_the_fewest_rows_within_the_budget():
+    readings = [3.0, 1.0, 0.5, 0.2, AUTO_VARIANCE_BUDGET, 0.05, 0.01, 0.0]
+    assert auto_keep_share(readings) == AUTO_KEEP_SHARES[4]
+    assert auto_keep_share([9.0] * 7 + [0.0]) == 1.0
+
+
+def _branch_output_gradients(model: torch.nn.Module, names: list[str], ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each named branch's output gradient rows in a plain step (no dropbp), by tensor hooks."""
+    grads, handles = {}, []
+    modules = dict(model.named_modules())
+    for name in names:
+
+        def keep(module, args, output, name=name):
+            y = output[0] if isinstance(output, tuple) else output
+            y.register_hook(lambda g: grads.__setitem__(name, g.reshape(-1, g.shape[-1]).detach().clone()))
+
+        handles.append(modules[name].register_forward_hook(keep))
+    loss_and_grads(model, ids)
+    for h in handles:
+        h.remove()
+    return grads
+
+
+def test_auto_keeps_every_row_until_measured_then_the_fewest_its_readings_allow():
+    model = tiny_model("llama")
+    reference = copy.deepcopy(model)
+    first, second = batch(1, size=2, length=16), batch(2, size=2, length=16)
+    ctl = dropbp.apply(model, 0.0, token_drop_rate="auto", seed=2)
+    _, got = loss_and_grads(model, first)
+    weights = ctl.token_weights()
+    rows = _branch_output_gradients(reference, list(weights), first)
+    for name, w in weights.items():  # every row that carries gradient (not a sequence's last), weight 1
+        assert torch.equal(w, (rows[name].norm(dim=1) > 0).float()), name
+    _, want = loss_and_grads(reference, first)
+    assert_same_grads(got, want, atol=1e-6)  # so the step is full backprop's
+    loss_and_grads(model, second)
+    for name, w in ctl.token_weights().items():
+        norms = rows[name].float().norm(dim=1).tolist()
+        readings = [_reference_added_variance(norms, keep_count(32, 1 - share)) for share in AUTO_KEEP_SHARES]
+        share = next(s for s, r in zip(AUTO_KEEP_SHARES, readings, strict=True) if r <= AUTO_VARIANCE_BUDGET)
+        assert int((w > 0).sum()) == keep_count(32, 1 - share), name
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_auto_gradients_equal_the_reference_for_the_recorded_selection(method):
+    model = _model("llama", method, checkpointing=False)
+    reference = copy.deepcopy(model)
+    ctl = dropbp.apply(model, 0.5, token_drop_rate="auto", seed=6)
+    for step in range(4):
+        ids = batch(step, size=2, length=12)
+        _, got = loss_and_grads(model, ids)
+        from conftest import detach_outputs
+
+        handles = _weighted_outputs(reference, ctl.token_weights()) + detach_outputs(reference, tuple(ctl.last_dropped))
+        _, want = loss_and_grads(reference, ids)
+        for h in handles:
+            h.remove()
+        assert_same_grads(got, want, atol=1e-5)
+    assert any(int((w > 0).sum()) < 24 for w in ctl.token_weights().values())  # rows were dropped by then
+
+
+def test_auto_resumes_its_shares_and_readings_exactly():
+    ids = [batch(s, size=2, length=16) for s in range(6)]
+
+    def run(ctl, model, steps):
+        out = []
+        for i in steps:
+            loss_and_grads(model, ids[i])
+            out.append({k: v.clone() for k, v in ctl.token_weights().items()})
+        return out
+
+    model = tiny_model("llama")
+    ctl = dropbp.apply(model, 0.0, token_drop_rate="auto", seed=3)
+    run(ctl, model, range(3))
+    state = ctl.state_dict()
+    assert len(state["token_shares"]["readings"][0]) == len(AUTO_KEEP_SHARES)
+    straight = run(ctl, model, range(3, 6))
+    ctl.remove()
+    resumed = dropbp.apply(model, 0.0, token_drop_rate="auto", seed=3)
+    resumed.load_state_dict(state)
+    again = run(resumed, model, range(3, 6))
+    for a, b in zip(straight, again, strict=True):
+        assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k]) for k in a)
+        assert all(torch.equal(a[k] > 0, b[k] > 0) for k in a)  # the same rows kept
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda t: t["shares"].__setitem__(0, 0.3), r"token_shares'\]\['shares'\]\[0\] must be one of"),
+        (lambda t: t["readings"].__setitem__(1, [0.1]), r"must hold 8 numbers"),
+        (lambda t: t["shares"].pop(), r"has 5 entries, the state 6 branches"),
+    ],
+)
+def test_a_bad_auto_state_is_refused_naming_the_field(edit, match):
+    model = tiny_model("llama")
+    ctl = dropbp.apply(model, 0.0, token_drop_rate="auto")
+    loss_and_grads(model, batch(0))
+    state = ctl.state_dict()
+    edit(state["token_shares"])
+    with pytest.raises(ValueError, match=match):
+        ctl.load_state_dict(state)
+
+
+def test_a_lazy_graph_device_gives_every_branch_one_share():
+    class Lazy(LazyGraphBackend):
+        name = "stand-in"
+        device = torch.device("cpu")
+        autocast_dtype = torch.float32
+        unavailable_reason = classmethod(lambda cls: None)
+
+        def mark_step(self) -> None: ...
+
+    assert Lazy().token_shares([0.25, 0.75, 0.5]) == [0.75, 0.75, 0.75]
+    assert dropbp.backends.get("cpu").token_shares([0.25, 0.75]) == [0.25, 0.75]

@@ -60,18 +60,19 @@ class ExecutionSettings:
     unbiased: bool = False
     bounded: bool = False
     seed: int = 0
-    token_drop_rate: float = 0.0
+    token_drop_rate: float | None = 0.0  # None: token_drop_rate="auto" (each branch's share is token drops' own)
     token_selection: str = "gradient"
 
     @classmethod
     def of(cls, options: object) -> ExecutionSettings:
         """The share of resolved options (a :class:`dropbp.options.DropBPOptions` after ``resolved``)."""
+        token_drop_rate = options.token_drop_rate
         return cls(
             options.drop_rate,
             options.unbiased,
             bool(options.memory_bound),
             options.seed,
-            options.token_drop_rate,
+            None if isinstance(token_drop_rate, str) else token_drop_rate,
             options.token_selection,
         )
 
@@ -279,7 +280,8 @@ class StepHooks:
         where it makes none (token drops off, the branch dropped, calibration's forced forwards, outside a training
         forward of the model or its recomputation)."""
         settings = self.settings
-        if settings.token_drop_rate <= 0.0 or self.forced is not None:
+        off = settings.token_drop_rate is not None and settings.token_drop_rate <= 0.0
+        if off or self.forced is not None:
             return None
         if not (self._forward or in_backward()) or index in self.in_force():
             return None

@@ -37,9 +37,19 @@ from torch.utils.hooks import RemovableHandle
 from dropbp.backends import Backend
 from dropbp.execution.compile_guards import outside_graphs
 from dropbp.execution.discovery import RowLocalLinear
-from dropbp.policy.token_selection import keep_count, selection_weights
+from dropbp.policy.token_selection import (
+    AUTO_KEEP_SHARES,
+    added_variance,
+    auto_keep_share,
+    keep_count,
+    selection_scores,
+    selection_weights,
+)
 
 __all__ = ["RowSlot", "TokenDrops"]
+
+#: ``token_drop_rate="auto"``: the weight of the readings so far against a new forward's (per branch, per share)
+_SMOOTHING = 0.8
 
 
 class RowSlot:
@@ -51,11 +61,12 @@ class RowSlot:
     def __init__(
         self,
         key: tuple[int, int, int],
-        rate: float,
+        rate: float | None,
         rule: str,
         place_rows: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
     ) -> None:
-        self.key, self.rate, self.rule = key, rate, rule
+        self.key, self.rule = key, rule
+        self.rate = rate  # the share of rows dropped; None: token_drop_rate="auto", the branch's share in force
         #: the backend's way to put gathered rows back in place (:meth:`dropbp.backends.Backend.place_rows`)
         self.place_rows = place_rows
         self.rows: int | None = None  # rows of the branch output (set when the branch returns)
@@ -157,6 +168,10 @@ class TokenDrops:
         self._cumulative: tuple[tuple[int, int], torch.Tensor, torch.Tensor] | None = None
         #: Per branch, the weights of its most recent selection (``1 / p`` on kept rows, 0 elsewhere), or None.
         self.last_weights: list[torch.Tensor | None] = [None] * len(self._parts)
+        #: token_drop_rate="auto": per branch, the share of rows kept now, and the smoothed added variance per share
+        #: of AUTO_KEEP_SHARES (on the device; read on the host once per training forward, to choose the share)
+        self.auto_shares: list[float] = [1.0] * len(self._parts)
+        self._readings: list[torch.Tensor | None] = [None] * len(self._parts)
 
     @property
     def installed(self) -> bool:
@@ -243,23 +258,60 @@ class TokenDrops:
                 slot.weights, slot.index = shared[1], shared[2]
                 self.last_weights[index] = shared[1]
                 return
-            keep = keep_count(count, slot.rate)
+            rate = 1.0 - self.auto_shares[index] if slot.rate is None else slot.rate
+            keep = keep_count(count, rate)
             generator = torch.Generator().manual_seed(hash(slot.key) & (2**63 - 1))
             order = torch.randperm(count, generator=generator).to(rows.device, non_blocking=True)
             offset = torch.rand(1, generator=generator).to(rows.device, non_blocking=True)
             norms = rows.float().pow(2).sum(1).sqrt()
             weights = selection_weights(norms, keep, slot.rule, order, offset, slot.residual_norms)
+            if slot.rate is None:
+                self._read_added_variance(index, norms, selection_scores(norms, slot.rule, slot.residual_norms))
             gathered = self._backend.kept_row_count(keep, count)
             slot.weights = weights
-            slot.index = torch.topk(weights, gathered, sorted=False).indices.sort().values
+            everything = gathered >= count  # every row (a share of 1): the linear maps' own full-row backward
+            slot.index = None if everything else torch.topk(weights, gathered, sorted=False).indices.sort().values
             self.last_weights[index] = weights.detach()
             if slot.rule == "cumulative":  # the branches below, in this forward's backward, keep these rows
                 self._cumulative = (slot.key[:2], slot.weights, slot.index)
 
         return select
 
+    def _read_added_variance(self, index: int, norms: torch.Tensor, scores: torch.Tensor) -> None:
+        """token_drop_rate="auto": fold this selection's added variance at every share into the branch's readings
+        (device operations only: nothing is read on the host in backward)."""
+        keeps = tuple(keep_count(norms.shape[0], 1.0 - share) for share in AUTO_KEEP_SHARES)
+        reading = added_variance(norms, scores, keeps).detach()
+        previous = self._readings[index]
+        if previous is not None:
+            reading = _SMOOTHING * previous.to(reading.device) + (1 - _SMOOTHING) * reading
+        self._readings[index] = reading
+
     def on_training_forward(self, pattern: frozenset[int]) -> None:
-        """Nothing per step: each kept branch call asks for its selection when it runs."""
+        """token_drop_rate="auto": each branch's share from its readings so far (one host read for all branches, at
+        the forward's start); otherwise nothing: each kept branch call asks for its selection when it runs."""
+        read = [index for index, reading in enumerate(self._readings) if reading is not None]
+        if not read:
+            return
+        device = self._readings[read[0]].device
+        readings = torch.stack([self._readings[index].to(device) for index in read]).tolist()
+        shares = list(self.auto_shares)
+        for index, values in zip(read, readings, strict=True):
+            shares[index] = auto_keep_share(values)
+        self.auto_shares = self._backend.token_shares(shares)
+
+    def auto_state(self) -> dict[str, list]:
+        """token_drop_rate="auto"'s state: each branch's share in force and readings (None before its first)."""
+        readings = [None if r is None else r.tolist() for r in self._readings]
+        return {"shares": list(self.auto_shares), "readings": readings}
+
+    def load_auto_state(self, state: dict[str, list]) -> None:
+        """Restore :meth:`auto_state` output (the same branches)."""
+        if len(state["shares"]) != len(self._parts) or len(state["readings"]) != len(self._parts):
+            count = len(state["shares"])
+            raise ValueError(f"token drops' automatic state has {count} branches, not {len(self._parts)}")
+        self.auto_shares = [float(share) for share in state["shares"]]
+        self._readings = [None if r is None else torch.tensor(r, dtype=torch.float32) for r in state["readings"]]
 
     def on_remove(self) -> None:
         self.remove()

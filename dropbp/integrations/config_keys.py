@@ -48,6 +48,7 @@ def _yaml_type(annotation: Any) -> Any:
 _YAML_OVERRIDES: dict[str, Any] = {
     "calibrate_at": StrictFloat | Literal["auto", False],
     "drop_rate": StrictFloat | Literal["auto"],
+    "token_drop_rate": StrictFloat | Literal["auto"],
 }
 
 

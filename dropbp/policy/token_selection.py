@@ -14,6 +14,11 @@ parameters' gradients and the gradient it passes down). The rules (``token_selec
   dropped at a layer, dropped below it. Not unbiased: a kept row's weight reaches the branches below twice (through
   the gradient they receive and through their own selection), so it is a measured control, not a default.
 
+``token_drop_rate="auto"`` (VCAS's variance control, per branch): after each training forward, each branch keeps the
+smallest share of :data:`AUTO_KEEP_SHARES` whose added variance, as measured on its recent gradients
+(:func:`added_variance`, smoothed over forwards), is at most :data:`AUTO_VARIANCE_BUDGET` of the variance the token rows
+carry (:func:`auto_keep_share`); a branch with no reading yet keeps every row.
+
 Rows whose gradient is exactly zero (padding, and tokens nothing downstream reads) get ``p_t = 0``: never kept. Exactly
 ``keep`` rows are drawn (fewer only when fewer rows carry gradient), by systematic sampling over a random order
 (:func:`systematic_sample`): each row's marginal is exactly ``p_t`` and the count is fixed, so the shapes that follow
@@ -28,10 +33,28 @@ import math
 
 import torch
 
-__all__ = ["TOKEN_SELECTIONS", "inclusion_probabilities", "keep_count", "selection_weights", "systematic_sample"]
+__all__ = [
+    "AUTO_KEEP_SHARES",
+    "AUTO_VARIANCE_BUDGET",
+    "TOKEN_SELECTIONS",
+    "added_variance",
+    "auto_keep_share",
+    "inclusion_probabilities",
+    "keep_count",
+    "selection_scores",
+    "selection_weights",
+    "systematic_sample",
+]
 
 #: The selection rules, the default first.
 TOKEN_SELECTIONS = ("gradient", "residual", "random", "cumulative")
+#: ``token_drop_rate="auto"``: the shares of rows a branch may keep (few, so that a lazy-graph device, whose graphs
+#: are keyed by the keep count, compiles few graphs), the last keeping every row.
+AUTO_KEEP_SHARES = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
+#: ``token_drop_rate="auto"``: the variance a selection may add, as a fraction of the variance of the gradient's
+#: token rows (:func:`added_variance`); where the rows' gradient noise dominates, a step is then worth at least about
+#: ``1 / (1 + budget)`` of a full one.
+AUTO_VARIANCE_BUDGET = 0.1
 _TINY = 1e-30
 
 
@@ -74,6 +97,39 @@ def systematic_sample(probabilities: torch.Tensor, order: torch.Tensor, offset: 
     return taken.index_select(0, torch.argsort(order))  # back to row order
 
 
+def selection_scores(row_norms: torch.Tensor, rule: str, residual_norms: torch.Tensor | None = None) -> torch.Tensor:
+    """What a rule's inclusion probabilities are proportional to, per row (0 for rows carrying no gradient)."""
+    carries = (row_norms > 0).to(row_norms.dtype)
+    if rule == "residual":
+        if residual_norms is None:
+            raise ValueError("token_selection='residual' needs the branch output's row norms from the forward")
+        return residual_norms.to(row_norms.dtype) * carries
+    return row_norms if rule in ("gradient", "cumulative") else carries
+
+
+def added_variance(row_norms: torch.Tensor, scores: torch.Tensor, keeps: tuple[int, ...]) -> torch.Tensor:
+    """Per keep count, the variance a weighted selection of that many rows adds, over the rows' own:
+    ``sum_t (1 / p_t - 1) |g_t|^2 / sum_t |g_t|^2``, with ``p_t`` the inclusion probabilities from ``scores``.
+
+    The numerator is the added variance of the selected, reweighted gradient rows (each kept independently with
+    ``p_t``); the denominator is what the rows' gradient varies by if tokens are taken as the samples of a
+    noise-dominated batch. A row carrying gradient that a rule never keeps (``p_t = 0``) makes it huge (biased).
+    """
+    squares = row_norms.float().pow(2)
+    total = squares.sum().clamp_min(_TINY)
+    readings = []
+    for keep in keeps:
+        probabilities = inclusion_probabilities(scores, keep)
+        readings.append(((1.0 / probabilities.clamp_min(_TINY) - 1.0) * squares).sum() / total)
+    return torch.stack(readings).clamp(max=1 / _TINY)  # finite: a state holding it is checked as numbers
+
+
+def auto_keep_share(readings: list[float], budget: float = AUTO_VARIANCE_BUDGET) -> float:
+    """The smallest share of :data:`AUTO_KEEP_SHARES` whose reading (:func:`added_variance`, one per share) is at
+    most ``budget``; every row (1.0) where none is."""
+    return next((share for share, added in zip(AUTO_KEEP_SHARES, readings, strict=True) if added <= budget), 1.0)
+
+
 def selection_weights(
     row_norms: torch.Tensor,
     keep: int,
@@ -91,13 +147,6 @@ def selection_weights(
         order: a random permutation of the rows; offset: a uniform number in ``[0, 1)`` (one-element tensor).
         residual_norms: for ``"residual"``, the norm of each row of the branch's output in the forward.
     """
-    carries = (row_norms > 0).to(row_norms.dtype)
-    if rule == "residual":
-        if residual_norms is None:
-            raise ValueError("token_selection='residual' needs the branch output's row norms from the forward")
-        scores = residual_norms.to(row_norms.dtype) * carries
-    else:
-        scores = row_norms if rule in ("gradient", "cumulative") else carries
-    probabilities = inclusion_probabilities(scores, keep)
+    probabilities = inclusion_probabilities(selection_scores(row_norms, rule, residual_norms), keep)
     taken = systematic_sample(probabilities, order, offset)
     return taken / probabilities.clamp_min(_TINY)  # taken is 0 or 1, and 1 only where p > 0

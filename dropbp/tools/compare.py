@@ -111,7 +111,7 @@ class Run:
     steps: int | None = None  # overrides the run's number of optimizer steps
     max_patterns: int | None = None  # apply()'s pattern bound (a lazy-graph device's pool, on the CPU)
     stratified: bool = False  # apply()'s stratify= the run's micro-batches per optimizer step (stratified cuts)
-    token_drop_rate: float = 0.0  # apply()'s token drops (with drop_rate=0.0: token drops alone)
+    token_drop_rate: float | str = 0.0  # apply()'s token drops (with drop_rate=0.0: token drops alone)
     token_selection: str = "gradient"
     measure_noise_scale: bool = False  # apply()'s noise-scale reads: RunResult.noise_scale per optimizer step
 
@@ -129,6 +129,9 @@ class RunResult:
     dropped_fractions: list[float] = field(default_factory=list)
     # per optimizer step, ctl.noise_scale() after it (tokens; None before one is measured) where the run measures it
     noise_scale: list[float | None] = field(default_factory=list)
+    # per optimizer step with token drops, the share of its last micro-batch's token rows that the kept branches'
+    # selections kept, over those branches (ctl.token_weights())
+    kept_token_shares: list[float] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: dict) -> RunResult:
@@ -142,6 +145,7 @@ class RunResult:
             "rates",
             "dropped_fractions",
             "noise_scale",
+            "kept_token_shares",
         )
         return cls(Run(**data["config"]), **{k: data[k] for k in fields if k in data})
 
@@ -158,6 +162,7 @@ class RunResult:
             "rates": self.rates,
             "dropped_fractions": self.dropped_fractions,
             "noise_scale": self.noise_scale,
+            "kept_token_shares": self.kept_token_shares,
         }
 
 
@@ -277,6 +282,10 @@ class _Trainee:
             self.ctl.drop_stats()["dropped_flops_fraction"] if self.ctl is not None else 0.0
         )
         self.elapsed += seconds
+        selections = self.ctl.token_weights() if self.ctl is not None and self.run.token_drop_rate else {}
+        if selections:
+            kept = [float((w > 0).float().mean()) for w in selections.values()]
+            self.result.kept_token_shares.append(sum(kept) / len(kept))
         if self.run.measure_noise_scale:
             measured = self.ctl.noise_scale()
             self.result.noise_scale.append(None if measured is None else measured.tokens)
