@@ -160,6 +160,8 @@ def test_resume_continues_token_drop_rate_auto_with_its_shares(tmp_path):
     for a, b in zip(got["readings"], want["readings"], strict=True):
         assert a == b if a is None else a == pytest.approx(b, abs=1e-5)
     assert set(full_cb.controller.token_keep_shares().values()) == set(want["shares"])
+    logged = [e for e in full.state.log_history if "dropbp/token_keep_share" in e]
+    assert logged and logged[-1]["dropbp/token_keep_min"] == min(want["shares"])
 
 
 def test_gradient_accumulation_draws_per_micro_batch(tmp_path):

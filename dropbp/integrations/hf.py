@@ -464,6 +464,9 @@ class DropBPCallback(TrainerCallback):
                 if not self._noise_forecast_said and measured.steps >= NOISE_FORECAST_STEPS:
                     self._noise_forecast_said = True
                     log.info("%s", noise_scale_forecast(measured, self.controller.drop_rate))
+            if self.controller.token_drop_rate == AUTO:  # the shares the branches' readings chose
+                shares = list(self.controller.token_keep_shares().values())
+                logs |= {"dropbp/token_keep_share": sum(shares) / len(shares), "dropbp/token_keep_min": min(shares)}
             self._log(args, state, control, logs)
             control.should_log = True  # the log cleared it: the Trainer still logs its loss at this step
 
