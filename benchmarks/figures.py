@@ -118,7 +118,7 @@ FIGURES = (
         (
             ("README.md", r"their step is at most " + X + " faster"),
             ("docs/token-drops.md", r"a token-dropped step is at most " + X + " faster"),
-            ("docs/token-drops.md", r"a step at most\s+" + X + r" faster at 25%"),
+            ("docs/token-drops.md", r"\(at most\s+" + X + r"\s+at a quarter of the rows\)"),
         ),
     ),
     Figure(
@@ -146,6 +146,16 @@ FIGURES = (
         "worth of a step keeping 70% of the token rows by gradient, per cell (100 x 1k, 300 x 1k, 100 x 8k)",
         lambda: _worths("tokens0.3"),
         (("docs/token-drops.md", r"70% of the rows is worth ([\d.]+, [\d.]+ and [\d.]+) of a full"),),
+    ),
+    Figure(
+        'token_drop_rate="auto" at 100 x 1k: the mean share of token rows its selections kept',
+        lambda: f"{next(iter(_token_cell('100x1k')['arms']['tokens-auto'].values()))['kept_token_share']:.0%}",
+        (("docs/token-drops.md", r"its branches kept \*\*(\d+%)\*\* of the rows"),),
+    ),
+    Figure(
+        'token_drop_rate="auto" at 100 x 1k: the worth of a step',
+        lambda: f"{_equal_time_worth('100x1k', 'tokens-auto'):.2f}",
+        (("docs/token-drops.md", r"a step\s+was worth \*\*([\d.]+)\*\* of a full one"),),
     ),
     Figure(
         "worth of a step keeping 70% of the token rows at random, per cell (100 x 1k, 300 x 1k, 100 x 8k)",

@@ -202,19 +202,21 @@ def load_runs() -> dict[str, dict]:
     return {**wip.load_done(MAP_RUNS), **wip.load_done(OUT / "runs.jsonl")}
 
 
-def sweep(done: dict[str, dict], cell, arm: Arm, cost: Cost) -> dict[float, float]:
+def sweep(done: dict[str, dict], cell, arm: Arm, cost: Cost, arms: list[Arm] | None = None) -> dict[float, float]:
     steps = budgets(arm, cell, cost)[0]
-    return {lr: done[k]["final_loss"] for lr in grid(done, cell, cost) if (k := key(cell, arm, lr, steps, 0)) in done}
+    points = grid(done, cell, cost, arms)
+    return {lr: done[k]["final_loss"] for lr in points if (k := key(cell, arm, lr, steps, 0)) in done}
 
 
-def grid(done: dict[str, dict], cell, cost: Cost) -> list[float]:
-    """The map's grid, widened as the map widens it (``where_it_pays.widened_grid``) over every arm here."""
+def grid(done: dict[str, dict], cell, cost: Cost, arms: list[Arm] | None = None) -> list[float]:
+    """The map's grid, widened as the map widens it (``where_it_pays.widened_grid``) over every arm here (or over
+    ``arms``: the report's, which leaves out arms whose sweep is still catching up with the grid)."""
 
     lrs = {r["lr"] for r in done.values() if r["cell"] == cell.name}
 
     def sweeps() -> list[dict[float, float]]:
         found = []
-        for arm in cell_arms(cell):
+        for arm in cell_arms(cell) if arms is None else arms:
             steps = budgets(arm, cell, cost)[0]
             found.append({lr: done[k]["final_loss"] for lr in lrs if (k := key(cell, arm, lr, steps, 0)) in done})
         return found
@@ -222,9 +224,9 @@ def grid(done: dict[str, dict], cell, cost: Cost) -> list[float]:
     return wip.widened_grid(sweeps)
 
 
-def best_lr(done: dict[str, dict], cell, arm: Arm, cost: Cost) -> float | None:
-    points = grid(done, cell, cost)
-    rows = sweep(done, cell, arm, cost)
+def best_lr(done: dict[str, dict], cell, arm: Arm, cost: Cost, arms: list[Arm] | None = None) -> float | None:
+    points = grid(done, cell, cost, arms)
+    rows = sweep(done, cell, arm, cost, arms)
     if len(rows) < len(points):
         return None
     best = min(points, key=rows.get)
@@ -347,7 +349,10 @@ def cell_report(cell, done: dict[str, dict], cost: Cost) -> dict | None:
     from dropbp.tools.frontier import equal_quality_speedup, over_seeds
 
     arms = cell_arms(cell)
-    lrs = {arm.name: best_lr(done, cell, arm, cost) for arm in arms}
+    full = BY_NAME["full"]
+    swept = set(sweep(done, cell, full, cost, [full]))  # full backprop's sweep so far: the grid every arm catches up to
+    caught_up = [arm for arm in arms if swept <= set(sweep(done, cell, arm, cost, [arm]))]
+    lrs = {arm.name: best_lr(done, cell, arm, cost, caught_up) for arm in arms}
     rows, unfinished = {}, []
     for arm in arms:
         lr = lrs[arm.name]
@@ -387,12 +392,14 @@ def cell_report(cell, done: dict[str, dict], cost: Cost) -> dict | None:
         per_budget = {}
         for steps in budgets(arm, cell, cost):
             runs = sorted((r for r in rows[arm.name] if r["steps"] == steps), key=lambda r: r["seed"])
-            dropped = sum(_dropped(r) for r in runs) / len(runs)
+            dropped, share = sum(_dropped(r) for r in runs) / len(runs), _mean_share(runs)
             entry = {
                 "final_loss": [r["final_loss"] for r in runs],
-                "step_speedup": cost.speedup(arm, cell.tokens, dropped, _mean_share(runs)),
+                "step_speedup": cost.speedup(arm, cell.tokens, dropped, share),
                 "equal_time": steps == budgets(arm, cell, cost)[0],
             }
+            if share is not None:  # the token rows its selections kept, over the kept branches (mean of the runs)
+                entry["kept_token_share"] = share
             for name in ("full", "best"):
                 readings = [equal_quality_speedup(front[name][r["seed"]], _modelled(r, arm, cost), r["final_loss"])
                             for r in runs]  # fmt: skip
