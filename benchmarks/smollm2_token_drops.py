@@ -42,7 +42,7 @@ class Arm:
     baseline's other batch. Names are benchmarks/token_drops.py's, so that both report the same arms alike."""
 
     name: str
-    rate: float
+    rate: float | str  # "auto": token_drop_rate="auto"
     selection: str = "gradient"
     half_batch: bool = False
     drop_rate: float = 0.0
@@ -57,6 +57,7 @@ ARMS = {
         Arm("tokens-residual0.3", 0.3, "residual"),
         Arm("branch0.75", 0.0, drop_rate=0.75),
         Arm("both0.5+tokens0.3", 0.3, drop_rate=0.5),
+        Arm("tokens-auto", "auto"),
         Arm("full-half", 0.0, half_batch=True),
     )
 }
@@ -66,17 +67,25 @@ def budgets(arm: Arm) -> list[int]:
     """A complete run's lengths in optimizer steps, the grid's (equal time: 100 full-backprop steps) first; the half
     batch also at half that time, a second point of its frontier (full backprop's 200-step runs end worse than its
     100-step ones on this cell, so a longer half-batch run is not where its best lies)."""
+    if arm.rate == "auto":  # its time is its own, known once it ran: full backprop's steps
+        return [FULL_STEPS]
     equal_time = round(FULL_STEPS * step_speedup(arm))
     return [equal_time, equal_time // 2] if arm.half_batch else [equal_time]
 
 
-def step_speedup(arm: Arm, record: Path = COST_RECORD) -> float:
+def step_speedup(arm: Arm, record: Path = COST_RECORD, kept_share: float | None = None) -> float:
     """Full backprop's step time over ``arm``'s: MODELLED as 2 for the half batch (half the micro-batches of the same
     shape; each run's wall time is recorded to check it); with branch drops, from the same record's phase times as
     benchmarks/token_drops.py models the proxy's arms (the kept branches' backward scaled by the token-drop ratio);
-    else ``dropbp bench``'s measured SmolLM2 LoRA step speedup for token drops at the arm's rate."""
+    else ``dropbp bench``'s measured SmolLM2 LoRA step speedup for token drops at the arm's rate; for
+    token_drop_rate="auto", the proxy's cost model at ``kept_share`` (the run's mean share of rows kept)."""
     if arm.half_batch:
         return 2.0
+    if arm.rate == "auto":
+        import token_drops
+
+        cost = token_drops.Cost.from_bench(record)
+        return cost.speedup(token_drops.BY_NAME["tokens-auto"], cost.tokens, 0.0, kept_share)
     if arm.drop_rate:
         import token_drops  # a sibling script: the proxy's cost model
 
@@ -130,8 +139,10 @@ def train(arm: Arm, lr: float, seed: int, steps: int) -> dict:
         model, [run], data, steps=steps, lr=lr, batch_size=micro_batches, backend=backends.get("cpu"),
         eval_every=steps, seed=seed, accumulation=micro_batches, lr_schedule="cosine", weight_decay=0.01,
     )  # fmt: skip
+    shares = result.kept_token_shares
     return {"arm": arm.name, "lr": lr, "seed": seed, "steps": steps, "final_loss": result.val_loss[-1],
-            "wall_s": time.perf_counter() - started, "date": date.today().isoformat()}  # fmt: skip
+            "wall_s": time.perf_counter() - started, "date": date.today().isoformat(),
+            "kept_token_share": sum(shares) / len(shares) if shares else None}  # fmt: skip
 
 
 def half_batch_front(runs: list[dict]) -> dict[int, list[tuple[float, float]]] | None:
@@ -175,10 +186,12 @@ def report(out: Path = OUT) -> dict:
         lr = best_lr(runs, arm.name)
         if lr is None:
             continue
-        speedup, steps = step_speedup(arm), budgets(arm)[0]
+        steps = budgets(arm)[0]
         at_best = sorted(
             (r for r in runs if r["arm"] == arm.name and r["lr"] == lr and r["steps"] == steps), key=lambda r: r["seed"]
         )
+        speedups = [step_speedup(arm, kept_share=r.get("kept_token_share")) for r in at_best]
+        timed = list(zip(at_best, speedups, strict=True))
         rows.append(
             {
                 "arm": arm.name,
@@ -189,11 +202,11 @@ def report(out: Path = OUT) -> dict:
                     if r["arm"] == arm.name and r["seed"] == 0 and r["steps"] == steps
                 },
                 "steps": steps,
-                "step_speedup": speedup,
+                "step_speedup": sum(speedups) / len(speedups),
                 "seeds": [r["seed"] for r in at_best],
                 "final_loss": [r["final_loss"] for r in at_best],
                 "wall_s": [round(r["wall_s"]) for r in at_best],
-                **readings([(r["seed"], r["steps"] / speedup, r["final_loss"]) for r in at_best]),
+                **readings([(r["seed"], r["steps"] / x, r["final_loss"]) for r, x in timed]),
             }
         )
     branch = [(seed, *eq.seed_runs(eq.RESULTS, seed)[1]["equal time"]) for seed in (0, 1, 2)]
