@@ -174,10 +174,11 @@ class Backend(ABC):
         rounds it up to a few fixed counts (:class:`LazyGraphBackend`), so that selections share compiled graphs."""
         return kept
 
-    def token_shares(self, shares: list[float]) -> list[float]:
-        """The keep shares the branches use under ``token_drop_rate="auto"``, from the shares each one's readings
-        allow: eager devices take each branch's own."""
-        return shares
+    def token_shares(self, shares: list[float], chosen: dict[int, float]) -> list[float]:
+        """The keep share of every branch under ``token_drop_rate="auto"``, from those in force (``shares``) and those
+        the readings now allow (``chosen``, by branch index, for the branches read so far): eager devices give each
+        read branch its own."""
+        return [chosen.get(index, share) for index, share in enumerate(shares)]
 
     def place_rows(self, part: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
         """A ``(rows, width)`` tensor of zeros with ``part``'s rows at ``index`` (distinct): the input gradient of a
@@ -217,11 +218,13 @@ class LazyGraphBackend(Backend):
         bucket = -(-rows // ROW_BUCKETS)
         return min(rows, -(-kept // bucket) * bucket)
 
-    def token_shares(self, shares: list[float]) -> list[float]:
-        """One share for every branch, the largest any asks for (so every branch's added variance stays within the
-        budget), in lazy mode: a step's graph is keyed by each branch's row counts, so per-branch shares would
-        compile a graph per combination; one share compiles one of a few."""
-        return [max(shares)] * len(shares) if self.lazy and shares else shares
+    def token_shares(self, shares: list[float], chosen: dict[int, float]) -> list[float]:
+        """In lazy mode, one share for every branch: the largest a read branch asks for (so every read branch's
+        added variance stays within the budget). A step's graph is keyed by each branch's row counts, so per-branch
+        shares would compile a graph per combination; one share compiles one of a few."""
+        if not self.lazy or not chosen:
+            return super().token_shares(shares, chosen)
+        return [max(chosen.values())] * len(shares)
 
     def place_rows(self, part: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
         """``scatter_add`` into zeros (the indices are distinct, so it places each row once): an operation lazy graphs

@@ -522,5 +522,8 @@ def test_a_lazy_graph_device_gives_every_branch_one_share():
 
         def mark_step(self) -> None: ...
 
-    assert Lazy().token_shares([0.25, 0.75, 0.5]) == [0.75, 0.75, 0.75]
-    assert dropbp.backends.get("cpu").token_shares([0.25, 0.75]) == [0.25, 0.75]
+    in_force = [1.0, 0.5, 0.5, 1.0]
+    chosen = {1: 0.25, 2: 0.75}  # branches 0 and 3 not read yet
+    assert Lazy().token_shares(in_force, chosen) == [0.75] * 4
+    assert Lazy().token_shares(in_force, {}) == in_force
+    assert dropbp.backends.get("cpu").token_shares(in_force, chosen) == [1.0, 0.25, 0.75, 1.0]

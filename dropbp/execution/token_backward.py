@@ -295,10 +295,8 @@ class TokenDrops:
             return
         device = self._readings[read[0]].device
         readings = torch.stack([self._readings[index].to(device) for index in read]).tolist()
-        shares = list(self.auto_shares)
-        for index, values in zip(read, readings, strict=True):
-            shares[index] = auto_keep_share(values)
-        self.auto_shares = self._backend.token_shares(shares)
+        chosen = {index: auto_keep_share(values) for index, values in zip(read, readings, strict=True)}
+        self.auto_shares = self._backend.token_shares(self.auto_shares, chosen)
 
     def auto_state(self) -> dict[str, list]:
         """token_drop_rate="auto"'s state: each branch's share in force and readings (None before its first)."""
