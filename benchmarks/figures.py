@@ -148,6 +148,13 @@ FIGURES = (
         (("docs/token-drops.md", r"70% of the rows is worth ([\d.]+, [\d.]+ and [\d.]+) of a full"),),
     ),
     Figure(
+        "worth of a step keeping 70% of the rows by the branch output's size, at random and by gradient (300 x 1k)",
+        lambda: "{:.2f} against {:.2f} and {:.2f}".format(
+            *(_equal_time_worth("300x1k", arm) for arm in ("tokens-residual0.3", "tokens-random0.3", "tokens0.3"))
+        ),
+        (("docs/token-drops.md", r"(\d\.\d\d against \d\.\d\d and \d\.\d\d)\s+at 300 x 1k"),),
+    ),
+    Figure(
         'token_drop_rate="auto" at 100 x 1k: the mean share of token rows its selections kept',
         lambda: f"{next(iter(_token_cell('100x1k')['arms']['tokens-auto'].values()))['kept_token_share']:.0%}",
         (("docs/token-drops.md", r"its branches kept \*\*(\d+%)\*\* of the rows"),),
