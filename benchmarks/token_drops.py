@@ -338,6 +338,25 @@ def _modelled(row: dict, arm: Arm, cost: Cost) -> float:
     return row["steps"] * cost.step_seconds(arm, _dropped(row), row["tokens"], _kept_share(row))
 
 
+def settled_arms(done: dict[str, dict], cell, cost: Cost) -> list[Arm]:
+    """The arms the report reads the grid over: those whose sweep has caught up with full backprop's, less those
+    whose best there lies on an edge that widens the grid past full backprop's runs (their best may lie beyond: they
+    are still running, as the arms not caught up are)."""
+    full, lrs = BY_NAME["full"], {r["lr"] for r in done.values() if r["cell"] == cell.name}
+    steps = budgets(full, cell, cost)[0]
+    points = sorted(lr for lr in lrs if key(cell, full, lr, steps, 0) in done)  # full backprop's sweep so far
+    arms = []
+    for arm in cell_arms(cell):
+        steps = budgets(arm, cell, cost)[0]
+        losses = {lr: done[k]["final_loss"] for lr in points if (k := key(cell, arm, lr, steps, 0)) in done}
+        if len(losses) < len(points):
+            continue  # still catching up
+        best = min(points, key=losses.get)
+        if set(grid(done, cell, cost, [*arms, arm])) <= set(points) or best not in (points[0], points[-1]):
+            arms.append(arm)
+    return arms
+
+
 def _mean_share(runs: list[dict]) -> float | None:
     shares = [_kept_share(r) for r in runs]
     return None if None in shares else sum(shares) / len(shares)
@@ -349,10 +368,7 @@ def cell_report(cell, done: dict[str, dict], cost: Cost) -> dict | None:
     from dropbp.tools.frontier import equal_quality_speedup, over_seeds
 
     arms = cell_arms(cell)
-    full = BY_NAME["full"]
-    swept = set(sweep(done, cell, full, cost, [full]))  # full backprop's sweep so far: the grid every arm catches up to
-    caught_up = [arm for arm in arms if swept <= set(sweep(done, cell, arm, cost, [arm]))]
-    lrs = {arm.name: best_lr(done, cell, arm, cost, caught_up) for arm in arms}
+    lrs = {arm.name: best_lr(done, cell, arm, cost, settled_arms(done, cell, cost)) for arm in arms}
     rows, unfinished = {}, []
     for arm in arms:
         lr = lrs[arm.name]
