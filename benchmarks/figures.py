@@ -54,6 +54,9 @@ def _equal_time_worth(cell: str, arm: str) -> float:
     return next(b["step_worth"] for b in _token_cell(cell)["arms"][arm].values() if b["equal_time"])
 
 
+AUTO_CELLS = ("100x1k", "300x1k", "100x8k")  # the proxy's cells token_drop_rate="auto" ran in
+
+
 def _auto_entry(cell: str) -> dict:
     """token_drop_rate="auto"'s one budget in ``cell``."""
     [entry] = _token_cell(cell)["arms"]["tokens-auto"].values()
@@ -161,14 +164,14 @@ FIGURES = (
         (("docs/token-drops.md", r"(\d\.\d\d against \d\.\d\d and \d\.\d\d)\s+at 300 x 1k"),),
     ),
     Figure(
-        'token_drop_rate="auto": the mean share of token rows its selections kept (100 x 1k, 300 x 1k)',
-        lambda: " and ".join(f"{_auto_entry(cell)['kept_token_share']:.0%}" for cell in ("100x1k", "300x1k")),
-        (("docs/token-drops.md", r"Its branches kept \*\*(\d+% and \d+%)\*\* of the rows"),),
+        'token_drop_rate="auto": the mean share of token rows its selections kept (100 x 1k, 300 x 1k, 100 x 8k)',
+        lambda: "{}, {} and {}".format(*(f"{_auto_entry(cell)['kept_token_share']:.0%}" for cell in AUTO_CELLS)),
+        (("docs/token-drops.md", r"Its branches kept \*\*(\d+%, \d+% and \d+%)\*\* of the rows"),),
     ),
     Figure(
-        'token_drop_rate="auto": the worth of a step (100 x 1k, 300 x 1k)',
-        lambda: " and ".join(f"{_auto_entry(cell)['step_worth']:.2f}" for cell in ("100x1k", "300x1k")),
-        (("docs/token-drops.md", r"a step was worth \*\*([\d.]+ and [\d.]+)\*\* of a full one"),),
+        'token_drop_rate="auto": the worth of a step (100 x 1k, 300 x 1k, 100 x 8k)',
+        lambda: "{}, {} and {}".format(*(f"{_auto_entry(cell)['step_worth']:.2f}" for cell in AUTO_CELLS)),
+        (("docs/token-drops.md", r"a step was worth \*\*([\d.]+, [\d.]+ and [\d.]+)\*\* of a full one"),),
     ),
     Figure(
         "worth of a step keeping 70% of the token rows at random, per cell (100 x 1k, 300 x 1k, 100 x 8k)",
