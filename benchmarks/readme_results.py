@@ -38,12 +38,15 @@ ARMS_END = "<!-- end of arms-table -->"
 TOKEN_DROPS = RESULTS / "token_drops" / "token_drops.json"
 TOKEN_PAGE = ROOT / "docs" / "token-drops.md"
 TOKEN_BENCH = RESULTS / "bench_tokens_cpu"
+TOKEN_BENCH_GPU = RESULTS / "bench_tokens_cuda"
 NOISE_PAGE = ROOT / "docs" / "noise-scale.md"
 NOISE_RECORDS = RESULTS / "noise_scale"
 NOISE_BEGIN = "<!-- noise-scale-tables: made by benchmarks/readme_results.py -->"
 NOISE_END = "<!-- end of noise-scale-tables -->"
 TBENCH_BEGIN = "<!-- token-bench-table: made by benchmarks/readme_results.py -->"
 TBENCH_END = "<!-- end of token-bench-table -->"
+TGPU_BEGIN = "<!-- gpu-token-bench-table: made by benchmarks/readme_results.py -->"
+TGPU_END = "<!-- end of gpu-token-bench-table -->"
 TFRONT_BEGIN = "<!-- token-frontier-table: made by benchmarks/readme_results.py -->"
 TFRONT_END = "<!-- end of token-frontier-table -->"
 TSMOL_BEGIN = "<!-- smollm2-token-table: made by benchmarks/readme_results.py -->"
@@ -498,6 +501,32 @@ def token_bench_table() -> str:
     return "\n".join(lines)
 
 
+def gpu_token_bench_table() -> str:
+    """docs/token-drops.md: token and branch drops' step speedups on a GPU, and the token drops' ideal, per record."""
+    lines = [
+        TGPU_BEGIN,
+        "| method | activation checkpointing | full backprop step | token drops 0.3 / 0.5 / 0.75 | their ideal | "
+        "branch drops 0.3 / 0.5 / 0.75 (uniform) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for path in sorted(TOKEN_BENCH_GPU.glob("*/bench.json"), key=lambda p: ("checkpointing" in p.parent.name, p)):
+        record = json.loads(path.read_text())
+        for point in record["points"]:
+            rows = {(row["pattern"], row["drop_rate"]): row for row in point["rows"]}
+            rates = sorted({rate for _, rate in rows})
+
+            def cells(pattern: str, field: str, rows: dict = rows, rates: list = rates) -> str:
+                return " / ".join(f"{rows[(pattern, rate)][field]:.2f}x" for rate in rates)
+
+            lines.append(
+                f"| {point['method']} | {'on' if point.get('checkpointing') else 'off'} | "
+                f"{point['baseline']['step_s']:.3f} s | {cells('tokens', 'speedup')} | "
+                f"{cells('tokens', 'ideal_speedup')} | {cells('uniform', 'speedup')} |"
+            )
+    lines.append(TGPU_END)
+    return "\n".join(lines)
+
+
 def noise_tables() -> str:
     """docs/noise-scale.md: the forecast against the map (benchmarks/noise_scale.py) and what the reads cost
     (benchmarks/noise_scale_cost.py), as their records' tables say them."""
@@ -531,6 +560,7 @@ def main() -> None:
         README: {(ARMS_BEGIN, ARMS_END): arms_table(), (CLAIMS_BEGIN, CLAIMS_END): claims_table()},
         TOKEN_PAGE: {
             (TBENCH_BEGIN, TBENCH_END): token_bench_table(),
+            (TGPU_BEGIN, TGPU_END): gpu_token_bench_table(),
             (TFRONT_BEGIN, TFRONT_END): token_frontier_table(),
             (TSMOL_BEGIN, TSMOL_END): smollm2_token_table(),
         },

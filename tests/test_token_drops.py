@@ -501,3 +501,28 @@ def test_a_lazy_graph_device_gives_every_branch_one_share():
     assert _Lazy().token_shares(in_force, chosen) == [0.75] * 4
     assert _Lazy().token_shares(in_force, {}) == in_force
     assert dropbp.backends.get("cpu").token_shares(in_force, chosen) == [1.0, 0.25, 0.75, 1.0]
+
+
+# -- on a GPU ------------------------------------------------------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("token_drop_rate", [0.5, "auto"])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "ckpt"])
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_cuda_gradients_equal_the_reference_for_the_recorded_selection(method, checkpointing, token_drop_rate):
+    """The CUDA backend's gathered backward (fp32) against the reference, branch drops 0.5 beside it."""
+    from conftest import detach_outputs
+
+    model = _model("llama", method, checkpointing).cuda()
+    reference = copy.deepcopy(model)
+    ctl = dropbp.apply(model, 0.5, token_drop_rate=token_drop_rate, seed=6, backend="cuda")
+    for step in range(4):
+        ids = batch(step, size=2, length=12).cuda()
+        _, got = loss_and_grads(model, ids)
+        weights = ctl.token_weights()
+        assert all(w.device.type == "cuda" for w in weights.values())
+        handles = _weighted_outputs(reference, weights) + detach_outputs(reference, tuple(ctl.last_dropped))
+        _, want = loss_and_grads(reference, ids)
+        for h in handles:
+            h.remove()
+        assert_same_grads(got, want, atol=2e-5)
+    assert any(int((w > 0).sum()) < 24 for w in ctl.token_weights().values())  # rows were dropped by then
