@@ -203,10 +203,13 @@ class DropBPController:
     def _sync_readers(self, options: DropBPOptions) -> None:
         """What the options switch on beyond the hooks. Token drops' hooks go on the first time ``token_drop_rate``
         is above 0 (and stay: at 0 they select nothing, so the model computes exactly what it did without them);
-        the noise scale's reads are on while ``measure_noise_scale`` is."""
+        a rate other than "auto" forgets the automatic shares' readings; the noise scale's reads are on while
+        ``measure_noise_scale`` is."""
         if (options.token_drop_rate == AUTO or options.token_drop_rate > 0.0) and not self._tokens.installed:
             self._tokens.install()
             self._tokens.warn_full_rows(self._full_rows)
+        if options.token_drop_rate != AUTO:
+            self._tokens.clear_auto()
         if options.measure_noise_scale and not self._noise.installed:
             check_reads(self._model, self._framework)
             self._noise.install()

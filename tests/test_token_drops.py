@@ -459,6 +459,24 @@ def test_auto_keeps_every_row_until_measured_then_the_fewest_its_readings_allow(
         assert int((w > 0).sum()) == keep_count(32, 1 - share), name
 
 
+def test_leaving_auto_forgets_its_readings():
+    """A fixed rate set after "auto" reads nothing more; back on "auto", every row is kept again until measured."""
+    model = tiny_model("llama")
+    ctl = dropbp.apply(model, 0.0, token_drop_rate="auto", seed=2)
+    for step in range(3):
+        loss_and_grads(model, batch(step, size=2, length=16))
+    assert min(ctl.token_keep_shares().values()) < 1.0
+    ctl.token_drop_rate = 0.5
+    loss_and_grads(model, batch(3, size=2, length=16))
+    assert set(ctl.token_keep_shares().values()) == {0.5}
+    ctl.token_drop_rate = "auto"
+    assert set(ctl.token_keep_shares().values()) == {1.0}
+    ids = batch(4, size=2, length=16)
+    loss_and_grads(model, ids)
+    for name, w in ctl.token_weights().items():  # every row but each sequence's last (no gradient), weight 1
+        assert torch.equal(w, (w > 0).float()) and int((w > 0).sum()) == 30, name
+
+
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_auto_gradients_equal_the_reference_for_the_recorded_selection(method):
     model = _model("llama", method, checkpointing=False)

@@ -287,6 +287,12 @@ class TokenDrops:
             reading = _SMOOTHING * previous.to(reading.device) + (1 - _SMOOTHING) * reading
         self._readings[index] = reading
 
+    def clear_auto(self) -> None:
+        """Forget the readings and shares of ``token_drop_rate="auto"`` (the rate left it): nothing more is read on
+        the host, and a return to "auto" starts again from every row kept."""
+        self._readings = [None] * len(self._parts)
+        self.auto_shares = [1.0] * len(self._parts)
+
     def on_training_forward(self, pattern: frozenset[int]) -> None:
         """token_drop_rate="auto": each branch's share from its readings so far (one host read for all branches, at
         the forward's start); otherwise nothing: each kept branch call asks for its selection when it runs."""

@@ -71,16 +71,27 @@ def inclusion_probabilities(scores: torch.Tensor, keep: int) -> torch.Tensor:
     ``j`` whose remaining ``keep - j`` can be spread over the other rows without any exceeding 1.
     """
     scores = scores.float()
+    return torch.clamp(_capped_scale(*_ordered_tails(scores), keep) * scores, max=1.0)
+
+
+def _ordered_tails(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scores`` (float) sorted from the largest, and the sum of the sorted scores from each position on."""
     ordered, _ = torch.sort(scores, descending=True)
-    tail = torch.flip(torch.cumsum(torch.flip(ordered, (0,)), 0), (0,))[:keep].clamp_min(_TINY)  # sum from j on
+    return ordered, torch.flip(torch.cumsum(torch.flip(ordered, (0,)), 0), (0,))
+
+
+def _capped_scale(ordered: torch.Tensor, tails: torch.Tensor, keep: int) -> torch.Tensor:
+    """The factor ``c`` of :func:`inclusion_probabilities` for ``keep`` rows (a one-element tensor), from the sorted
+    scores and their tail sums (:func:`_ordered_tails`, shared by every keep count)."""
+    tail = tails[:keep].clamp_min(_TINY)  # sum from j on
     capped = torch.cumsum(torch.ones_like(tail), 0) - 1  # j = 0, 1, ..., keep - 1
     scale = (keep - capped) / tail  # c_j: the factor with the j largest rows capped
     fits = scale * ordered[:keep] <= 1.0  # the largest uncapped row stays at most 1
     # the smallest j that fits (one always does: j = keep - 1, or a row of score 0), as a one-hot mask: reductions and
     # element-wise operations only, so that a lazy-graph device compiles one graph whatever j is (indexing by j does
     # not: it reads j on the host and bakes it into the graph)
-    first = fits & (torch.cumsum(fits.to(scores.dtype), 0) == 1)
-    return torch.clamp((scale * first).sum() * scores, max=1.0)
+    first = fits & (torch.cumsum(fits.to(ordered.dtype), 0) == 1)
+    return (scale * first).sum()
 
 
 def systematic_sample(probabilities: torch.Tensor, order: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
@@ -117,9 +128,11 @@ def added_variance(row_norms: torch.Tensor, scores: torch.Tensor, keeps: tuple[i
     """
     squares = row_norms.float().pow(2)
     total = squares.sum().clamp_min(_TINY)
+    scores = scores.float()
+    ordered, tails = _ordered_tails(scores)  # one sort for every keep count
     readings = []
     for keep in keeps:
-        probabilities = inclusion_probabilities(scores, keep)
+        probabilities = torch.clamp(_capped_scale(ordered, tails, keep) * scores, max=1.0)
         readings.append(((1.0 / probabilities.clamp_min(_TINY) - 1.0) * squares).sum() / total)
     return torch.stack(readings).clamp(max=1 / _TINY)  # finite: a state holding it is checked as numbers
 

@@ -284,8 +284,8 @@ class _Trainee:
         self.elapsed += seconds
         selections = self.ctl.token_weights() if self.ctl is not None and self.run.token_drop_rate else {}
         if selections:
-            kept = [float((w > 0).float().mean()) for w in selections.values()]
-            self.result.kept_token_shares.append(sum(kept) / len(kept))
+            kept = torch.stack([(w > 0).float().mean() for w in selections.values()]).mean()  # one host read
+            self.result.kept_token_shares.append(float(kept))
         if self.run.measure_noise_scale:
             measured = self.ctl.noise_scale()
             self.result.noise_scale.append(None if measured is None else measured.tokens)
