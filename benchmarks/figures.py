@@ -174,6 +174,13 @@ FIGURES = (
         (("docs/token-drops.md", r"a step was worth \*\*([\d.]+, [\d.]+ and [\d.]+)\*\* of a full one"),),
     ),
     Figure(
+        "GPU (H200) LoRA step speedup, token drops 0.5 and branch drops 0.5 (uniform), 8 x 512 tokens",
+        lambda: "{:.2f}x; branch drops at 0.5: {:.2f}x".format(
+            *(_bench_row("bench_tokens_cuda/lora/bench.json", False, p, 0.5)["speedup"] for p in ("tokens", "uniform"))
+        ),
+        (("README.md", r"slower than full backprop's \((\d\.\d\dx; branch drops at 0\.5: \d\.\d\dx)\)"),),
+    ),
+    Figure(
         "worth of a step keeping 70% of the token rows at random, per cell (100 x 1k, 300 x 1k, 100 x 8k)",
         lambda: _worths("tokens-random0.3"),
         (("docs/token-drops.md", r"against ([\d.]+, [\d.]+ and [\d.]+) with random rows"),),
