@@ -8,8 +8,9 @@ best of 1e-3, 2e-3 and 4e-3, seeds 0-2) and branch drops at 0.5 are that script'
 - one complete run per learning rate of the same grid on seed 0, at its equal-time budget (100 full-backprop steps
   times the arm's step speedup); the best learning rate (lowest final validation loss) then runs on seeds 1 and 2;
 - time in full-backprop steps MODELLED from ``dropbp bench``'s SmolLM2 LoRA token-drop step speedups
-  (``bench_tokens_cpu/lora/bench.json``, 512 tokens a micro-batch: these runs' 128-token micro-batches were not
-  benched), as benchmarks/token_drops.py models the proxy's; each run's own wall time is recorded beside it;
+  (``bench_tokens_cpu/lora/bench.json``, 512 tokens a micro-batch; at these runs' 128-token micro-batches,
+  ``bench_tokens_cpu_128``, token drops' steps are up to 4% slower), as benchmarks/token_drops.py models the
+  proxy's; each run's own wall time is recorded beside it;
 - speedup at equal quality against full backprop's frontier, per seed, mean and 95% interval.
 
     python benchmarks/smollm2_token_drops.py --train tokens0.5 --lr 2e-3 --seed 0   # one run (one thread)
