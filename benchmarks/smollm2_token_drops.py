@@ -55,9 +55,12 @@ ARMS = {
         Arm("tokens0.3", 0.3),
         Arm("tokens0.5", 0.5),
         Arm("tokens-random0.3", 0.3, "random"),
+        Arm("tokens-random0.5", 0.5, "random"),
         Arm("tokens-residual0.3", 0.3, "residual"),
+        Arm("tokens-residual0.5", 0.5, "residual"),
         Arm("branch0.75", 0.0, drop_rate=0.75),
         Arm("both0.5+tokens0.3", 0.3, drop_rate=0.5),
+        Arm("both0.5+tokens0.5", 0.5, drop_rate=0.5),
         Arm("tokens-auto", "auto"),
         Arm("full-half", 0.0, half_batch=True),
     )
