@@ -25,6 +25,7 @@ TINY = CheckSettings(seq_len=16, batch_size=1, rounds=1, warmup=0)
 CORRECTNESS = [
     "gradients-equal-reference-uniform",
     "gradients-equal-reference-cut",
+    "gradients-equal-reference-tokens",
     "dropped-branches-build-no-graph",
     "rate-0-equals-no-library",
     "eval-drops-nothing",
@@ -177,6 +178,24 @@ def test_a_drop_that_does_nothing_fails_the_gradient_check(model_dir, monkeypatc
     assert statuses["gradients-equal-reference-uniform"] == "FAIL"
     assert statuses["dropped-branches-build-no-graph"] == "FAIL"
     assert "differ in presence" in result.check("gradients-equal-reference-uniform").detail
+
+
+def test_token_drops_without_their_weights_fail_the_token_check(model_dir, monkeypatch):
+    """A token path that skips the rows but forgets the inverse-probability weights (biased) must be caught."""
+    from dropbp.execution import token_backward
+
+    real = token_backward._SelectRows.backward
+
+    def unweighted(ctx, grad):
+        real(ctx, grad)  # selects, as the library does
+        rows = grad.reshape(-1, grad.shape[-1])
+        return (rows * (ctx.slot.weights > 0).to(rows.dtype)[:, None]).view_as(grad), None, None
+
+    monkeypatch.setattr(token_backward._SelectRows, "backward", staticmethod(unweighted))
+    result = run_check("cpu", model=model_dir, settings=TINY)
+    check = result.check("gradients-equal-reference-tokens")
+    assert check.status == "FAIL" and "relative error" in check.detail, check.detail
+    assert [c.name for c in result.failed] == ["gradients-equal-reference-tokens"]
 
 
 def test_detach_without_no_grad_passes_gradients_but_fails_the_graph_check(model_dir, monkeypatch):

@@ -152,6 +152,49 @@ def check_gradients(probe: Probe, pattern: str) -> Outcome:
     return Outcome(name, PASS if ok else FAIL, f"{where}): {detail}", figures)
 
 
+@contextmanager
+def weighted(model: nn.Module, weights: dict[str, torch.Tensor]) -> Iterator[None]:
+    """The hand-written reference of token drops: each named module's output keeps its values, and its gradient is
+    multiplied row by row (one row per token) by ``weights``."""
+
+    def weigh(module: nn.Module, args: tuple, output: object) -> object:
+        y = output[0] if isinstance(output, tuple) else output
+        w = weights[names[module]].to(y.dtype).view(*y.shape[:-1], 1)
+        y = y.detach() + (w * y - (w * y).detach())
+        return (y, *output[1:]) if isinstance(output, tuple) else y
+
+    modules = dict(model.named_modules())
+    names = {modules[n]: n for n in weights}
+    handles = [modules[n].register_forward_hook(weigh) for n in weights]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def check_token_gradients(probe: Probe) -> Outcome:
+    """Token drops at 0.5: every gradient equals the reference that weights each branch output's gradient rows by the
+    selection the run recorded (0 on the rows whose backward was skipped)."""
+    ctl = apply(probe.model, 0.0, token_drop_rate=0.5, seed=0, backend=probe.backend)
+    try:
+        got = probe.grads()
+        recorded = ctl.token_weights()
+        names = {module: name for name, module in probe.model.named_modules()}
+        last = {b.name: names[b.parts[-1]] for b in ctl.branches}  # what the residual add receives
+    finally:
+        ctl.remove()
+    if not recorded:
+        return Outcome("gradients-equal-reference-tokens", FAIL, "no branch selected token rows", {})
+    with weighted(probe.model, {last[name]: w for name, w in recorded.items()}):
+        want = probe.grads()
+    ok, detail, figures = compare(got, want, probe.tolerance)
+    kept = sum(int((w > 0).sum()) for w in recorded.values()) / sum(w.numel() for w in recorded.values())
+    figures["kept_row_share"] = kept
+    where = f"token drops 0.5 in {len(recorded)} branches, {kept:.0%} of the rows kept, fp32"
+    return Outcome("gradients-equal-reference-tokens", PASS if ok else FAIL, f"{where}: {detail}", figures)
+
+
 def check_rate_zero(probe: Probe, plain: tuple) -> Outcome:
     """At drop rate 0 the library changes nothing: loss and gradients are the plain model's."""
     ctl = apply(probe.model, 0.0, pattern="uniform", backend=probe.backend)
@@ -320,6 +363,7 @@ def correctness_checks(probe: Probe) -> list[Outcome]:
     run("gradients-equal-reference-cut", lambda: check_gradients(fp32, "cut"))
     if probe.precision == "bf16":
         run("gradients-equal-reference-uniform-bf16", lambda: check_gradients(probe, "uniform"))
+    run("gradients-equal-reference-tokens", lambda: check_token_gradients(fp32))
     run("dropped-branches-build-no-graph", lambda: check_no_graph(fp32))
     run("rate-0-equals-no-library", lambda: check_rate_zero(fp32, plain))
     run("eval-drops-nothing", lambda: check_eval(fp32))
