@@ -2,7 +2,8 @@
 
 Each check holds the library against the model *without* it, on the same model object: the
 reference for a drop pattern is the unmodified model with the dropped branches' outputs detached by
-hand (the definition of DropBP), so no copy of the model is needed. Gradient presence must match
+hand (the definition of DropBP), and for token drops the same model with each branch output's gradient rows weighted by
+the selection the run recorded, so no copy of the model is needed. Gradient presence must match
 exactly (a dropped branch's parameters get none); values within a stated relative tolerance, because
 accelerators sum in nondeterministic order (fp32) and autocast rounds to bf16.
 """
