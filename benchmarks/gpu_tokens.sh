@@ -2,8 +2,9 @@
 # Token drops on a lent GPU, in one call (issue 49): the CUDA tests, then `dropbp bench` token-level and
 # branch-level step times against their ideals (SmolLM2-135M's shape, random weights: step time does not depend on
 # the weights, and the pretrained file is too large to carry), LoRA and full fine-tuning, checkpointing off and on,
-# then `dropbp check` on the same model. Expects SmolLM2's config.json in $SMOL_CONFIG (a folder); writes into
-# $RESULTS and, after every stage, a tarball of it into $OUT (what a killed call still returns).
+# then `dropbp check` on the same model. STAGES="large" times the 1b and 7b presets instead (steps the device, not
+# the host, may bound). Expects SmolLM2's config.json in $SMOL_CONFIG (a folder); writes into $RESULTS and, after
+# every stage, a tarball of it into $OUT (what a killed call still returns).
 set -uo pipefail
 : "${SMOL_CONFIG:?}" "${RESULTS:?}" "${OUT:?}"
 export PYTHONUNBUFFERED=1 DROPBP_CACHE=/root/dropbp-cache
@@ -33,6 +34,14 @@ for stage in ${STAGES:-tests bench check}; do
           --out "$RESULTS/bench_tokens_cuda/$name" > "$RESULTS/bench_$name.log" 2>&1 || tail -20 "$RESULTS/bench_$name.log"
         cat "$RESULTS/bench_tokens_cuda/$name/bench.md" 2>/dev/null | head -12
         pack "bench $name"
+      done ;;
+    large)  # where the device, not the host, may bound a step: TinyLlama-1.1B's shape and a 7B layer shape
+      for preset in 1b 7b; do
+        python3 -P -m dropbp bench --backend cuda --presets "$preset" --methods lora full --rates 0.5 0.75 \
+          --patterns tokens uniform --seq-lens 2048 --batch-sizes 4 --rounds 6 --warmup 2 \
+          --out "$RESULTS/bench_tokens_cuda_large/$preset" > "$RESULTS/bench_$preset.log" 2>&1 || tail -20 "$RESULTS/bench_$preset.log"
+        cat "$RESULTS/bench_tokens_cuda_large/$preset/bench.md" 2>/dev/null | head -16
+        pack "bench $preset"
       done ;;
     check)
       python3 -P -m dropbp check --backend cuda --model /tmp/smollm2-random --method lora --quick \
