@@ -180,18 +180,10 @@ def test_a_drop_that_does_nothing_fails_the_gradient_check(model_dir, monkeypatc
     assert "differ in presence" in result.check("gradients-equal-reference-uniform").detail
 
 
-def test_token_drops_without_their_weights_fail_the_token_check(model_dir, monkeypatch):
-    """A token path that skips the rows but forgets the inverse-probability weights (biased) must be caught."""
-    from dropbp.execution import token_backward
-
-    real = token_backward._SelectRows.backward
-
-    def unweighted(ctx, grad):
-        real(ctx, grad)  # selects, as the library does
-        rows = grad.reshape(-1, grad.shape[-1])
-        return (rows * (ctx.slot.weights > 0).to(rows.dtype)[:, None]).view_as(grad), None, None
-
-    monkeypatch.setattr(token_backward._SelectRows, "backward", staticmethod(unweighted))
+def test_linear_maps_that_skip_kept_rows_fail_the_token_check(model_dir, monkeypatch):
+    """A token path whose linear maps run on fewer rows than the selection kept (a device's row count gone wrong)
+    must be caught: their gradients then miss the rows the reference keeps."""
+    monkeypatch.setattr(backends.CPUBackend, "kept_row_count", lambda self, kept, rows: max(1, kept // 2))
     result = run_check("cpu", model=model_dir, settings=TINY)
     check = result.check("gradients-equal-reference-tokens")
     assert check.status == "FAIL" and "relative error" in check.detail, check.detail
