@@ -39,11 +39,11 @@ from dropbp.execution.compile_guards import outside_graphs
 from dropbp.execution.discovery import RowLocalLinear
 from dropbp.policy.token_selection import (
     AUTO_KEEP_SHARES,
+    RankedScores,
     added_variance,
     auto_keep_share,
     keep_count,
     selection_scores,
-    selection_weights,
 )
 
 __all__ = ["RowSlot", "TokenDrops"]
@@ -264,9 +264,10 @@ class TokenDrops:
             order = torch.randperm(count, generator=generator).to(rows.device, non_blocking=True)
             offset = torch.rand(1, generator=generator).to(rows.device, non_blocking=True)
             norms = rows.float().pow(2).sum(1).sqrt()
-            weights = selection_weights(norms, keep, slot.rule, order, offset, slot.residual_norms)
+            ranked = RankedScores(selection_scores(norms, slot.rule, slot.residual_norms))
+            weights = ranked.weights(keep, order, offset)
             if slot.rate is None:
-                self._read_added_variance(index, norms, selection_scores(norms, slot.rule, slot.residual_norms))
+                self._read_added_variance(index, norms, ranked)
             gathered = self._backend.kept_row_count(keep, count)
             slot.weights = weights
             everything = gathered >= count  # every row (a share of 1): the linear maps' own full-row backward
@@ -277,11 +278,11 @@ class TokenDrops:
 
         return select
 
-    def _read_added_variance(self, index: int, norms: torch.Tensor, scores: torch.Tensor) -> None:
+    def _read_added_variance(self, index: int, norms: torch.Tensor, ranked: RankedScores) -> None:
         """token_drop_rate="auto": fold this selection's added variance at every share into the branch's readings
         (device operations only: nothing is read on the host in backward)."""
         keeps = tuple(keep_count(norms.shape[0], 1.0 - share) for share in AUTO_KEEP_SHARES)
-        reading = added_variance(norms, scores, keeps).detach()
+        reading = added_variance(norms, ranked, keeps).detach()
         previous = self._readings[index]
         if previous is not None:
             reading = _SMOOTHING * previous.to(reading.device) + (1 - _SMOOTHING) * reading

@@ -37,6 +37,7 @@ __all__ = [
     "AUTO_KEEP_SHARES",
     "AUTO_VARIANCE_BUDGET",
     "TOKEN_SELECTIONS",
+    "RankedScores",
     "added_variance",
     "auto_keep_share",
     "inclusion_probabilities",
@@ -70,28 +71,37 @@ def inclusion_probabilities(scores: torch.Tensor, keep: int) -> torch.Tensor:
     1 (and the rest 0). Vectorised with static shapes: the rows capped at 1 are the ``j`` largest, for the smallest
     ``j`` whose remaining ``keep - j`` can be spread over the other rows without any exceeding 1.
     """
-    scores = scores.float()
-    return torch.clamp(_capped_scale(*_ordered_tails(scores), keep) * scores, max=1.0)
+    return RankedScores(scores).probabilities(keep)
 
 
-def _ordered_tails(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``scores`` (float) sorted from the largest, and the sum of the sorted scores from each position on."""
-    ordered, _ = torch.sort(scores, descending=True)
-    return ordered, torch.flip(torch.cumsum(torch.flip(ordered, (0,)), 0), (0,))
+class RankedScores:
+    """A branch's selection scores sorted once (largest first, with the tail sums of the sorted scores), so that one
+    selection and every keep count ``token_drop_rate="auto"`` reads share a single sort."""
 
+    __slots__ = ("scores", "ordered", "tails")
 
-def _capped_scale(ordered: torch.Tensor, tails: torch.Tensor, keep: int) -> torch.Tensor:
-    """The factor ``c`` of :func:`inclusion_probabilities` for ``keep`` rows (a one-element tensor), from the sorted
-    scores and their tail sums (:func:`_ordered_tails`, shared by every keep count)."""
-    tail = tails[:keep].clamp_min(_TINY)  # sum from j on
-    capped = torch.cumsum(torch.ones_like(tail), 0) - 1  # j = 0, 1, ..., keep - 1
-    scale = (keep - capped) / tail  # c_j: the factor with the j largest rows capped
-    fits = scale * ordered[:keep] <= 1.0  # the largest uncapped row stays at most 1
-    # the smallest j that fits (one always does: j = keep - 1, or a row of score 0), as a one-hot mask: reductions and
-    # element-wise operations only, so that a lazy-graph device compiles one graph whatever j is (indexing by j does
-    # not: it reads j on the host and bakes it into the graph)
-    first = fits & (torch.cumsum(fits.to(ordered.dtype), 0) == 1)
-    return (scale * first).sum()
+    def __init__(self, scores: torch.Tensor) -> None:
+        self.scores = scores.float()
+        self.ordered, _ = torch.sort(self.scores, descending=True)
+        self.tails = torch.flip(torch.cumsum(torch.flip(self.ordered, (0,)), 0), (0,))  # sum from each position on
+
+    def probabilities(self, keep: int) -> torch.Tensor:
+        """:func:`inclusion_probabilities` of these scores for ``keep`` rows."""
+        tail = self.tails[:keep].clamp_min(_TINY)  # sum from j on
+        capped = torch.cumsum(torch.ones_like(tail), 0) - 1  # j = 0, 1, ..., keep - 1
+        scale = (keep - capped) / tail  # c_j: the factor with the j largest rows capped
+        fits = scale * self.ordered[:keep] <= 1.0  # the largest uncapped row stays at most 1
+        # the smallest j that fits (one always does: j = keep - 1, or a row of score 0), as a one-hot mask: reductions
+        # and element-wise operations only, so that a lazy-graph device compiles one graph whatever j is (indexing by
+        # j does not: it reads j on the host and bakes it into the graph)
+        first = fits & (torch.cumsum(fits.to(self.ordered.dtype), 0) == 1)
+        return torch.clamp((scale * first).sum() * self.scores, max=1.0)
+
+    def weights(self, keep: int, order: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        """Per row, ``1 / p_t`` where the row is kept (drawn by :func:`systematic_sample`) and 0 elsewhere."""
+        probabilities = self.probabilities(keep)
+        taken = systematic_sample(probabilities, order, offset)
+        return taken / probabilities.clamp_min(_TINY)  # taken is 0 or 1, and 1 only where p > 0
 
 
 def systematic_sample(probabilities: torch.Tensor, order: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
@@ -118,7 +128,9 @@ def selection_scores(row_norms: torch.Tensor, rule: str, residual_norms: torch.T
     return row_norms if rule in ("gradient", "cumulative") else carries
 
 
-def added_variance(row_norms: torch.Tensor, scores: torch.Tensor, keeps: tuple[int, ...]) -> torch.Tensor:
+def added_variance(
+    row_norms: torch.Tensor, scores: torch.Tensor | RankedScores, keeps: tuple[int, ...]
+) -> torch.Tensor:
     """Per keep count, the variance a weighted selection of that many rows adds, over the rows' own:
     ``sum_t (1 / p_t - 1) |g_t|^2 / sum_t |g_t|^2``, with ``p_t`` the inclusion probabilities from ``scores``.
 
@@ -128,12 +140,8 @@ def added_variance(row_norms: torch.Tensor, scores: torch.Tensor, keeps: tuple[i
     """
     squares = row_norms.float().pow(2)
     total = squares.sum().clamp_min(_TINY)
-    scores = scores.float()
-    ordered, tails = _ordered_tails(scores)  # one sort for every keep count
-    readings = []
-    for keep in keeps:
-        probabilities = torch.clamp(_capped_scale(ordered, tails, keep) * scores, max=1.0)
-        readings.append(((1.0 / probabilities.clamp_min(_TINY) - 1.0) * squares).sum() / total)
+    ranked = scores if isinstance(scores, RankedScores) else RankedScores(scores)  # one sort for every keep count
+    readings = [((1.0 / ranked.probabilities(keep).clamp_min(_TINY) - 1.0) * squares).sum() / total for keep in keeps]
     return torch.stack(readings).clamp(max=1 / _TINY)  # finite: a state holding it is checked as numbers
 
 
@@ -160,6 +168,4 @@ def selection_weights(
         order: a random permutation of the rows; offset: a uniform number in ``[0, 1)`` (one-element tensor).
         residual_norms: for ``"residual"``, the norm of each row of the branch's output in the forward.
     """
-    probabilities = inclusion_probabilities(selection_scores(row_norms, rule, residual_norms), keep)
-    taken = systematic_sample(probabilities, order, offset)
-    return taken / probabilities.clamp_min(_TINY)  # taken is 0 or 1, and 1 only where p > 0
+    return RankedScores(selection_scores(row_norms, rule, residual_norms)).weights(keep, order, offset)

@@ -103,7 +103,18 @@ def compare(got: tuple, want: tuple, tolerance: float) -> tuple[bool, str, dict]
 
 
 @contextmanager
-def detached(model: nn.Module, names: Sequence[str]) -> Iterator[None]:
+def _output_hooks(model: nn.Module, hooks: dict[str, Callable[[nn.Module, tuple, object], object]]) -> Iterator[None]:
+    """The named modules' outputs rewritten by their forward hooks for the duration (a reference's mechanism)."""
+    modules = dict(model.named_modules())
+    handles = [modules[name].register_forward_hook(hook) for name, hook in hooks.items()]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def detached(model: nn.Module, names: Sequence[str]) -> AbstractContextManager:
     """The hand-written reference: the outputs of the named modules detached after they run."""
 
     def detach(module: nn.Module, args: tuple, output: object) -> object:
@@ -111,13 +122,7 @@ def detached(model: nn.Module, names: Sequence[str]) -> Iterator[None]:
             return tuple(o.detach() if torch.is_tensor(o) else o for o in output)
         return output.detach()
 
-    modules = dict(model.named_modules())
-    handles = [modules[n].register_forward_hook(detach) for n in names]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
+    return _output_hooks(model, dict.fromkeys(names, detach))
 
 
 def _first_dropping_step(ctl, limit: int = 64) -> int:
@@ -153,25 +158,20 @@ def check_gradients(probe: Probe, pattern: str) -> Outcome:
     return Outcome(name, PASS if ok else FAIL, f"{where}): {detail}", figures)
 
 
-@contextmanager
-def weighted(model: nn.Module, weights: dict[str, torch.Tensor]) -> Iterator[None]:
+def weighted(model: nn.Module, weights: dict[str, torch.Tensor]) -> AbstractContextManager:
     """The hand-written reference of token drops: each named module's output keeps its values, and its gradient is
     multiplied row by row (one row per token) by ``weights``."""
 
-    def weigh(module: nn.Module, args: tuple, output: object) -> object:
-        y = output[0] if isinstance(output, tuple) else output
-        w = weights[names[module]].to(y.dtype).view(*y.shape[:-1], 1)
-        y = y.detach() + (w * y - (w * y).detach())
-        return (y, *output[1:]) if isinstance(output, tuple) else y
+    def weigh_by(rows: torch.Tensor) -> Callable[[nn.Module, tuple, object], object]:
+        def weigh(module: nn.Module, args: tuple, output: object) -> object:
+            y = output[0] if isinstance(output, tuple) else output
+            w = rows.to(y.dtype).view(*y.shape[:-1], 1)
+            y = y.detach() + (w * y - (w * y).detach())
+            return (y, *output[1:]) if isinstance(output, tuple) else y
 
-    modules = dict(model.named_modules())
-    names = {modules[n]: n for n in weights}
-    handles = [modules[n].register_forward_hook(weigh) for n in weights]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
+        return weigh
+
+    return _output_hooks(model, {name: weigh_by(rows) for name, rows in weights.items()})
 
 
 def check_token_gradients(probe: Probe) -> Outcome:
