@@ -30,6 +30,7 @@ branch), so a selection is a function of them and the gradient: it resumes exact
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -71,7 +72,7 @@ def inclusion_probabilities(scores: torch.Tensor, keep: int) -> torch.Tensor:
     1 (and the rest 0). Vectorised with static shapes: the rows capped at 1 are the ``j`` largest, for the smallest
     ``j`` whose remaining ``keep - j`` can be spread over the other rows without any exceeding 1.
     """
-    return RankedScores(scores).probabilities(keep)
+    return RankedScores(scores).probabilities((keep,))[0]
 
 
 class RankedScores:
@@ -85,21 +86,24 @@ class RankedScores:
         self.ordered, _ = torch.sort(self.scores, descending=True)
         self.tails = torch.flip(torch.cumsum(torch.flip(self.ordered, (0,)), 0), (0,))  # sum from each position on
 
-    def probabilities(self, keep: int) -> torch.Tensor:
-        """:func:`inclusion_probabilities` of these scores for ``keep`` rows."""
-        tail = self.tails[:keep].clamp_min(_TINY)  # sum from j on
-        capped = torch.cumsum(torch.ones_like(tail), 0) - 1  # j = 0, 1, ..., keep - 1
-        scale = (keep - capped) / tail  # c_j: the factor with the j largest rows capped
-        fits = scale * self.ordered[:keep] <= 1.0  # the largest uncapped row stays at most 1
+    def probabilities(self, keeps: Sequence[int]) -> torch.Tensor:
+        """:func:`inclusion_probabilities` of these scores for each count of ``keeps``: one row per count, computed
+        for all counts at once (a few tensor operations, whatever the number of counts)."""
+        rows = self.scores.shape[0]
+        counts = torch.tensor(keeps, dtype=self.scores.dtype).to(self.scores.device, non_blocking=True)[:, None]
+        capped = torch.arange(rows, device=self.scores.device).to(self.scores.dtype)  # j = 0, 1, ..., rows - 1
+        scale = (counts - capped) / self.tails.clamp_min(_TINY)  # c_j: the factor with the j largest rows capped
+        # only j < keep can be capped; the largest uncapped row must stay at most 1
+        fits = (capped < counts) & (scale * self.ordered <= 1.0)
         # the smallest j that fits (one always does: j = keep - 1, or a row of score 0), as a one-hot mask: reductions
         # and element-wise operations only, so that a lazy-graph device compiles one graph whatever j is (indexing by
         # j does not: it reads j on the host and bakes it into the graph)
-        first = fits & (torch.cumsum(fits.to(self.ordered.dtype), 0) == 1)
-        return torch.clamp((scale * first).sum() * self.scores, max=1.0)
+        first = fits & (torch.cumsum(fits.to(self.ordered.dtype), 1) == 1)
+        return torch.clamp((scale * first).sum(1, keepdim=True) * self.scores, max=1.0)
 
     def weights(self, keep: int, order: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
         """Per row, ``1 / p_t`` where the row is kept (drawn by :func:`systematic_sample`) and 0 elsewhere."""
-        probabilities = self.probabilities(keep)
+        probabilities = self.probabilities((keep,))[0]
         taken = systematic_sample(probabilities, order, offset)
         return taken / probabilities.clamp_min(_TINY)  # taken is 0 or 1, and 1 only where p > 0
 
@@ -141,8 +145,9 @@ def added_variance(
     squares = row_norms.float().pow(2)
     total = squares.sum().clamp_min(_TINY)
     ranked = scores if isinstance(scores, RankedScores) else RankedScores(scores)  # one sort for every keep count
-    readings = [((1.0 / ranked.probabilities(keep).clamp_min(_TINY) - 1.0) * squares).sum() / total for keep in keeps]
-    return torch.stack(readings).clamp(max=1 / _TINY)  # finite: a state holding it is checked as numbers
+    probabilities = ranked.probabilities(keeps)  # one row per keep count
+    readings = ((1.0 / probabilities.clamp_min(_TINY) - 1.0) * squares).sum(1) / total
+    return readings.clamp(max=1 / _TINY)  # finite: a state holding it is checked as numbers
 
 
 def auto_keep_share(readings: list[float], budget: float = AUTO_VARIANCE_BUDGET) -> float:
