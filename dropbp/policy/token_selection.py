@@ -89,12 +89,15 @@ class RankedScores:
     def probabilities(self, keeps: Sequence[int]) -> torch.Tensor:
         """:func:`inclusion_probabilities` of these scores for each count of ``keeps``: one row per count, computed
         for all counts at once (a few tensor operations, whatever the number of counts)."""
-        rows = self.scores.shape[0]
-        counts = torch.tensor(keeps, dtype=self.scores.dtype).to(self.scores.device, non_blocking=True)[:, None]
-        capped = torch.arange(rows, device=self.scores.device).to(self.scores.dtype)  # j = 0, 1, ..., rows - 1
-        scale = (counts - capped) / self.tails.clamp_min(_TINY)  # c_j: the factor with the j largest rows capped
-        # only j < keep can be capped; the largest uncapped row must stay at most 1
-        fits = (capped < counts) & (scale * self.ordered <= 1.0)
+        shape = (len(keeps), self.scores.shape[0])
+        device = self.scores.device
+        # one count stays a number (no copy to the device: a selection's only count); several are one small tensor
+        counts = keeps[0] if len(keeps) == 1 else torch.tensor(keeps, dtype=self.scores.dtype).to(device)[:, None]
+        capped = torch.arange(shape[1], device=device).to(self.scores.dtype)  # j = 0, 1, ..., rows - 1
+        # c_j: the factor with the j largest rows capped; only j < keep can be capped, and the largest uncapped row
+        # must stay at most 1
+        scale = ((counts - capped) / self.tails.clamp_min(_TINY)).expand(shape)
+        fits = ((capped < counts) & (scale * self.ordered <= 1.0)).expand(shape)
         # the smallest j that fits (one always does: j = keep - 1, or a row of score 0), as a one-hot mask: reductions
         # and element-wise operations only, so that a lazy-graph device compiles one graph whatever j is (indexing by
         # j does not: it reads j on the host and bakes it into the graph)
