@@ -182,12 +182,11 @@ class Backend(ABC):
 
     def place_rows(self, part: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
         """A ``(rows, width)`` tensor of zeros with ``part``'s rows at ``index`` (distinct): the input gradient of a
-        token-dropped linear map. Eager devices copy the rows in (``index_copy``)."""
-        return part.new_zeros(rows, part.shape[1]).index_copy(0, index, part)
+        token-dropped linear map. Eager devices copy the rows in, in place (``index_copy_``: no second full copy)."""
+        return part.new_zeros(rows, part.shape[1]).index_copy_(0, index, part)
 
     def __repr__(self) -> str:
         return f"<dropbp backend {self.name!r} on {self.device}>"
-
 
 
 class LazyGraphBackend(Backend):
@@ -230,4 +229,4 @@ class LazyGraphBackend(Backend):
         """``scatter_add`` into zeros (the indices are distinct, so it places each row once): an operation lazy graphs
         compile (``index_copy`` falls back to the host on the lazy engine, cutting the graph)."""
         spread = index.view(-1, 1).expand(-1, part.shape[1])
-        return part.new_zeros(rows, part.shape[1]).scatter_add(0, spread, part)
+        return part.new_zeros(rows, part.shape[1]).scatter_add_(0, spread, part)

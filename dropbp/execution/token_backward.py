@@ -88,7 +88,7 @@ class _SelectRows(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         rows = grad.reshape(-1, grad.shape[-1])
         ctx.select(rows, ctx.slot)
-        return (rows * ctx.slot.weights.to(rows.dtype)[:, None]).view_as(grad), None, None
+        return (rows * _as(ctx.slot.weights, rows.dtype)[:, None]).view_as(grad), None, None
 
 
 class _RowGatheredLinear(torch.autograd.Function):
@@ -126,17 +126,23 @@ class _RowGatheredLinear(torch.autograd.Function):
         matrix = weight.t() if ctx.transposed else weight  # (out, in)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            part = kept @ matrix.to(dtype)
+            part = torch.mm(kept, _as(matrix, dtype))
             if index is not None:
                 part = ctx.slot.place_rows(part, index, g.shape[0])
-            grad_x = part.to(x.dtype).view_as(x)
+            grad_x = _as(part, x.dtype).view_as(x)
         if ctx.needs_input_grad[1]:
             rows = inputs if index is None else inputs.index_select(0, index)
-            grad = kept.t() @ rows.to(dtype)  # (out, in)
-            grad_w = (grad.t() if ctx.transposed else grad).to(weight.dtype)
+            grad = torch.mm(kept.t(), _as(rows, dtype))  # (out, in)
+            grad_w = _as(grad.t() if ctx.transposed else grad, weight.dtype)
         if ctx.needs_input_grad[2]:
-            grad_b = kept.sum(0).to(ctx.bias_dtype)
+            grad_b = _as(kept.sum(0), ctx.bias_dtype)
         return grad_x, grad_w, grad_b, None, None, None
+
+
+def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` in ``dtype``, with no operation dispatched where it already is (the host's work per map counts where
+    it bounds a step: docs/token-drops.md)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 class TokenDrops:
