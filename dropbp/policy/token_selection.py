@@ -90,10 +90,9 @@ class RankedScores:
         """:func:`inclusion_probabilities` of these scores for each count of ``keeps``: one row per count, computed
         for all counts at once (a few tensor operations, whatever the number of counts)."""
         shape = (len(keeps), self.scores.shape[0])
-        device = self.scores.device
         # one count stays a number (no copy to the device: a selection's only count); several are one small tensor
-        counts = keeps[0] if len(keeps) == 1 else torch.tensor(keeps, dtype=self.scores.dtype).to(device)[:, None]
-        capped = torch.arange(shape[1], device=device).to(self.scores.dtype)  # j = 0, 1, ..., rows - 1
+        counts = keeps[0] if len(keeps) == 1 else self.scores.new_tensor(keeps)[:, None]
+        capped = torch.cumsum(torch.ones_like(self.scores), 0) - 1  # j = 0, 1, ..., rows - 1
         # c_j: the factor with the j largest rows capped; only j < keep can be capped, and the largest uncapped row
         # must stay at most 1
         scale = ((counts - capped) / self.tails.clamp_min(_TINY)).expand(shape)
