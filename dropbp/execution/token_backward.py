@@ -40,9 +40,10 @@ from dropbp.execution.discovery import RowLocalLinear
 from dropbp.policy.token_selection import (
     AUTO_KEEP_SHARES,
     RankedScores,
-    added_variance,
+    added_variance_at,
     auto_keep_share,
     keep_count,
+    sampled_weights,
     selection_scores,
 )
 
@@ -271,9 +272,14 @@ class TokenDrops:
             offset = torch.rand(1, generator=generator).to(rows.device, non_blocking=True)
             norms = rows.float().pow(2).sum(1).sqrt()
             ranked = RankedScores(selection_scores(norms, slot.rule, slot.residual_norms))
-            weights = ranked.weights(keep, order, offset)
-            if slot.rate is None:
-                self._read_added_variance(index, norms, ranked)
+            if slot.rate is None:  # "auto": every share's probabilities at once; the share in force is among them
+                keeps = tuple(keep_count(count, 1.0 - share) for share in AUTO_KEEP_SHARES)
+                table = ranked.probabilities(keeps)
+                self._fold_reading(index, added_variance_at(norms, table))
+                probabilities = table[keeps.index(keep)] if keep in keeps else ranked.probabilities((keep,))[0]
+            else:
+                probabilities = ranked.probabilities((keep,))[0]
+            weights = sampled_weights(probabilities, order, offset)
             gathered = self._backend.kept_row_count(keep, count)
             slot.weights = weights
             everything = gathered >= count  # every row (a share of 1): the linear maps' own full-row backward
@@ -284,11 +290,10 @@ class TokenDrops:
 
         return select
 
-    def _read_added_variance(self, index: int, norms: torch.Tensor, ranked: RankedScores) -> None:
+    def _fold_reading(self, index: int, reading: torch.Tensor) -> None:
         """token_drop_rate="auto": fold this selection's added variance at every share into the branch's readings
         (device operations only: nothing is read on the host in backward)."""
-        keeps = tuple(keep_count(norms.shape[0], 1.0 - share) for share in AUTO_KEEP_SHARES)
-        reading = added_variance(norms, ranked, keeps).detach()
+        reading = reading.detach()
         previous = self._readings[index]
         if previous is not None:
             reading = _SMOOTHING * previous.to(reading.device) + (1 - _SMOOTHING) * reading

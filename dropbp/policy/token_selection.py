@@ -40,9 +40,11 @@ __all__ = [
     "TOKEN_SELECTIONS",
     "RankedScores",
     "added_variance",
+    "added_variance_at",
     "auto_keep_share",
     "inclusion_probabilities",
     "keep_count",
+    "sampled_weights",
     "selection_scores",
     "selection_weights",
     "systematic_sample",
@@ -77,7 +79,8 @@ def inclusion_probabilities(scores: torch.Tensor, keep: int) -> torch.Tensor:
 
 class RankedScores:
     """A branch's selection scores sorted once (largest first, with the tail sums of the sorted scores), so that one
-    selection and every keep count ``token_drop_rate="auto"`` reads share a single sort."""
+    selection and every keep count ``token_drop_rate="auto"`` reads share a single sort (and, under "auto", a single
+    computation of the probabilities: the share in force is one of the counts read)."""
 
     __slots__ = ("scores", "ordered", "tails")
 
@@ -103,11 +106,11 @@ class RankedScores:
         first = fits & (torch.cumsum(fits.to(self.ordered.dtype), 1) == 1)
         return torch.clamp((scale * first).sum(1, keepdim=True) * self.scores, max=1.0)
 
-    def weights(self, keep: int, order: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-        """Per row, ``1 / p_t`` where the row is kept (drawn by :func:`systematic_sample`) and 0 elsewhere."""
-        probabilities = self.probabilities((keep,))[0]
-        taken = systematic_sample(probabilities, order, offset)
-        return taken / probabilities.clamp_min(_TINY)  # taken is 0 or 1, and 1 only where p > 0
+
+def sampled_weights(probabilities: torch.Tensor, order: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """Per row, ``1 / p_t`` where the row is kept (drawn by :func:`systematic_sample`) and 0 elsewhere."""
+    taken = systematic_sample(probabilities, order, offset)
+    return taken / probabilities.clamp_min(_TINY)  # taken is 0 or 1, and 1 only where p > 0
 
 
 def systematic_sample(probabilities: torch.Tensor, order: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
@@ -134,9 +137,7 @@ def selection_scores(row_norms: torch.Tensor, rule: str, residual_norms: torch.T
     return row_norms if rule in ("gradient", "cumulative") else carries
 
 
-def added_variance(
-    row_norms: torch.Tensor, scores: torch.Tensor | RankedScores, keeps: tuple[int, ...]
-) -> torch.Tensor:
+def added_variance(row_norms: torch.Tensor, scores: torch.Tensor, keeps: tuple[int, ...]) -> torch.Tensor:
     """Per keep count, the variance a weighted selection of that many rows adds, over the rows' own:
     ``sum_t (1 / p_t - 1) |g_t|^2 / sum_t |g_t|^2``, with ``p_t`` the inclusion probabilities from ``scores``.
 
@@ -144,10 +145,13 @@ def added_variance(
     ``p_t``); the denominator is what the rows' gradient varies by if tokens are taken as the samples of a
     noise-dominated batch. A row carrying gradient that a rule never keeps (``p_t = 0``) makes it huge (biased).
     """
+    return added_variance_at(row_norms, RankedScores(scores).probabilities(keeps))
+
+
+def added_variance_at(row_norms: torch.Tensor, probabilities: torch.Tensor) -> torch.Tensor:
+    """:func:`added_variance` from the inclusion probabilities already computed (one row per keep count)."""
     squares = row_norms.float().pow(2)
     total = squares.sum().clamp_min(_TINY)
-    ranked = scores if isinstance(scores, RankedScores) else RankedScores(scores)  # one sort for every keep count
-    probabilities = ranked.probabilities(keeps)  # one row per keep count
     readings = ((1.0 / probabilities.clamp_min(_TINY) - 1.0) * squares).sum(1) / total
     return readings.clamp(max=1 / _TINY)  # finite: a state holding it is checked as numbers
 
@@ -175,4 +179,5 @@ def selection_weights(
         order: a random permutation of the rows; offset: a uniform number in ``[0, 1)`` (one-element tensor).
         residual_norms: for ``"residual"``, the norm of each row of the branch's output in the forward.
     """
-    return RankedScores(selection_scores(row_norms, rule, residual_norms)).weights(keep, order, offset)
+    probabilities = RankedScores(selection_scores(row_norms, rule, residual_norms)).probabilities((keep,))[0]
+    return sampled_weights(probabilities, order, offset)
