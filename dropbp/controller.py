@@ -24,7 +24,7 @@ from dropbp.backends import Backend
 from dropbp.checks import check_bool, check_choice, check_int
 from dropbp.chunked_loss import ChunkedLoss
 from dropbp.execution.compile_guards import EnclosingCompileWarning
-from dropbp.execution.discovery import Branch, row_local_linears
+from dropbp.execution.discovery import Branch, recomputes_on_kept_rows, row_local_linears
 from dropbp.execution.distributed import RunningDDPCheck, check_ddp
 from dropbp.execution.dropped_grads import DroppedGrads
 from dropbp.execution.frameworks import FrameworkWatch, calibration_closure, calibration_method, check_wrapper, unwrap
@@ -132,7 +132,9 @@ class DropBPController:
         found = [row_local_linears(b) for b in self._found]
         self._full_rows = [name for _, names in found for name in names]
         parts = [b.parts for b in self._found]
-        self._tokens = TokenDrops(parts, [linears for linears, _ in found], backend, self._hooks.token_slot)
+        on_kept_rows = [recomputes_on_kept_rows(b) for b in self._found]
+        linears = [linears for linears, _ in found]
+        self._tokens = TokenDrops(parts, linears, backend, self._hooks.token_slot, on_kept_rows)
         self._hooks.listen(self._tokens)
         self._auto_rate = 0.0  # drop_rate="auto": the rate the measured noise scale chose
         self._noise = MicroBatchGradients(

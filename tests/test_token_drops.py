@@ -107,6 +107,86 @@ def test_the_row_local_linear_maps_run_on_the_kept_rows(monkeypatch):
     assert set(ctl.token_weights()) == {b.name for b in ctl.branches}
 
 
+def _rows_seen(model: torch.nn.Module, suffixes: tuple[str, ...]) -> list[tuple[str, bool, int, torch.dtype]]:
+    """Every call of the modules named ``...suffix`` from now on: (suffix, during a backward, rows, output dtype)."""
+    seen = []
+
+    def hook(suffix: str):
+        def record(module, args, output):
+            backward = torch._C._current_graph_task_id() != -1
+            seen.append((suffix, backward, args[0].numel() // args[0].shape[-1], output.dtype))
+
+        return record
+
+    for name, module in model.named_modules():
+        for suffix in suffixes:
+            if name.endswith(suffix):
+                module.register_forward_hook(hook(suffix))
+    return seen
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_a_checkpointed_mlp_branch_is_recomputed_on_its_kept_rows_only(method):
+    """Under non-re-entrant checkpointing an MLP branch's backward runs it again on its kept rows alone, and its
+    full-row forward is not run a second time; the attention branch is recomputed on every row. Under bf16 autocast
+    the rerun is in bf16, as the forward was."""
+    model = _model("llama", method, checkpointing=True, layers=2)
+    dropbp.apply(model, 0.0, token_drop_rate=0.75)
+    seen = _rows_seen(model, ("self_attn.q_proj", "mlp.gate_proj"))
+    ids = batch(0, size=2, length=16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    kept = keep_count(32, 0.75)
+    forward = [("self_attn.q_proj", False, 32), ("mlp.gate_proj", False, 32)] * 2
+    backward = [("self_attn.q_proj", True, 32), ("mlp.gate_proj", True, kept)] * 2
+    assert [call[:3] for call in seen] == forward + backward
+    assert {call[3] for call in seen} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize(("dropout", "recomputed_rows"), [(0.1, 24), (0.0, keep_count(24, 0.5))])
+def test_dropout_in_an_mlp_branch_keeps_its_recomputation_on_every_row(dropout, recomputed_rows):
+    """A recomputation on fewer rows would draw other dropout masks than the forward's: with dropout active (GPT-2's
+    ``resid_pdrop``) the checkpointed MLP branch is recomputed whole, as without token drops, and stays exact."""
+    model = tiny_model("gpt2", layers=2, resid_pdrop=dropout)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    reference = copy.deepcopy(model)
+    ctl = dropbp.apply(model, 0.0, token_drop_rate=0.5)
+    seen = _rows_seen(model, ("mlp.c_fc",))
+    _matches_reference(model, ctl, reference, batch(0))
+    assert [call[1:3] for call in seen] == [(False, 24)] * 2 + [(True, recomputed_rows)] * 2
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3", "gpt_neox"])
+def test_importance_weights_and_kept_rows_recomputation_equal_the_reference(arch):
+    """Branch drops with importance weights (``unbiased=True``), token drops and checkpointing together: each kept
+    branch's parameters get ``1 / (1 - r)`` times the gradient of its recorded token weights."""
+    from conftest import weight_branch_grads
+
+    model = _model(arch, "lora", checkpointing=True)
+    reference = copy.deepcopy(model)
+    ctl = dropbp.apply(model, 0.5, token_drop_rate=0.5, unbiased=True, seed=3)
+    patterns = set()
+    for step in range(4):
+        ids = batch(step)
+        rates = {b.name: b.rate for b in ctl.branches}
+        loss, got = loss_and_grads(model, ids)
+        dropped = set(ctl.last_dropped)
+        weights = {k: v for k, v in ctl.token_weights().items() if k not in dropped}
+        from conftest import detach_outputs
+
+        handles = [*_weighted_outputs(reference, weights), *detach_outputs(reference, tuple(dropped))]
+        plain_loss, want = loss_and_grads(reference, ids)
+        for h in handles:
+            h.remove()
+        for name in weights:
+            weight_branch_grads(want, name, 1 / (1 - rates[name]))
+        assert torch.equal(loss, plain_loss)
+        assert_same_grads(got, want, atol=1e-5)
+        patterns.add(frozenset(dropped))
+    assert len(patterns) > 1  # kept branches weighted differently from step to step
+
+
 def test_rate_zero_is_the_model_without_the_library():
     model = tiny_model("llama")
     ids = batch(2)
@@ -358,13 +438,12 @@ def test_4bit_layers_run_full_rows_said_once_and_lora_stays_exact(monkeypatch):
         _matches_reference(model, ctl, reference, batch(step))
 
 
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["gathered", "kept-rows"])
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
-def test_grad_mode_is_restored_when_a_gathered_linear_map_raises(monkeypatch, error):
-    """A row-gathered linear map computes its output without autograd; an exception in it (Ctrl-C included) leaves
-    grad mode as it was, and the next step is exact."""
-    import copy
-
-    model = tiny_model("llama", layers=2)
+def test_grad_mode_is_restored_when_a_gathered_linear_map_raises(monkeypatch, error, checkpointing):
+    """A row-gathered linear map (or, checkpointed, the MLP branch recomputed on its kept rows) computes its output
+    without autograd; an exception in it (Ctrl-C included) leaves grad mode as it was, and the next step is exact."""
+    model = _model("llama", "full", checkpointing, layers=2)
     reference = copy.deepcopy(model)
     ctl = dropbp.apply(model, 0.0, token_drop_rate=0.5)
     down = model.model.layers[1].mlp.down_proj

@@ -36,6 +36,7 @@ __all__ = [
     "RowLocalLinear",
     "branch_flops",
     "find_branches",
+    "recomputes_on_kept_rows",
     "row_local_linears",
 ]
 
@@ -130,6 +131,14 @@ def row_local_linears(branch: Branch) -> tuple[list[RowLocalLinear], list[str]]:
         elif gatherable is False:
             full.append(f"{branch.name}.{name}")
     return found, full
+
+
+def recomputes_on_kept_rows(branch: Branch) -> bool:
+    """Whether token drops may recompute ``branch`` on its kept rows alone, under activation checkpointing: an MLP
+    branch without a tail or experts, so that each row of its one output tensor is a function of the same row of its
+    input alone (:mod:`dropbp.execution.token_backward`)."""
+    paths = (name.split(".") for name, _ in branch.module.named_modules())
+    return branch.kind == "mlp" and not branch.tail and not any(EXPERTS in path for path in paths)
 
 
 def holder(parts: Sequence[nn.Module]) -> nn.Module:

@@ -37,6 +37,7 @@ from torch.utils.hooks import RemovableHandle
 from dropbp.backends import Backend
 from dropbp.execution.compile_guards import outside_graphs
 from dropbp.execution.discovery import RowLocalLinear
+from dropbp.internals import checkpoint_hook
 from dropbp.policy.token_selection import (
     AUTO_KEEP_SHARES,
     RankedScores,
@@ -57,7 +58,7 @@ class RowSlot:
     """One kept branch call's selection: its key for the generator, filled in backward by the branch output's
     :class:`_SelectRows` (``weights`` per row, ``index`` the rows gathered), read by the branch's linear maps."""
 
-    __slots__ = ("key", "rate", "rule", "place_rows", "rows", "residual_norms", "weights", "index")
+    __slots__ = ("key", "rate", "rule", "place_rows", "rows", "residual_norms", "weights", "index", "saved_input")
 
     def __init__(
         self,
@@ -74,6 +75,9 @@ class RowSlot:
         self.residual_norms: torch.Tensor | None = None  # its row norms, for token_selection="residual"
         self.weights: torch.Tensor | None = None
         self.index: torch.Tensor | None = None
+        #: a branch recomputed on its kept rows: its input, passed through :class:`_SavedInput` (during the call),
+        #: then that node (whose saved input checkpointing recomputes)
+        self.saved_input: torch.Tensor | object | None = None
 
 
 class _SelectRows(torch.autograd.Function):
@@ -140,6 +144,71 @@ class _RowGatheredLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
+class _SavedInput(torch.autograd.Function):
+    """Identity on the input of a branch recomputed on its kept rows; it saves that input for
+    :class:`_KeptRowsBranch`'s backward, where checkpointing recomputes it (and, with early stopping, nothing after
+    it: the branch's own forward is not run again)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class _KeptRowsBranch(torch.autograd.Function):
+    """The output of a branch computed without autograd, whose backward recomputes the branch on its kept rows only.
+
+    In backward, the selection is drawn from the gradient ``g`` that arrives (as :class:`_SelectRows` draws it); the
+    branch's input rows ``K`` that were kept are taken from the saved input and run through ``module.forward`` again
+    with autograd (under the forward's autocast), and ``w[K] * g[K]`` is propagated back through them: the input's
+    gradient on ``K`` (zeros elsewhere, placed by the backend) and the parameters' gradients. For a row-local branch
+    these are exactly the gradients of :class:`_SelectRows`' ``w * g`` through the whole branch.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        output: torch.Tensor,
+        module: nn.Module,
+        slot: RowSlot,
+        select: Callable[[torch.Tensor, RowSlot], None],
+        *params: torch.Tensor,
+    ) -> torch.Tensor:
+        ctx.module, ctx.slot, ctx.select, ctx.params = module, slot, select, params
+        device = x.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        slot = ctx.slot
+        rows = grad.reshape(-1, grad.shape[-1])
+        ctx.select(rows, slot)
+        (x,) = slot.saved_input.saved_tensors  # under checkpointing: recomputed here
+        inputs, weights, index = x.detach().reshape(-1, x.shape[-1]), _as(slot.weights, rows.dtype), slot.index
+        if index is not None:
+            inputs, rows, weights = inputs.index_select(0, index), rows.index_select(0, index), weights[index]
+        kept = inputs.unsqueeze(0).requires_grad_(ctx.needs_input_grad[0])
+        params = [p for p, needed in zip(ctx.params, ctx.needs_input_grad[5:], strict=True) if needed]
+        device, autocast, dtype = ctx.autocast
+        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=autocast):
+            output = ctx.module.forward(kept)
+        wanted = [kept, *params] if ctx.needs_input_grad[0] else params
+        gradient = _as(rows * weights[:, None], output.dtype).view_as(output)
+        found = list(torch.autograd.grad(output, wanted, gradient, allow_unused=True))
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            part = found.pop(0)[0]
+            grad_x = (part if index is None else slot.place_rows(part, index, x.numel() // x.shape[-1])).view_as(x)
+        grads = iter(found)
+        return grad_x, None, None, None, None, *(next(grads) if needed else None for needed in ctx.needs_input_grad[5:])
+
+
 def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``tensor`` in ``dtype``, with no operation dispatched where it already is (the host's work per map counts where
     it bounds a step: docs/token-drops.md)."""
@@ -155,6 +224,8 @@ class TokenDrops:
         backend: answers how many rows a device gathers.
         call: per branch, ``call(index)`` gives ``(seed, step, settings)`` for a call of it now, or None where it
             selects nothing (dropped, calibration, eval or no grad).
+        on_kept_rows: per branch, whether a checkpointed region recomputes it on its kept rows alone
+            (:func:`dropbp.execution.discovery.recomputes_on_kept_rows`; at call time also: no active dropout in it).
     """
 
     def __init__(
@@ -163,9 +234,14 @@ class TokenDrops:
         linears: Sequence[Sequence[RowLocalLinear]],
         backend: Backend,
         call: Callable[[int], RowSlot | None],
+        on_kept_rows: Sequence[bool],
     ) -> None:
         self._parts = [list(p) for p in parts]
         self._linears = [list(found) for found in linears]
+        self._dropouts: list[list[nn.Dropout] | None] = [  # None: not recomputed on kept rows
+            [m for m in p[0].modules() if isinstance(m, nn.Dropout)] if whole else None
+            for p, whole in zip(self._parts, on_kept_rows, strict=True)
+        ]
         self._backend = backend
         self._call = call
         self._slots: list[RowSlot | None] = [None] * len(self._parts)
@@ -193,8 +269,11 @@ class TokenDrops:
         if self._handles:
             return
         for index, parts in enumerate(self._parts):
-            self._handles.append(parts[0].register_forward_pre_hook(self._begin(index)))
+            self._handles.append(parts[0].register_forward_pre_hook(self._begin(index), with_kwargs=True))
             self._handles.append(parts[-1].register_forward_hook(self._end(index)))
+            if self._dropouts[index] is not None:  # before the branch's gradient scaling wraps the output
+                end = self._end_on_kept_rows(index)
+                self._handles.append(parts[-1].register_forward_hook(end, prepend=True, always_call=True))
             for linear in self._linears[index]:
                 self._handles += self._gathered(linear.module, index, linear.transposed)
 
@@ -204,12 +283,54 @@ class TokenDrops:
         self._handles = []
         self._slots = [None] * len(self._parts)
 
-    def _begin(self, index: int) -> Callable[..., None]:
+    def _begin(self, index: int) -> Callable[..., tuple[tuple, dict] | None]:
         @outside_graphs
-        def begin(module: nn.Module, args: tuple) -> None:
-            self._slots[index] = self._call(index) if torch.is_grad_enabled() and module.training else None
+        def begin(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            slot = self._call(index) if torch.is_grad_enabled() and module.training else None
+            self._slots[index] = None
+            if slot is not None and self._on_kept_rows(index, args, kwargs):
+                # saved for the backward; in a recomputation, checkpointing's early stop may end the region here
+                slot.saved_input = _SavedInput.apply(args[0])
+                torch.set_grad_enabled(False)  # the branch runs without autograd; its backward recomputes
+                self._slots[index] = slot
+                return (slot.saved_input,), kwargs
+            self._slots[index] = slot
+            return None
 
         return begin
+
+    def _on_kept_rows(self, index: int, args: tuple, kwargs: dict) -> bool:
+        """Whether this call of branch ``index`` is recomputed on its kept rows: a row-local branch called on one
+        tensor, inside a non-re-entrant checkpointed region (its forward or its recomputation, alike), with no
+        dropout active in it (a recomputation on fewer rows would draw other masks)."""
+        dropouts = self._dropouts[index]
+        if dropouts is None or kwargs or len(args) != 1 or not torch.is_tensor(args[0]):
+            return False
+        return checkpoint_hook() is not None and not any(d.training and d.p > 0 for d in dropouts)
+
+    def _end_on_kept_rows(self, index: int) -> Callable[..., object]:
+        @outside_graphs
+        def end(module: nn.Module, args: tuple, output: object) -> object:
+            slot = self._slots[index]
+            if slot is None or slot.saved_input is None:
+                return None
+            self._slots[index] = None
+            torch.set_grad_enabled(True)
+            if not torch.is_tensor(output):  # the call raised (always_call)
+                return None
+            entry, slot.saved_input = slot.saved_input, slot.saved_input.grad_fn
+            slot.rows = output.numel() // output.shape[-1]
+            self._note_residual(slot, output)
+            params = [p for p in self._parts[index][0].parameters() if p.requires_grad]
+            return _KeptRowsBranch.apply(entry, output, self._parts[index][0], slot, self._selector(index), *params)
+
+        return end
+
+    @staticmethod
+    def _note_residual(slot: RowSlot, output: torch.Tensor) -> None:
+        """token_selection="residual": the branch output's row norms, its scores."""
+        if slot.rule == "residual":
+            slot.residual_norms = output.detach().reshape(slot.rows, -1).float().norm(dim=1)
 
     def _end(self, index: int) -> Callable[..., object]:
         @outside_graphs
@@ -221,8 +342,7 @@ class TokenDrops:
             if not (torch.is_tensor(first) and first.requires_grad):
                 return None
             slot.rows = first.numel() // first.shape[-1]
-            if slot.rule == "residual":
-                slot.residual_norms = first.detach().reshape(slot.rows, -1).float().norm(dim=1)
+            self._note_residual(slot, first)
             selected = _SelectRows.apply(first, slot, self._selector(index))
             return (selected, *output[1:]) if isinstance(output, tuple) else selected
 
