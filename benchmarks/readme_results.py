@@ -45,6 +45,9 @@ NOISE_BEGIN = "<!-- noise-scale-tables: made by benchmarks/readme_results.py -->
 NOISE_END = "<!-- end of noise-scale-tables -->"
 TBENCH_BEGIN = "<!-- token-bench-table: made by benchmarks/readme_results.py -->"
 TBENCH_END = "<!-- end of token-bench-table -->"
+KEPT_ROWS = RESULTS / "kept_rows_recompute"
+KEPT_BEGIN = "<!-- kept-rows-table: made by benchmarks/readme_results.py -->"
+KEPT_END = "<!-- end of kept-rows-table -->"
 TGPU_BEGIN = "<!-- gpu-token-bench-table: made by benchmarks/readme_results.py -->"
 TGPU_END = "<!-- end of gpu-token-bench-table -->"
 TFRONT_BEGIN = "<!-- token-frontier-table: made by benchmarks/readme_results.py -->"
@@ -501,6 +504,26 @@ def token_bench_table() -> str:
     return "\n".join(lines)
 
 
+def kept_rows_table() -> str:
+    """docs/token-drops.md: token-dropped step speedups under checkpointing, an MLP branch recomputed on every row
+    (``old_*``) and on its kept rows (``new_*``), each against the model without the library in its own run."""
+    lines = [
+        KEPT_BEGIN,
+        "| method | token drop rate | step speedup, recomputed on every row | on the kept rows | their ideals |",
+        "|---|---|---|---|---|",
+    ]
+    for method in ("lora", "full"):
+        [old], [new] = (json.loads((KEPT_ROWS / f"{code}_{method}" / "bench.json").read_text())["points"]
+                        for code in ("old", "new"))  # fmt: skip
+        for before, after in zip(old["rows"], new["rows"], strict=True):
+            lines.append(
+                f"| {'LoRA' if method == 'lora' else method} | {after['drop_rate']:g} | {before['speedup']:.2f}x | "
+                f"**{after['speedup']:.2f}x** | {before['ideal_speedup']:.2f}x / {after['ideal_speedup']:.2f}x |"
+            )
+    lines.append(KEPT_END)
+    return "\n".join(lines)
+
+
 def gpu_token_bench_table() -> str:
     """docs/token-drops.md: token and branch drops' step speedups on a GPU, and the token drops' ideal, per record."""
     lines = [
@@ -560,6 +583,7 @@ def main() -> None:
         README: {(ARMS_BEGIN, ARMS_END): arms_table(), (CLAIMS_BEGIN, CLAIMS_END): claims_table()},
         TOKEN_PAGE: {
             (TBENCH_BEGIN, TBENCH_END): token_bench_table(),
+            (KEPT_BEGIN, KEPT_END): kept_rows_table(),
             (TGPU_BEGIN, TGPU_END): gpu_token_bench_table(),
             (TFRONT_BEGIN, TFRONT_END): token_frontier_table(),
             (TSMOL_BEGIN, TSMOL_END): smollm2_token_table(),

@@ -105,6 +105,7 @@ def test_the_readme_leads_with_the_arms_table_and_the_token_page_tables_are_the_
     assert means == sorted(means, reverse=True) and len(means) >= 8  # the best arm first
     page = results.TOKEN_PAGE.read_text()
     assert results.between(page, results.TBENCH_BEGIN, results.TBENCH_END) == results.token_bench_table()
+    assert results.between(page, results.KEPT_BEGIN, results.KEPT_END) == results.kept_rows_table()
     assert results.between(page, results.TGPU_BEGIN, results.TGPU_END) == results.gpu_token_bench_table()
     assert results.between(page, results.TFRONT_BEGIN, results.TFRONT_END) == results.token_frontier_table()
     assert results.between(page, results.TSMOL_BEGIN, results.TSMOL_END) == results.smollm2_token_table()

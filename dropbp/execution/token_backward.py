@@ -20,6 +20,12 @@ rows; the result is the same, only not cheaper. How many rows are gathered is th
 (:meth:`dropbp.backends.Backend.kept_row_count`: lazy-graph devices round up to a few fixed counts, so selections share
 compiled graphs).
 
+Under non-re-entrant activation checkpointing, a row-local branch as a whole (an MLP branch without tail, experts or
+active dropout: :func:`dropbp.execution.discovery.recomputes_on_kept_rows`) runs without autograd in the forward, and
+its backward (:class:`_KeptRowsBranch`) runs it again on the kept rows only: its recomputation, like its backward,
+shrinks with the kept share. Its input is saved by :class:`_SavedInput` before it runs, so checkpointing's early stop
+ends the region's recomputation there, without running the branch's full rows again.
+
 The random order and offset of a selection come from a generator seeded by (seed, step, branch): a selection is a
 function of them and the gradient, so a run resumed from ``ctl.state_dict()`` repeats it. Calibration's forced
 forwards, eval and no-grad forwards select nothing.
