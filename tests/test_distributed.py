@@ -296,8 +296,10 @@ def _tokens_rank_main(rank: int, init_file: str, out_dir: str, mode: str) -> Non
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
         model = tiny_model("llama", layers=3)
+        if mode.endswith("-checkpointing"):  # the MLP branches recomputed on their kept rows
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         ctl = dropbp.apply(model, 0.5, seed=0, token_drop_rate="auto" if mode.endswith("-auto") else 0.5)
-        wrapped = _distribute(model, mode.removesuffix("-auto"))
+        wrapped = _distribute(model, mode.removesuffix("-auto").removesuffix("-checkpointing"))
         names = [n for n, _ in model.named_parameters()]
         optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-2)
         record = []
@@ -319,11 +321,12 @@ def _tokens_rank_main(rank: int, init_file: str, out_dir: str, mode: str) -> Non
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2", "ddp-auto"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2", "ddp-auto", "ddp-checkpointing", "fsdp2-checkpointing"])
 def test_token_drops_on_two_ranks_average_each_ranks_own_selection(mode):
     """Nothing hangs; the ranks draw the same branch pattern but each its own token rows, from its own data; the
     reduced gradient is the mean over ranks of the reference (no dropbp) for each rank's batch and recorded weights.
-    With token_drop_rate="auto" each rank's shares follow its own readings (every row at the first step)."""
+    With token_drop_rate="auto" each rank's shares follow its own readings (every row at the first step); with
+    checkpointing the MLP branches are recomputed on their kept rows."""
     from test_token_drops import _weighted_outputs
 
     with tempfile.TemporaryDirectory() as tmp:
