@@ -136,6 +136,19 @@ FIGURES = (
         (("docs/token-drops.md", r"\(full fine-tuning;\s+" + X + r" with LoRA\)"),),
     ),
     Figure(
+        "the fastest token-dropped step with activation checkpointing, full fine-tuning (SmolLM2-135M, 512 tokens)",
+        lambda: _fastest_token_step("full_checkpointing"),
+        (
+            ("README.md", r"with activation checkpointing at most " + X),
+            ("docs/token-drops.md", r"with activation checkpointing, at most " + X + r" \(full fine-tuning"),
+        ),
+    ),
+    Figure(
+        "the fastest token-dropped step with activation checkpointing, LoRA (SmolLM2-135M, 512 tokens)",
+        lambda: _fastest_token_step("lora_checkpointing"),
+        (("docs/token-drops.md", r"with activation checkpointing, at most \d\.\d\dx \(full fine-tuning;\s+" + X),),
+    ),
+    Figure(
         "full backprop at half the batch against the cell's batch, 30 steps x 32k tokens",
         lambda: f"{_token_cell('30x32k')['half_batch']['full']['mean']:.2f}x",
         (

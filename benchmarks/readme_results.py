@@ -52,6 +52,9 @@ TGPU_BEGIN = "<!-- gpu-token-bench-table: made by benchmarks/readme_results.py -
 TGPU_END = "<!-- end of gpu-token-bench-table -->"
 TFRONT_BEGIN = "<!-- token-frontier-table: made by benchmarks/readme_results.py -->"
 TFRONT_END = "<!-- end of token-frontier-table -->"
+TOKEN_DROPS_CHECKPOINTING = RESULTS / "token_drops" / "token_drops_full_checkpointing.json"
+TCKPT_BEGIN = "<!-- token-frontier-checkpointing-table: made by benchmarks/readme_results.py -->"
+TCKPT_END = "<!-- end of token-frontier-checkpointing-table -->"
 TSMOL_BEGIN = "<!-- smollm2-token-table: made by benchmarks/readme_results.py -->"
 TSMOL_END = "<!-- end of smollm2-token-table -->"
 SMOLLM2_TOKENS = RESULTS / "smollm2_token_drops" / "smollm2_token_drops.json"
@@ -484,6 +487,30 @@ def token_frontier_table() -> str:
     return "\n".join(lines)
 
 
+def token_frontier_checkpointing_table() -> str:
+    """docs/token-drops.md: each dropping arm's equal-time runs against full backprop at its best batch, timed on the
+    steps without activation checkpointing and re-timed on checkpointing's (the same runs)."""
+    records = [json.loads(path.read_text()) for path in (TOKEN_DROPS, TOKEN_DROPS_CHECKPOINTING)]
+    lines = [
+        TCKPT_BEGIN,
+        "| cell | arm | step speedup without / with checkpointing | vs full backprop at its best batch, without "
+        "| with checkpointing |",
+        "|---|---|---|---|---|",
+    ]
+    for plain, checkpointed in zip(records[0]["cells"], records[1]["cells"], strict=True):
+        for arm, budgets in plain["arms"].items():
+            if arm.startswith("full"):
+                continue
+            steps, e = next((s, e) for s, e in budgets.items() if e["equal_time"])
+            c = checkpointed["arms"][arm][steps]
+            lines.append(
+                f"| {plain['cell']} | {_arm_name(arm)} | {e['step_speedup']:.2f}x / {c['step_speedup']:.2f}x | "
+                f"{_reading(e['best'])} | **{_reading(c['best'])}** |"
+            )
+    lines.append(TCKPT_END)
+    return "\n".join(lines)
+
+
 def token_bench_table() -> str:
     """docs/token-drops.md: token-level step times against their ideal, per ``dropbp bench`` record."""
     lines = [
@@ -586,6 +613,7 @@ def main() -> None:
             (KEPT_BEGIN, KEPT_END): kept_rows_table(),
             (TGPU_BEGIN, TGPU_END): gpu_token_bench_table(),
             (TFRONT_BEGIN, TFRONT_END): token_frontier_table(),
+            (TCKPT_BEGIN, TCKPT_END): token_frontier_checkpointing_table(),
             (TSMOL_BEGIN, TSMOL_END): smollm2_token_table(),
         },
         RESULTS_PAGE: {(MAP_BEGIN, MAP_END): map_table(), (EQ_BEGIN, EQ_END): smollm2_table(), (BEGIN, END): table()},

@@ -33,6 +33,8 @@ runs are re-timed with the same record, so every arm shares one clock. Runs are 
 
     python benchmarks/token_drops.py --cells 100x1k --workers 2      # runs (resumable)
     python benchmarks/token_drops.py --report                          # token_drops.md / .json
+    python benchmarks/token_drops.py --report --cost-record results/bench_tokens_cpu/full_checkpointing/bench.json
+                                               # the same runs re-timed with activation checkpointing's steps
 """
 
 from __future__ import annotations
@@ -435,7 +437,9 @@ def _cell_text(entry: dict) -> str:
     return text + (f" ({entry['bounded']} bound)" if entry.get("bounded") else "")
 
 
-def report(cost: Cost) -> None:
+def report(cost: Cost, cost_record: Path = COST_RECORD) -> None:
+    """token_drops.md / .json; with another cost record (checkpointing's), the same runs re-timed on it, written as
+    token_drops_<its folder>.md / .json."""
     done = load_runs()
     names = sorted({r["cell"] for r in wip.load_done(OUT / "runs.jsonl").values()})
     cells = sorted((wip.Cell.parse(n) for n in names), key=lambda c: (c.tokens, c.steps))
@@ -443,14 +447,15 @@ def report(cost: Cost) -> None:
     record = {
         "benchmark": "token_drops",
         "date": date.today().isoformat(),
-        "cost_record": str(COST_RECORD.relative_to(HERE.parent)),
+        "cost_record": str(cost_record.resolve().relative_to(HERE.parent)),
         "cost": asdict(cost),
         "seeds": SEEDS,
         "lr_grid": wip.LR_GRID,
         "torch": torch.__version__,
         "cells": figures,
     }
-    (OUT / "token_drops.json").write_text(json.dumps(record, indent=2) + "\n")
+    name = "token_drops" if cost_record.resolve() == COST_RECORD else f"token_drops_{cost_record.parent.name}"
+    (OUT / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
     lines = [
         "Speedup at equal quality (mean [95% interval] over 3 seeds) of each arm against full backprop at the cell's "
         "batch and at its best of two batches (the cell's and half of it), on the map's proxy; each arm at its own "
@@ -474,7 +479,7 @@ def report(cost: Cost) -> None:
                     f"| {f['cell']} | {arm.name} | {f['lr'][arm.name]:g} | {steps} | {e['step_speedup']:.2f}x | "
                     f"{_cell_text(e['full'])} | **{_cell_text(e['best'])}** | {e['step_worth']:.2f} |"
                 )
-    (OUT / "token_drops.md").write_text("\n".join(lines) + "\n")
+    (OUT / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
@@ -500,7 +505,7 @@ def main() -> None:
     if args.cells:
         run_cells(args.cells, args.workers, cost)
     if args.report:
-        report(cost)
+        report(cost, args.cost_record)
 
 
 if __name__ == "__main__":

@@ -108,6 +108,8 @@ def test_the_readme_leads_with_the_arms_table_and_the_token_page_tables_are_the_
     assert results.between(page, results.KEPT_BEGIN, results.KEPT_END) == results.kept_rows_table()
     assert results.between(page, results.TGPU_BEGIN, results.TGPU_END) == results.gpu_token_bench_table()
     assert results.between(page, results.TFRONT_BEGIN, results.TFRONT_END) == results.token_frontier_table()
+    made = results.token_frontier_checkpointing_table()
+    assert results.between(page, results.TCKPT_BEGIN, results.TCKPT_END) == made
     assert results.between(page, results.TSMOL_BEGIN, results.TSMOL_END) == results.smollm2_token_table()
 
 
