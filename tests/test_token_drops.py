@@ -157,6 +157,21 @@ def test_dropout_in_an_mlp_branch_keeps_its_recomputation_on_every_row(dropout, 
     assert [call[1:3] for call in seen] == [(False, 24)] * 2 + [(True, recomputed_rows)] * 2
 
 
+def test_an_mlp_branch_whose_input_needs_no_gradient_is_recomputed_whole_and_stays_exact():
+    """LoRA on the MLPs alone: the first layer's MLP input needs no gradient (nothing trainable below it), so that
+    branch keeps the row-gathered backward (recomputed whole); the branches above it are recomputed on kept rows."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["gate_proj", "up_proj", "down_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(tiny_model("llama", layers=2), config).train()
+    model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.get_base_model().disable_input_require_grads()  # Hugging Face's hook (for re-entrant checkpointing) off
+    reference = copy.deepcopy(model)
+    ctl = dropbp.apply(model, 0.0, token_drop_rate=0.5)
+    seen = _rows_seen(model, ("mlp.gate_proj",))
+    _matches_reference(model, ctl, reference, batch(0))
+    assert [call[1:3] for call in seen] == [(False, 24)] * 2 + [(True, keep_count(24, 0.5)), (True, 24)]
+
+
 @pytest.mark.parametrize("arch", ["llama", "phi3", "gpt_neox"])
 def test_importance_weights_and_kept_rows_recomputation_equal_the_reference(arch):
     """Branch drops with importance weights (``unbiased=True``), token drops and checkpointing together: each kept

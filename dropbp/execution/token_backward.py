@@ -81,9 +81,9 @@ class RowSlot:
         self.residual_norms: torch.Tensor | None = None  # its row norms, for token_selection="residual"
         self.weights: torch.Tensor | None = None
         self.index: torch.Tensor | None = None
-        #: a branch recomputed on its kept rows: its input, passed through :class:`_SavedInput` (during the call),
-        #: then that node (whose saved input checkpointing recomputes)
-        self.saved_input: torch.Tensor | object | None = None
+        #: a branch recomputed on its kept rows: the :class:`_SavedInput` node holding its input (which checkpointing
+        #: recomputes when the branch's backward asks for it)
+        self.saved_input: object | None = None
 
 
 class _SelectRows(torch.autograd.Function):
@@ -296,10 +296,11 @@ class TokenDrops:
             self._slots[index] = None
             if slot is not None and self._on_kept_rows(index, args, kwargs):
                 # saved for the backward; in a recomputation, checkpointing's early stop may end the region here
-                slot.saved_input = _SavedInput.apply(args[0])
+                entry = _SavedInput.apply(args[0])
+                slot.saved_input = entry.grad_fn
                 torch.set_grad_enabled(False)  # the branch runs without autograd; its backward recomputes
                 self._slots[index] = slot
-                return (slot.saved_input,), kwargs
+                return (entry,), kwargs
             self._slots[index] = slot
             return None
 
@@ -307,10 +308,11 @@ class TokenDrops:
 
     def _on_kept_rows(self, index: int, args: tuple, kwargs: dict) -> bool:
         """Whether this call of branch ``index`` is recomputed on its kept rows: a row-local branch called on one
-        tensor, inside a non-re-entrant checkpointed region (its forward or its recomputation, alike), with no
-        dropout active in it (a recomputation on fewer rows would draw other masks)."""
+        tensor that needs a gradient (the saved input lives in the autograd graph), inside a non-re-entrant
+        checkpointed region (its forward or its recomputation, alike), with no dropout active in it (a recomputation
+        on fewer rows would draw other masks)."""
         dropouts = self._dropouts[index]
-        if dropouts is None or kwargs or len(args) != 1 or not torch.is_tensor(args[0]):
+        if dropouts is None or kwargs or len(args) != 1 or not torch.is_tensor(args[0]) or not args[0].requires_grad:
             return False
         return checkpoint_hook() is not None and not any(d.training and d.p > 0 for d in dropouts)
 
@@ -324,11 +326,11 @@ class TokenDrops:
             torch.set_grad_enabled(True)
             if not torch.is_tensor(output):  # the call raised (always_call)
                 return None
-            entry, slot.saved_input = slot.saved_input, slot.saved_input.grad_fn
             slot.rows = output.numel() // output.shape[-1]
             self._note_residual(slot, output)
-            params = [p for p in self._parts[index][0].parameters() if p.requires_grad]
-            return _KeptRowsBranch.apply(entry, output, self._parts[index][0], slot, self._selector(index), *params)
+            branch = self._parts[index][0]
+            params = [p for p in branch.parameters() if p.requires_grad]
+            return _KeptRowsBranch.apply(args[0], output, branch, slot, self._selector(index), *params)
 
         return end
 
