@@ -353,11 +353,19 @@ def test_the_device_bound_holds_through_setters_and_states_from_other_devices():
     assert auto.memory_bound is True and auto.max_kept_branches == 1
 
 
-def test_token_drops_on_the_engine_are_exact_and_compile_no_graph_per_selection():
+def _checkpointed(model: torch.nn.Module, checkpointing: bool) -> torch.nn.Module:
+    if checkpointing:  # the MLP branches recomputed on their kept rows
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+def test_token_drops_on_the_engine_are_exact_and_compile_no_graph_per_selection(checkpointing):
     """Token drops gather a fixed number of rows (:meth:`LazyGraphBackend.kept_row_count`), so a selection is data in
-    the same graph: exact against the CPU reference, and the compiled graphs stop with the patterns."""
+    the same graph: exact against the CPU reference, and the compiled graphs stop with the patterns; with
+    checkpointing too (the MLP branches recomputed on their kept rows)."""
     backend = LazyEngineBackend()
-    model = own_model()
+    model = _checkpointed(own_model(), checkpointing)
     reference = copy.deepcopy(model)
     model = model.to("lazy")
     ctl = dropbp.apply(model, 0.5, seed=1, token_drop_rate=0.5, backend=backend)
@@ -384,7 +392,7 @@ def test_token_drops_on_the_engine_are_exact_and_compile_no_graph_per_selection(
         assert_same_grads(grads, want, atol=1e-5)
 
     def graphs(**options) -> list[int]:  # a run of its own (a new vocabulary): graphs counted from its start
-        model = own_model().to("lazy")
+        model = _checkpointed(own_model(), checkpointing).to("lazy")
         ctl = dropbp.apply(model, 0.5, seed=0, backend=backend, **options)
         torch._lazy.mark_step()
         return train(model, ctl, Breaks(backend), steps=40, micro_batches=1)

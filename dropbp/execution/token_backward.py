@@ -33,6 +33,7 @@ forwards, eval and no-grad forwards select nothing.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -186,8 +187,11 @@ class _KeptRowsBranch(torch.autograd.Function):
         *params: torch.Tensor,
     ) -> torch.Tensor:
         ctx.module, ctx.slot, ctx.select, ctx.params = module, slot, select, params
-        device = x.device.type
-        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        device = x.device.type  # autocast's state, where autocast exists for the device (not on the lazy engine)
+        ctx.autocast = None
+        if torch.amp.is_autocast_available(device):
+            enabled, dtype = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+            ctx.autocast = {"device_type": device, "enabled": enabled, "dtype": dtype}
         return output.view_as(output)
 
     @staticmethod
@@ -198,11 +202,11 @@ class _KeptRowsBranch(torch.autograd.Function):
         (x,) = slot.saved_input.saved_tensors  # under checkpointing: recomputed here
         inputs, weights, index = x.detach().reshape(-1, x.shape[-1]), _as(slot.weights, rows.dtype), slot.index
         if index is not None:
-            inputs, rows, weights = inputs.index_select(0, index), rows.index_select(0, index), weights[index]
+            inputs, rows, weights = (t.index_select(0, index) for t in (inputs, rows, weights))
         kept = inputs.unsqueeze(0).requires_grad_(ctx.needs_input_grad[0])
         params = [p for p, needed in zip(ctx.params, ctx.needs_input_grad[5:], strict=True) if needed]
-        device, autocast, dtype = ctx.autocast
-        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=autocast):
+        replay = contextlib.nullcontext() if ctx.autocast is None else torch.autocast(**ctx.autocast)
+        with torch.enable_grad(), replay:
             output = ctx.module.forward(kept)
         wanted = [kept, *params] if ctx.needs_input_grad[0] else params
         gradient = _as(rows * weights[:, None], output.dtype).view_as(output)
