@@ -54,6 +54,7 @@ model(input_ids=ids, labels=ids).loss.backward()
 print("installed with README's line:", dropbp.__version__, "| branches dropped in a step:", len(ctl.last_dropped))
 PY
 deactivate
+rm -rf "$work/cpu"  # CI's disk can be small: one environment at a time
 
 fresh_env "$work/gaudi"
 echo "ci/install-lines.sh: $gaudi"

@@ -10,8 +10,10 @@ cd "$(dirname "$0")/.."
 # Tiny models: one intra-op thread is as fast, and OpenMP threads never spin against other processes
 # (on a busy 2-core machine they made the suite 10-50x slower).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+free_disk() { df -Ph . | awk 'NR == 2 {print "disk free here: " $4 " of " $2}'; }
+echo "ci/test.sh: $(free_disk)"  # an install that fails with "No space left on device" reads against this
 if [ ! -x .venv/bin/ruff ] || [ ! -x .venv/bin/dropbp ] || { [ ! -x .venv/bin/ds_report ] && [ ! -f .venv/deepspeed-unavailable ]; }; then
-  bash ci/install.sh || { echo "ci/test.sh: setting up .venv failed (see above)" >&2; exit 1; }
+  bash ci/install.sh || { echo "ci/test.sh: setting up .venv failed (see above) | $(free_disk)" >&2; exit 1; }
 fi
 . .venv/bin/activate
 ruff check . || { echo "ci/test.sh: ruff found problems (listed above)" >&2; exit 1; }
@@ -30,10 +32,13 @@ run_pytest python -m pytest "$@" || exit $?
 [ "$#" -gt 0 ] && exit 0
 deactivate
 if [ ! -x .venv-litgpt/bin/litgpt ]; then
-  bash ci/install-litgpt.sh || { echo "ci/test.sh: setting up .venv-litgpt failed (see above)" >&2; exit 1; }
+  bash ci/install-litgpt.sh || { echo "ci/test.sh: setting up .venv-litgpt failed (see above) | $(free_disk)" >&2; exit 1; }
 fi
 run_pytest .venv-litgpt/bin/python -m pytest -p no:cacheprovider tests/test_litgpt.py tests/test_layouts.py \
   tests/test_gradients.py tests/test_hf_integration.py tests/test_wrappers.py tests/test_chunked_loss.py || exit $?
+if [ -n "${CI:-}" ]; then  # CI's disk can be small: the next two steps each make environments of their own
+  rm -rf .venv-litgpt && echo "ci/test.sh: removed .venv-litgpt (CI is set) | $(free_disk)"
+fi
 # The release artefacts: the wheel built, installed in a fresh environment and run there (no checkout in sight);
 # then README's install lines, verbatim, in a fresh clone and fresh environments.
 bash ci/wheel.sh || exit $?
