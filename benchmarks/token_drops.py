@@ -33,7 +33,8 @@ runs are re-timed with the same record, so every arm shares one clock. Runs are 
 
     python benchmarks/token_drops.py --cells 100x1k --workers 2      # runs (resumable)
     python benchmarks/token_drops.py --report                          # token_drops.md / .json
-    python benchmarks/token_drops.py --report --cost-record benchmarks/results/bench_tokens_cpu/full_checkpointing/bench.json
+    python benchmarks/token_drops.py --report \
+        --cost-record benchmarks/results/bench_tokens_cpu/full_checkpointing/bench.json
                                                # the same runs re-timed with activation checkpointing's steps
 """
 
