@@ -6,7 +6,8 @@ each run's own steps, 100 steps. Full backprop's frontier (complete runs at 50, 
 best of 1e-3, 2e-3 and 4e-3, seeds 0-2) and branch drops at 0.5 are that script's records. Each token arm here:
 
 - one complete run per learning rate of the same grid on seed 0, at its equal-time budget (100 full-backprop steps
-  times the arm's step speedup); the best learning rate (lowest final validation loss) then runs on seeds 1 and 2;
+  times the arm's step speedup when it first ran, fixed in ``budgets.json``); the best learning rate (lowest final
+  validation loss) then runs on seeds 1 and 2;
 - time in full-backprop steps MODELLED from ``dropbp bench``'s SmolLM2 LoRA token-drop step speedups
   (``bench_tokens_cpu/lora/bench.json``, 512 tokens a micro-batch; at these runs' 128-token micro-batches,
   ``bench_tokens_cpu_128``, token drops' steps are up to 4% slower), as benchmarks/token_drops.py models the
@@ -67,10 +68,22 @@ ARMS = {
 }
 
 
-def budgets(arm: Arm) -> list[int]:
+def budgets(arm: Arm, out: Path = OUT) -> list[int]:
     """A complete run's lengths in optimizer steps, the grid's (equal time: 100 full-backprop steps) first; the half
     batch also at half that time, a second point of its frontier (full backprop's 200-step runs end worse than its
-    100-step ones on this cell, so a longer half-batch run is not where its best lies)."""
+    100-step ones on this cell, so a longer half-batch run is not where its best lies). Fixed the first time an arm
+    runs (``budgets.json``), as benchmarks/token_drops.py fixes the proxy's: a later cost record re-times the runs, it
+    does not move them."""
+    path = out / "budgets.json"
+    fixed = json.loads(path.read_text()) if path.exists() else {}
+    if arm.name not in fixed:
+        fixed[arm.name] = _budgets(arm)
+        out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(fixed, indent=1) + "\n")
+    return fixed[arm.name]
+
+
+def _budgets(arm: Arm) -> list[int]:
     if arm.rate == "auto":  # its time is its own, known once it ran: full backprop's steps
         return [FULL_STEPS]
     equal_time = round(FULL_STEPS * step_speedup(arm))
@@ -240,8 +253,9 @@ def markdown(record: dict) -> str:
         "full-backprop steps): speedup at equal quality against full backprop's complete runs at this batch "
         "(benchmarks/smollm2_equal_quality.py's records) and at its best of two batches (this one and 4 x 128 "
         "tokens a step, `full-half`: the lower envelope of both frontiers), each arm at its own best learning rate "
-        f"of {', '.join(f'{x:g}' for x in record['grid'])} on seed 0 at its equal-time budget. Time MODELLED from "
-        f"the measured step speedups ({record['cost_record']}; the half batch at 2x: half the micro-batches; each "
+        f"of {', '.join(f'{x:g}' for x in record['grid'])} on seed 0 at its equal-time budget (fixed when it first "
+        f"ran). Time MODELLED from the measured step speedups ({record['cost_record']}; the half batch at 2x: half "
+        "the micro-batches; each "
         "run's wall time, one torch thread, two runs at a time, is beside it). Method: "
         "benchmarks/smollm2_token_drops.py.",
         "",
