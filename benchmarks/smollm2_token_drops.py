@@ -74,13 +74,9 @@ def budgets(arm: Arm, out: Path = OUT) -> list[int]:
     100-step ones on this cell, so a longer half-batch run is not where its best lies). Fixed the first time an arm
     runs (``budgets.json``), as benchmarks/token_drops.py fixes the proxy's: a later cost record re-times the runs, it
     does not move them."""
-    path = out / "budgets.json"
-    fixed = json.loads(path.read_text()) if path.exists() else {}
-    if arm.name not in fixed:
-        fixed[arm.name] = _budgets(arm)
-        out.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(fixed, indent=1) + "\n")
-    return fixed[arm.name]
+    import token_drops  # a sibling script: its fixed_budgets
+
+    return token_drops.fixed_budgets(out / "budgets.json", (arm.name,), lambda: _budgets(arm))
 
 
 def _budgets(arm: Arm) -> list[int]:

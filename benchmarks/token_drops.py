@@ -45,6 +45,7 @@ import importlib.util
 import json
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from datetime import date
@@ -167,15 +168,22 @@ def _tokens(arm: Arm, cell_tokens: int) -> int:
 
 
 def budgets(arm: Arm, cell, cost: Cost) -> list[int]:
-    """The complete runs' lengths in optimizer steps (the first is the sweep's), fixed the first time a cell runs
-    (``budgets.json``): a later cost record re-times the runs, it does not move them."""
-    path = OUT / "budgets.json"
+    """The complete runs' lengths in optimizer steps (the first is the sweep's), fixed the first time a cell runs."""
+    return fixed_budgets(OUT / "budgets.json", (cell.name, arm.name), lambda: _budgets(arm, cell, cost))
+
+
+def fixed_budgets(path: Path, keys: tuple[str, ...], make: Callable[[], list[int]]) -> list[int]:
+    """The run lengths held at ``keys`` in the JSON file ``path``; the first time, ``make()``'s, stored there: a later
+    cost record re-times the runs, it does not move them (benchmarks/smollm2_token_drops.py fixes its own alike)."""
     fixed = json.loads(path.read_text()) if path.exists() else {}
-    if arm.name not in fixed.get(cell.name, {}):
-        fixed.setdefault(cell.name, {})[arm.name] = _budgets(arm, cell, cost)
-        OUT.mkdir(parents=True, exist_ok=True)
+    node = fixed
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+    if keys[-1] not in node:
+        node[keys[-1]] = make()
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(fixed, indent=1) + "\n")
-    return fixed[cell.name][arm.name]
+    return node[keys[-1]]
 
 
 def cell_arms(cell) -> list[Arm]:
