@@ -51,6 +51,9 @@ class Backend(ABC):
     distributed_backend: str = "gloo"
     #: bound on distinct drop patterns where graphs are compiled per pattern; None: unbounded.
     default_max_patterns: int | None = None
+    #: whether every distinct graph is compiled (lazy-graph devices): token drops then keep one share for every
+    #: branch (:func:`dropbp.experimental.token_selection.token_shares`).
+    compiles_graphs: bool = False
     #: the device's module in torch (``"cuda"`` for ``torch.cuda``, ``"xpu"``, ``"hpu"``), which answers
     #: :meth:`synchronize` and, with :attr:`has_allocator_stats`, the memory figures under the same names on
     #: every device; None: nothing to wait for (the CPU).
@@ -174,12 +177,6 @@ class Backend(ABC):
         rounds it up to a few fixed counts (:class:`LazyGraphBackend`), so that selections share compiled graphs."""
         return kept
 
-    def token_shares(self, shares: list[float], chosen: dict[int, float]) -> list[float]:
-        """The keep share of every branch under ``token_drop_rate="auto"``, from those in force (``shares``) and those
-        the readings now allow (``chosen``, by branch index, for the branches read so far): eager devices give each
-        read branch its own."""
-        return [chosen.get(index, share) for index, share in enumerate(shares)]
-
     def place_rows(self, part: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
         """A ``(rows, width)`` tensor of zeros with ``part``'s rows at ``index`` (distinct): the input gradient of a
         token-dropped linear map. Eager devices copy the rows in, in place (``index_copy_``: no second full copy)."""
@@ -217,13 +214,10 @@ class LazyGraphBackend(Backend):
         bucket = -(-rows // ROW_BUCKETS)
         return min(rows, -(-kept // bucket) * bucket)
 
-    def token_shares(self, shares: list[float], chosen: dict[int, float]) -> list[float]:
-        """In lazy mode, one share for every branch: the largest a read branch asks for (so every read branch's
-        added variance stays within the budget). A step's graph is keyed by each branch's row counts, so per-branch
-        shares would compile a graph per combination; one share compiles one of a few."""
-        if not self.lazy or not chosen:
-            return super().token_shares(shares, chosen)
-        return [max(chosen.values())] * len(shares)
+    @property
+    def compiles_graphs(self) -> bool:
+        """In lazy mode, yes: every distinct graph is compiled."""
+        return self.lazy
 
     def place_rows(self, part: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
         """``scatter_add`` into zeros (the indices are distinct, so it places each row once): an operation lazy graphs

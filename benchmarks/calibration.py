@@ -69,7 +69,7 @@ def build_model(shape: str, method: str) -> nn.Module:
 
 def run(shape: str, method: str, repeats: int, batch: int, seq: int) -> dict:
     model = build_model(shape, method)
-    ctl = dropbp.apply(model, 0.5, seq_len=seq)
+    ctl = dropbp.experimental.apply(model, 0.5, seq_len=seq)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
 

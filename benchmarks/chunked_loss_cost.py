@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from dropbp.chunked_loss import ChunkedLoss
+from dropbp.features.chunked_loss import ChunkedLoss
 from dropbp.tools.bench import PRETRAINED, build_model
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-import dropbp
+from dropbp.tools.arms import apply_arm
 from dropbp.tools.bench import _shape, at_expected_fraction, build_model
 
 
@@ -27,7 +27,7 @@ def redrawn(point: dict, row: dict, rounds: int, warmup: int) -> list[float]:
     model = build_model(point["preset"], point["method"], point["seq_len"], torch.float32, torch.device("cpu"))
     fractions = []
     for seed in range(warmup, warmup + rounds):
-        ctl = dropbp.apply(model, row["drop_rate"], seed=seed, seq_len=point["seq_len"], **_shape(row["pattern"]))
+        ctl = apply_arm(model, row["drop_rate"], seed=seed, seq_len=point["seq_len"], **_shape(row["pattern"]))
         flops = {b.name: b.flops for b in ctl.branches}
         fractions.append(sum(flops[n] for n in ctl.dropped_at(0)) / sum(flops.values()))
         ctl.remove()

@@ -67,12 +67,12 @@ def measure(folder: str, method: str, batch: int, seq: int, steps: int) -> dict:
     model = _model(folder, method)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
     ids = torch.randint(3, model.config.vocab_size, (batch, seq), device=DEVICE)
-    ctl = dropbp.apply(model, 0.0, token_drop_rate=0.5, backend=DEVICE)
+    ctl = dropbp.apply(model, 0.0, backend=DEVICE, features=[dropbp.experimental.TokenDrops(0.5)])
     arms = {"full": 0.0, "tokens0.5": 0.5, "tokens0.5-pinned": 0.5}
     times: dict[str, list[float]] = {arm: [] for arm in arms}
     for round_ in range(steps + 3):
         for arm, rate in arms.items():
-            ctl.token_drop_rate = rate
+            ctl.features["token_drops"].rate = rate
             if arm.endswith("pinned"):
                 with _pinned_draws():
                     seconds = _step(model, opt, ids)
@@ -81,7 +81,7 @@ def measure(folder: str, method: str, batch: int, seq: int, steps: int) -> dict:
             if round_ >= 3:
                 times[arm].append(seconds)
     medians = {arm: statistics.median(t) for arm, t in times.items()}
-    ctl.token_drop_rate = 0.5
+    ctl.features["token_drops"].rate = 0.5
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])]) as prof:

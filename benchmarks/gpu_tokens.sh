@@ -6,21 +6,7 @@
 # the host, may bound). Expects SmolLM2's config.json in $SMOL_CONFIG (a folder); writes into $RESULTS and, after
 # every stage, a tarball of it into $OUT (what a killed call still returns).
 set -uo pipefail
-: "${SMOL_CONFIG:?}" "${RESULTS:?}" "${OUT:?}"
-export PYTHONUNBUFFERED=1 DROPBP_CACHE=/root/dropbp-cache
-mkdir -p "$RESULTS"
-pack() { tar czf "$OUT/results.tgz" -C "$RESULTS" . ; echo "== $1 done $(date +%T)"; }
-# installed, and run with -P: the checkout's dropbp/ lacks backends/ (pyproject maps it in), so it must not shadow
-python3 -m pip install -q --no-deps --no-build-isolation . || exit 1
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
-} | tee "$RESULTS/device.txt"
-python3 - "$SMOL_CONFIG" /tmp/smollm2-random <<'EOF'
-import sys, torch, transformers
-config = transformers.AutoConfig.from_pretrained(sys.argv[1])
-torch.manual_seed(0)
-transformers.AutoModelForCausalLM.from_config(config).save_pretrained(sys.argv[2])
-EOF
+source "$(dirname "$0")/gpu_setup.sh"
 for stage in ${STAGES:-tests bench check}; do
   case "$stage" in
     tests)

@@ -60,7 +60,7 @@ def measure(pattern: str, rate: float, micro_batches: int, steps: int, vocab: in
     ctl = dropbp.apply(model, rate, seed=0, pattern=pattern, memory_bound=False, backend=backend)
     fit_auto_warmup(ctl, steps * micro_batches)  # attach's warmup="auto"
     torch._lazy.mark_step()  # the set-up's own graph
-    plan = ctl.pattern_plan(micro_batches=micro_batches)
+    plan = ctl.schedule.patterns(micro_batches=micro_batches)
     at_breaks = [0]
     graph_break = backend.graph_break
 
@@ -136,8 +136,8 @@ def main() -> None:
         f"Command: `{record['command']}`",
         "",
         "| pattern | drop rate | micro-batches | steps | warm-up (forwards) | training graphs | predicted "
-        "(`ctl.pattern_plan().graphs`) | distinct patterns | by 25/50/75/100% of the run | last step that compiled "
-        "| plan settled at | model's own graphs |",
+        "(`ctl.schedule.patterns().graphs`) | distinct patterns | by 25/50/75/100% of the run | "
+        "last step that compiled | plan settled at | model's own graphs |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

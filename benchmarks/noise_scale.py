@@ -1,8 +1,8 @@
 """The gradient noise scale on the map's cells, and what it forecasts against what the map measured (issue 50).
 
 For each cell of the map (``where_it_pays.py``: the proxy fully fine-tuned on Python's help text, ``L`` optimizer
-steps of ``T`` tokens), full backprop runs at the map's best learning rate for it, with ``measure_noise_scale=True``
-(2 or more micro-batches of 512 tokens per step: the map's own accumulation), on 3 seeds; ``ctl.noise_scale()`` is
+steps of ``T`` tokens), full backprop runs at the map's best learning rate for it, with the noise scale measured
+(2 or more micro-batches of 512 tokens per step: the map's own accumulation), on 3 seeds; its ``estimate()`` is
 read after every step. From that trajectory, per arm (branch drops at 0.5 and 0.75, full backprop at half the batch):
 
 - the forecast worth of a step: the mean over the run of ``(1 + r) / (1 + r / q)`` with ``r = B_simple / T`` read at

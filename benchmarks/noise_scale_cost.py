@@ -1,4 +1,4 @@
-"""What measuring the gradient noise scale costs a training step (``measure_noise_scale=True``; issue 50).
+"""What measuring the gradient noise scale costs a training step (``dropbp.NoiseScale``; issue 50).
 
 SmolLM2-135M-Instruct on Python's help text, LoRA (r=8, every linear layer) and full fine-tuning, an optimizer step
 of ``--micro`` micro-batches of 1 x ``--seq-len`` tokens (AdamW), with dropbp applied at drop rate 0 both ways and the
@@ -44,11 +44,12 @@ def measure(method: str, rounds: int, micro: int, seq_len: int) -> dict:
     data = pydoc_topics(tokenizer, seq_len)
     windows = data.train[: micro * (rounds + 1) * 2]
     ctl = dropbp.apply(model, 0.0, backend="cpu")
+    noise = dropbp.NoiseScale()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     times: dict[bool, list[float]] = {False: [], True: []}
     for r in range(rounds + 1):  # round 0 warms up
         for on in (r % 2 == 0, r % 2 == 1):  # alternate which arm goes first
-            ctl.measure_noise_scale = on
+            ctl.replace_options(features=[noise] if on else [])
             batches = [windows[(2 * r + on) * micro + k].unsqueeze(0) for k in range(micro)]
             seconds = _step(model, optimizer, batches)
             if r:

@@ -42,10 +42,10 @@ def _count(method: str, bf16: bool, config: transformers.PretrainedConfig) -> di
         opt.step()
         opt.zero_grad()
 
-    ctl = dropbp.apply(model, 0.0, token_drop_rate=0.5, seed=0)
+    ctl = dropbp.apply(model, 0.0, seed=0, features=[dropbp.experimental.TokenDrops(0.5)])
     counts = {}
     for arm, rate in ARMS:
-        ctl.token_drop_rate = rate
+        ctl.features["token_drops"].rate = rate
         step()
         step()
         with profile() as prof:

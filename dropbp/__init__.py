@@ -1,40 +1,48 @@
 """dropbp: faster, lighter fine-tuning by dropping the backward pass of random residual branches.
 
 What users call: ``dropbp.apply(model, drop_rate)`` (attaches DropBP to a Hugging Face or custom model and returns the
-:class:`DropBPController`), its options (:class:`DropBPOptions`; the Trainer's, :class:`TrainerOptions`),
+:class:`DropBPController`), its options (:class:`DropBPOptions`; the Trainer's, :class:`TrainerOptions`), the
+features it takes (:class:`NoiseScale`, :class:`ChunkedLoss`; :mod:`dropbp.experimental` holds what was measured and
+is not better),
 ``dropbp.allocate_rates`` (sensitivity-based rates), the device backends (``dropbp.backends``) and, for the Hugging
 Face Trainer, ``dropbp.attach`` / ``dropbp.DropBPCallback`` (imported from :mod:`dropbp.integrations.hf` when first
 used: ``import dropbp`` imports no integration and no optional package). The tree: the drop policy
 (:mod:`dropbp.policy`), the execution of a dropped backward (:mod:`dropbp.execution`), one file per device
-(:mod:`dropbp.backends`), integrations and tools on top.
+(:mod:`dropbp.backends`), the controller; the features (:mod:`dropbp.features`) and :mod:`dropbp.experimental` beside
+it; integrations and tools on top.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from dropbp import backends
+from dropbp import backends, experimental
 from dropbp.api import apply
 from dropbp.architectures import SUPPORTED_ARCHITECTURES
 from dropbp.controller import DropBPController
 from dropbp.execution.discovery import Branch
+from dropbp.features import ChunkedLoss, Feature, NoiseScale
 from dropbp.options import DropBPOptions, TrainerOptions
 from dropbp.policy.allocation import allocate_rates
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "Branch",
+    "ChunkedLoss",
     "DropBPCallback",
     "DropBPController",
     "DropBPOptions",
+    "Feature",
+    "NoiseScale",
     "TrainerOptions",
     "__version__",
     "allocate_rates",
     "apply",
     "attach",
     "backends",
+    "experimental",
 ]
 
 #: Names served by the Hugging Face integration, imported on first use (it needs transformers).

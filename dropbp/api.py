@@ -1,7 +1,8 @@
 """``dropbp.apply``: the public entry point, which turns names and numbers into the controller's parts.
 
 Its keyword options, their defaults, help and checks are :class:`dropbp.options.DropBPOptions`'s
-(declared once there; ``help(dropbp.apply)`` lists them). It resolves the backend, finds the branches
+(declared once there; ``help(dropbp.apply)`` lists them; ``dropbp.experimental.apply`` takes the experimental ones
+too). It resolves the backend, finds the branches
 (:mod:`dropbp.execution.discovery`), builds the drop policy (:mod:`dropbp.policy.drop_policy`, which checks the rates
 against the model's branches) and hands them to :class:`~dropbp.controller.DropBPController`.
 """
@@ -57,7 +58,7 @@ def apply_options(model: nn.Module, options: DropBPOptions) -> DropBPController:
     branches = None if options.branches is None else list(options.branches)
     found = find_branches(inner, branches, options.seq_len)
     given = dataclasses.replace(options, backend=backend)
-    policy = DropPolicy([b.flops for b in found], given.resolved(backend))
+    policy = DropPolicy([b.flops for b in found], given.resolved(backend, len(found)))
     return DropBPController(model, found, policy, backend, given)
 
 

@@ -1,6 +1,6 @@
 """The architecture tables: which modules of each model family are DropBP branches, and which of a branch's linear
 maps mix token rows. Data only; :mod:`dropbp.execution.discovery` applies them to a model (and :mod:`dropbp.options`
-names BERT's branches in its help). Adding an architecture is a line here (docs/architectures.md).
+names BERT's branches in its help). Adding an architecture is a line here (README.md, "Models").
 """
 
 from __future__ import annotations

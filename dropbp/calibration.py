@@ -15,13 +15,19 @@ import logging
 import random
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from dropbp.backends import Backend
+from dropbp.checks import check_bool
+from dropbp.execution.discovery import Branch
+from dropbp.execution.frameworks import calibration_closure, calibration_method
 from dropbp.execution.patching import map_output
+from dropbp.policy.allocation import allocate_rates
+from dropbp.policy.drop_policy import DropPolicy
 
 __all__ = [
     "CALIBRATION_METHODS",
@@ -36,6 +42,10 @@ __all__ = [
 log = logging.getLogger("dropbp")
 
 Closure = Callable[[], torch.Tensor]
+#: How :func:`calibrate` measures: ``"one-pass"`` (all sensitivities from a single forward), or inside
+#: ``dropbp.experimental.exact_recompute()`` the research code's ``"exact-recompute"`` (N + 1 passes; the same
+#: sensitivities, measured not better); a DeepSpeed ZeRO-3 engine needs the latter and gets it either way.
+METHOD: ContextVar[str] = ContextVar("dropbp_calibration_method", default="one-pass")
 ForcePattern = Callable[[frozenset[int]], object]  # context manager factory: drop exactly these
 Boundary = Callable[[], None]  # the backend's graph break (lazy devices); called after each backward
 
@@ -328,3 +338,53 @@ def measure(
         for module, training in modes.items():
             module.training = training
     return average_across_ranks(sens, params[0].device, backend)
+
+
+def calibrate(
+    model: nn.Module,
+    branches: Sequence[Branch],
+    policy: DropPolicy,
+    force: ForcePattern,
+    backend: Backend,
+    closure: Closure,
+    *,
+    gradnorm: bool = True,
+    min_rate: float = 0.0,
+    max_rate: float = 0.9,
+) -> list[float]:
+    """``ctl.calibrate``: measure each branch's sensitivity and set ``policy``'s rates by :func:`dropbp.allocate_rates`.
+
+    Nothing drops during calibration, the step counter does not move, ``.grad`` and train/eval modes are left as they
+    were, and with ``torch.distributed`` initialised every rank ends with identical rates (the sensitivities are
+    averaged). Where the allocation would drop every branch in some steps (few branches), the highest rates are
+    lowered into the bound. Only for ``pattern="uniform"``: allocated rates do not fall with depth, so no cut realises
+    them. Under a time schedule the rates are allocated for its peak and scaled back by the policy.
+
+    Args:
+        closure: runs a forward on one fixed batch and returns the scalar loss (no backward).
+        gradnorm: compare gradient norms (the paper) rather than whole gradients.
+        min_rate: the allocation's lowest rate.
+        max_rate: the allocation's highest rate.
+
+    Returns:
+        The sensitivities, in branch order.
+    """
+    if not callable(closure):
+        raise TypeError(f"closure must be callable and return the loss, got {type(closure).__name__}")
+    method = METHOD.get()  # "one-pass"; the research code's N + 1 passes inside dropbp.experimental.exact_recompute()
+    check_bool("gradnorm", gradnorm)
+    pattern = policy.options.pattern
+    if pattern != "uniform":
+        raise ValueError(
+            f"calibrate allocates rates by each branch's sensitivity, which pattern={pattern!r} cannot "
+            "realise (a cut's rates must fall with depth); set ctl.pattern = 'uniform' (the paper's patterns) "
+            "before calibrating, or keep the cut's rates"
+        )
+    closure = calibration_closure(closure)  # e.g. a DeepSpeed engine cannot take calibration passes
+    method = calibration_method(model.parameters(), method)  # e.g. ZeRO-3: exact-recompute
+    tails = [b.parts[-1] for b in branches]  # what the residual add receives: the tail's last part
+    sens = measure(model, tails, closure, force, gradnorm=gradnorm, method=method, backend=backend)
+    target = min(policy.options.drop_rate * policy.peak, max_rate)
+    rates = allocate_rates(sens, [b.flops for b in branches], target, min_rate=min_rate, max_rate=max_rate)
+    policy.set_allocated_rates(rates, min_rate)
+    return sens

@@ -1,6 +1,8 @@
 """The options of ``dropbp.apply`` and of the Trainer integration, declared and validated once.
 
-:class:`DropBPOptions` holds every keyword option of :func:`dropbp.apply`; :class:`TrainerOptions` adds ``warmup``
+:class:`DropBPOptions` holds every keyword option of :func:`dropbp.apply` (the paper's DropBP and ``features``), then
+the :data:`EXPERIMENTAL` ones that only ``dropbp.experimental.apply`` takes; :data:`MOVED` says where 0.2's
+options went. :class:`TrainerOptions` adds ``warmup``
 and ``calibrate_at`` (fractions of the run) and leaves out ``warmup_steps``, ``total_steps`` and ``windows`` (the
 callback of :mod:`dropbp.integrations.hf` derives them from the run). :func:`takes_options` makes each field's default
 and help the keyword parameters of ``apply``, ``attach`` and ``DropBPCallback``; the axolotl ``dropbp_*`` keys come
@@ -15,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import textwrap
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -25,19 +27,24 @@ from dropbp.architectures import BERT_BRANCHES
 from dropbp.backends import Backend
 from dropbp.checks import check_bool, check_choice, check_fraction, check_int, check_ramp
 from dropbp.execution.dropped_grads import DEFAULT_DROPPED_GRADS, DROPPED_GRADS
+from dropbp.features.base import Feature
+from dropbp.features.noise_scale import NoiseScale
 from dropbp.policy.sampler import SAMPLERS
 from dropbp.policy.schedule import DEFAULT_RAMP, DROP_SCHEDULES
-from dropbp.policy.token_selection import TOKEN_SELECTIONS
 
-#: ``memory_bound="auto"`` turns the bound on from this drop rate (or with ``chunked_loss``).
+#: ``memory_bound="auto"`` turns the bound on from this drop rate (or with a feature that buys memory).
 AUTO_BOUND_RATE = 0.75
 
 __all__ = [
     "AUTO",
     "AUTO_BOUND_RATE",
     "AUTO_WARMUP",
+    "EXPERIMENTAL",
+    "MOVED",
     "DropBPOptions",
     "TrainerOptions",
+    "check_names",
+    "is_auto",
     "option_fields",
     "takes_options",
 ]
@@ -48,9 +55,36 @@ AUTO = "auto"
 #: A Trainer run's warm-up by default (``warmup="auto"``), a fraction of its training steps.
 AUTO_WARMUP = 0.2
 
+#: The options measured and not better, out of ``apply``'s signature (``dropbp.experimental.apply`` takes them),
+#: each with the record that says so.
+EXPERIMENTAL = {
+    "unbiased": "benchmarks/results/convergence_levers_lora_pydoc.md",
+    "dropped_grads": "benchmarks/results/convergence_levers_lora_pydoc.md",
+    "drop_schedule": "benchmarks/results/convergence_time-schedules_lora_pydoc_accumulate.md",
+    "ramp": "benchmarks/results/convergence_time-schedules_lora_pydoc_accumulate.md",
+    "stratify": "docs/where-it-pays.md, 'Stratified cuts'",
+    "seq_len": "it only weighs attention FLOPs by a typical length",
+    "windows": "the Trainer integration sets it from the run",
+}
+
+#: 0.2's options that are features in 0.3, and how to ask for each.
+MOVED = {
+    "measure_noise_scale": "pass features=[dropbp.NoiseScale()] and read it with .estimate()",
+    "chunked_loss": "pass features=[dropbp.ChunkedLoss()] (or ChunkedLoss(chunk_tokens=N))",
+    "token_drop_rate": "pass features=[dropbp.experimental.TokenDrops(rate)] (not better: docs/token-drops.md)",
+    "token_selection": "pass features=[dropbp.experimental.TokenDrops(rate, selection=...)]",
+}
+
 # What goes before every option's name in error messages: "" for Python callers, "dropbp_" while the
 # axolotl plugin checks its config keys (:func:`named_as`).
 _PREFIX: ContextVar[str] = ContextVar("dropbp_option_prefix", default="")
+
+
+def is_auto(value: object) -> bool:
+    """Whether an option that takes ``"auto"`` was given it (each option resolves its own ``"auto"`` in one property:
+    :attr:`DropBPOptions.follows_noise_scale`, :attr:`DropBPOptions.bounded`, :attr:`TrainerOptions.calibration_point`,
+    :attr:`TrainerOptions.warmup_fraction`)."""
+    return isinstance(value, str) and value == AUTO
 
 
 def _help(text: str, **more: Any) -> dict[str, Any]:
@@ -59,17 +93,17 @@ def _help(text: str, **more: Any) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class DropBPOptions:
-    """The keyword options of :func:`dropbp.apply`; made, they are valid (see the module's docstring)."""
+    """The options of :func:`dropbp.apply` (the paper's DropBP, then ``features``) and, after them, the experimental
+    ones (:data:`EXPERIMENTAL`: ``dropbp.experimental.apply`` takes them); made, they are valid."""
 
     drop_rate: float | str = field(
         metadata=_help(
             """The FLOP-weighted mean drop probability of the branches, in [0, 1): with the cut shape, spread
             over the depth; with the uniform shape, every branch's (``calibrate`` or ``set_rates`` can make
             them differ); ``ctl.drop_rate``. ``"auto"``: each optimizer step's rate chosen from the gradient
-            noise scale measured so far (:func:`dropbp.policy.noise_scale.auto_drop_rate`: 0 until one is
-            measured, and wherever dropping is forecast to lose); it measures the noise scale (needs gradient
-            accumulation of at least 2) and replaces the warm-up and time schedule; ``ctl.drop_rate`` then reads
-            the rate in force."""
+            noise scale measured so far (the :class:`dropbp.NoiseScale` feature, added if not given: 0 until one
+            is measured, and wherever dropping is forecast to lose; needs gradient accumulation of at least 2); it
+            replaces the warm-up and time schedule; ``ctl.drop_rate`` then reads the rate in force."""
         )
     )
     seed: int = field(
@@ -89,49 +123,12 @@ class DropBPOptions:
             every trainable parameter off the output is stopped at that forward with this advice."""
         ),
     )
-    max_patterns: int | None = field(
-        default=None,
-        metadata=_help(
-            """Bound on distinct patterns (for compiled graphs); ``None``: the backend's default (a bound on
-            lazily compiled devices)."""
-        ),
-    )
-    seq_len: int = field(
-        default=512, metadata=_help("The typical sequence length, used only to weigh attention FLOPs.")
-    )
     backend: str | Backend | None = field(
         default=None,
         metadata=_help(
             """A backend name or instance (default :func:`dropbp.backends.get`: ``DROPBP_BACKEND``, else
             detected); ``ctl.backend``, whose step boundaries :meth:`DropBPController.backward` and
             :meth:`DropBPController.optimizer_step` place."""
-        ),
-    )
-    unbiased: bool = field(
-        default=False,
-        metadata=_help(
-            """Importance weights: a kept branch's own parameters get their gradient times ``1 / (1 - rate)``
-            for its rate in force at that forward (the residual stream is left alone), so with cut patterns
-            every branch's expected gradient is exactly full backprop's (:mod:`dropbp.execution.branch_forward`);
-            ``ctl.unbiased``, settable."""
-        ),
-    )
-    dropped_grads: str = field(
-        default=DEFAULT_DROPPED_GRADS,
-        metadata=_help(
-            """What the optimizer sees for a dropped branch's parameters: ``"skip"`` (no gradient, so no
-            update: the paper), ``"zero"`` (a zero gradient: momentum optimizers keep moving them) or
-            ``"reuse"`` (their last computed gradient); see :mod:`dropbp.execution.dropped_grads`. The fill runs in an
-            optimizer pre-step hook, after a Trainer's gradient clipping."""
-        ),
-    )
-    warmup_steps: int = field(
-        default=0,
-        metadata=_help(
-            """Training forwards over which every rate rises linearly from 0: the first steps, where a
-            fine-tune learns fastest, run (nearly) full backprop; ``ctl.warmup_steps``, saved in
-            ``state_dict``.""",
-            trainer="the run decides it: pass warmup= (a fraction of the training steps)",
         ),
     )
     pattern: str = field(
@@ -148,27 +145,20 @@ class DropBPOptions:
             sequences), and the only shape ``calibrate`` can allocate for. ``ctl.pattern``, settable."""
         ),
     )
-    chunked_loss: bool | int = field(
-        default=False,
+    max_patterns: int | None = field(
+        default=None,
         metadata=_help(
-            """For a Hugging Face causal LM called with ``labels`` in training, compute the LM head and
-            cross-entropy in chunks recomputed in backward (:mod:`dropbp.chunked_loss`): same loss and
-            gradients, but the full logits and their gradient never exist at once, so they no longer cap
-            the memory dropping saves. ``True``: chunks of 64 MiB of float32 logits; an int: tokens per
-            chunk. Such forwards return ``logits=None``. Works at any rate, 0 included; ``ctl.remove()``
-            restores the model's forward."""
+            """Bound on distinct patterns (for compiled graphs); ``None``: the backend's default (a bound on
+            lazily compiled devices)."""
         ),
     )
-    memory_bound: bool | str = field(
-        default="auto",
+    warmup_steps: int = field(
+        default=0,
         metadata=_help(
-            """Bound the activation memory at every step (:mod:`dropbp.execution.bound`): a step that keeps more
-            branches
-            than the uniform shape keeps at most at ``drop_rate`` (``N - floor(drop_rate x N)``) runs the layers
-            of its lowest kept branches checkpointed, so the activations stored for backward are bounded in every
-            step, with exact gradients (docs/memory.md: what it does to the measured peak).
-            ``"auto"``: on where memory is what the settings buy (``chunked_loss``, or ``drop_rate`` of 0.75 and
-            above), off otherwise; ``ctl.memory_bound``, settable (True or False)."""
+            """Training forwards over which every rate rises linearly from 0: the first steps, where a
+            fine-tune learns fastest, run (nearly) full backprop; ``ctl.warmup_steps``, saved in
+            ``state_dict``.""",
+            trainer="the run decides it: pass warmup= (a fraction of the training steps)",
         ),
     )
     total_steps: int | None = field(
@@ -180,6 +170,49 @@ class DropBPOptions:
             compute it asks to save); without it, the rates stay as set after the warm-up.
             ``ctl.total_steps``, saved in ``state_dict``.""",
             trainer="the run decides it: max_steps x gradient_accumulation_steps, when training begins",
+        ),
+    )
+    memory_bound: bool | str = field(
+        default="auto",
+        metadata=_help(
+            """Bound the activation memory at every step (:mod:`dropbp.execution.bound`): a step that keeps more
+            branches
+            than the uniform shape keeps at most at ``drop_rate`` (``N - floor(drop_rate x N)``) runs the layers
+            of its lowest kept branches checkpointed, so the activations stored for backward are bounded in every
+            step, with exact gradients (docs/memory.md: what it does to the measured peak).
+            ``"auto"``: on where memory is what the settings buy (a feature that buys memory,
+            :class:`dropbp.ChunkedLoss`, or ``drop_rate`` of 0.75 and above), off otherwise; ``ctl.memory_bound``,
+            settable (True or False)."""
+        ),
+    )
+    features: Sequence[Feature] = field(
+        default=(),
+        metadata=_help(
+            """Capabilities beyond the paper's DropBP, each one object that owns its options, state and log
+            (:mod:`dropbp.features`): :class:`dropbp.NoiseScale` (the gradient noise scale, and what
+            ``drop_rate="auto"`` reads), :class:`dropbp.ChunkedLoss` (the LM head and loss in chunks) and, measured
+            and not better, :class:`dropbp.experimental.TokenDrops`; ``ctl.features`` by key. One object per
+            model."""
+        ),
+    )
+
+    # -- experimental: measured and not better (EXPERIMENTAL), out of apply's signature ------------------------
+    unbiased: bool = field(
+        default=False,
+        metadata=_help(
+            """Importance weights: a kept branch's own parameters get their gradient times ``1 / (1 - rate)``
+            for its rate in force at that forward (the residual stream is left alone), so with cut patterns
+            every branch's expected gradient is exactly full backprop's (:mod:`dropbp.execution.branch_forward`);
+            ``ctl.unbiased``, settable."""
+        ),
+    )
+    dropped_grads: str = field(
+        default=DEFAULT_DROPPED_GRADS,
+        metadata=_help(
+            """What the optimizer sees for a dropped branch's parameters: ``"skip"`` (no gradient, so no
+            update: the paper), ``"zero"`` (a zero gradient: momentum optimizers keep moving them) or
+            ``"reuse"`` (their last computed gradient); see :mod:`dropbp.execution.dropped_grads`. The fill runs in an
+            optimizer pre-step hook, after a Trainer's gradient clipping."""
         ),
     )
     drop_schedule: str = field(
@@ -207,7 +240,9 @@ class DropBPOptions:
             with a pattern pool (``max_patterns``, whose cycle is already stratified)."""
         ),
     )
-
+    seq_len: int = field(
+        default=512, metadata=_help("The typical sequence length, used only to weigh attention FLOPs.")
+    )
     windows: tuple[int, int] | None = field(
         default=None,
         metadata=_help(
@@ -221,48 +256,12 @@ class DropBPOptions:
         ),
     )
 
-    token_drop_rate: float | str = field(
-        default=0.0,
-        metadata=_help(
-            """The share of token rows whose backward each kept branch skips, in [0, 1): the gradient arriving at
-            a kept branch's output keeps ``ceil((1 - rate) * rows)`` rows, drawn by ``token_selection`` and weighted
-            by their inverse probability (an unbiased estimate of the branch's backward), and the branch's
-            row-local linear maps run their backward on those rows only (:mod:`dropbp.execution.token_backward`).
-            Composes with ``drop_rate``; 0: off, nothing changes. ``"auto"``: each branch's share chosen after
-            every training forward from its measured gradient rows, the fewest rows whose added variance stays
-            within a tenth of the rows' own (:mod:`dropbp.policy.token_selection`; every row until measured);
-            ``ctl.token_drop_rate``, settable."""
-        ),
-    )
-    token_selection: str = field(
-        default="gradient",
-        metadata=_help(
-            """How token drops choose the rows: ``"gradient"`` (importance sampling: probability proportional to
-            each row's gradient norm at the branch output, capped at 1), ``"residual"`` (proportional to the norm of
-            the row the branch adds in the forward, TokenDrop's importance), ``"random"`` (the same probability for
-            every row that carries gradient) or ``"cumulative"`` (the topmost kept branch's ``"gradient"`` rows and
-            weights, kept by every branch below: TokenDrop's cumulative selection; biased, a measured control); see
-            :mod:`dropbp.policy.token_selection`; ``ctl.token_selection``, settable."""
-        ),
-    )
-
-    measure_noise_scale: bool = field(
-        default=False,
-        metadata=_help(
-            """Measure the gradient noise scale of this run (``ctl.noise_scale()``, in tokens; logged by the Trainer
-            callback as ``dropbp/noise_scale``) from the micro-batch gradients gradient accumulation computes anyway
-            (:mod:`dropbp.execution.gradient_noise`): needs at least 2 micro-batches per optimizer step, costs one
-            copy of the trainable parameters' gradients; averaged across ranks under DDP, refused under FSDP and
-            DeepSpeed; ``ctl.measure_noise_scale``, settable."""
-        ),
-    )
-
     #: The value given to ``seed`` may be None (the Trainer integration: the run's own seed).
     _seed_may_be_none: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         key = _PREFIX.get().__add__
-        if self.drop_rate != AUTO:
+        if not is_auto(self.drop_rate):
             self._rate(
                 "drop_rate",
                 "it is the fraction of the residual branches' backward passes skipped per step; set it to e.g. 0.5 "
@@ -283,12 +282,7 @@ class DropBPOptions:
         check_choice(key("dropped_grads"), self.dropped_grads, DROPPED_GRADS)
         check_int(key("warmup_steps"), self.warmup_steps, 0)
         check_choice(key("pattern"), self.pattern, tuple(SAMPLERS))
-        chunked = self.chunked_loss
-        if not (isinstance(chunked, bool) or (isinstance(chunked, int) and chunked >= 1)):
-            raise ValueError(
-                f"{key('chunked_loss')} must be False, True or a positive int (tokens per chunk), got {chunked!r}"
-            )
-        if self.memory_bound != "auto":
+        if not is_auto(self.memory_bound):
             check_bool(key("memory_bound"), self.memory_bound)
         if self.total_steps is not None:
             check_int(key("total_steps"), self.total_steps, 1)
@@ -297,14 +291,18 @@ class DropBPOptions:
         check_int(key("stratify"), self.stratify, 1)
         if self.windows is not None:
             self._set("windows", _windows(key("windows"), self.windows))
-        if self.token_drop_rate != AUTO:
-            self._rate(
-                "token_drop_rate",
-                "it is the share of token rows whose backward each kept branch skips; set it to e.g. 0.5, 0 for none, "
-                "or 'auto' (each branch's share chosen from its measured gradient rows)",
+        features = self.features
+        if not isinstance(features, (list, tuple)) or not all(isinstance(f, Feature) for f in features):
+            raise TypeError(
+                f"{key('features')} must be a list of dropbp features (dropbp.NoiseScale(), dropbp.ChunkedLoss(), "
+                f"dropbp.experimental.TokenDrops(...)), got {features!r:.80}"
             )
-        check_choice(key("token_selection"), self.token_selection, TOKEN_SELECTIONS)
-        check_bool(key("measure_noise_scale"), self.measure_noise_scale)
+        keys = [f.key for f in features]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"{key('features')} holds two features of one kind ({sorted(keys)}): give each once")
+        self._set("features", tuple(features))
+        if self.follows_noise_scale and self.feature(NoiseScale.key) is None:  # "auto" reads the measured noise scale
+            self._set("features", (*self.features, NoiseScale()))
         if self.stratify > 1 and (self.pattern != "cut" or self.max_patterns is not None):
             raise ValueError(
                 f"{key('stratify')}={self.stratify} stratifies cut patterns drawn afresh each step: it needs "
@@ -324,35 +322,36 @@ class DropBPOptions:
         object.__setattr__(self, name, value)
 
     @classmethod
-    def given(cls: type[_O], caller: str, **options: Any) -> _O:
-        """The options ``caller`` was given as keywords; a name that is not an option is a TypeError saying
-        which are."""
-        names = {f.name: f for f in dataclasses.fields(cls)}
-        for name in options:
-            if name not in names:
-                known = ", ".join(f.name for f in option_fields(cls))
-                raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}; its options are {known}")
-            if not names[name].init:
-                raise TypeError(f"{caller}() does not take {name}: {names[name].metadata['trainer']}")
+    def given(cls: type[_O], caller: str, experimental: bool = False, **options: Any) -> _O:
+        """The options ``caller`` was given as keywords; a name that is not an option is a TypeError saying which
+        are, and one that moved (0.2's spelling) a TypeError saying where it went. ``experimental``: the caller
+        takes :data:`EXPERIMENTAL` (``dropbp.experimental.apply``)."""
+        check_names(cls, caller, options, experimental)
         return cls(**options)
+
+    @property
+    def follows_noise_scale(self) -> bool:
+        """``drop_rate="auto"``: the rate in force is the one the noise scale feature chooses (:meth:`resolved`)."""
+        return is_auto(self.drop_rate)
 
     @property
     def bounded(self) -> bool:
         """``memory_bound`` with ``"auto"`` resolved."""
-        if self.memory_bound == "auto":
-            return self.chunked_loss is not False or self.drop_rate >= AUTO_BOUND_RATE
+        if is_auto(self.memory_bound):
+            return any(f.bounds_memory for f in self.features) or self.drop_rate >= AUTO_BOUND_RATE
         return bool(self.memory_bound)
 
-    def resolved(self, backend: Backend, auto_rate: float = 0.0) -> DropBPOptions:
-        """These options on ``backend`` with one meaning each: ``max_patterns=None`` is the backend's default bound,
-        ``memory_bound="auto"`` is on or off for this drop rate, and ``drop_rate="auto"`` is ``auto_rate`` (the
-        rate the noise scale chose) with the noise scale measured and no warm-up or time schedule. Every entry
-        (``apply``, a setter, a loaded state) resolves the options as given, so no setter or state can lift a
-        device's bound, and ``"auto"`` follows a later drop rate."""
-        if self.drop_rate == AUTO:
-            auto = {"drop_rate": auto_rate, "measure_noise_scale": True, "warmup_steps": 0}
-            auto |= {"drop_schedule": "constant", "total_steps": None}
-            return dataclasses.replace(self, **auto).resolved(backend)
+    def resolved(self, backend: Backend, branches: int) -> DropBPOptions:
+        """These options on ``backend``, for a model of ``branches`` branches, with one meaning each:
+        ``max_patterns=None`` is the backend's default bound, ``memory_bound="auto"`` is on or off for this drop rate
+        and these features, and ``drop_rate="auto"`` is the rate the noise scale feature now chooses
+        (:meth:`dropbp.NoiseScale.rate`), with no warm-up or time schedule. Every entry (``apply``, a setter, a
+        loaded state, a measured step under ``"auto"``) resolves the options as given, so no setter or state can lift
+        a device's bound, and ``"auto"`` follows a later drop rate."""
+        if self.follows_noise_scale:
+            rate = self.feature(NoiseScale.key).rate(self.pattern, branches)
+            auto = {"drop_rate": rate, "warmup_steps": 0, "drop_schedule": "constant", "total_steps": None}
+            return dataclasses.replace(self, **auto).resolved(backend, branches)
         bound = backend.default_max_patterns if self.max_patterns is None else self.max_patterns
         if self.stratify > 1 and self.max_patterns is None and bound is not None:
             raise ValueError(
@@ -362,10 +361,35 @@ class DropBPOptions:
             )
         return dataclasses.replace(self, backend=backend, max_patterns=bound, memory_bound=self.bounded)
 
+    def feature(self, key: str) -> Feature | None:
+        """The feature of ``features`` with this key, or None."""
+        return next((f for f in self.features if f.key == key), None)
+
     def for_apply(self, **overrides: Any) -> DropBPOptions:
-        """These options as :func:`dropbp.apply`'s, with ``overrides`` (what a Trainer run decides)."""
-        own = {f.name: getattr(self, f.name) for f in option_fields(DropBPOptions)}
+        """These options as :func:`dropbp.apply`'s (the experimental ones included), with ``overrides`` (what a
+        Trainer run decides)."""
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(DropBPOptions)}
         return DropBPOptions(**{**own, **overrides})
+
+
+def check_names(cls: type[DropBPOptions], caller: str, names: Iterable[str], experimental: bool = False) -> None:
+    """Raise a TypeError for a name of ``names`` that ``caller`` does not take: one that is not an option (saying which
+    are), one that moved (0.2's spelling: saying where it went), an experimental one where ``experimental`` is False
+    (:data:`EXPERIMENTAL`) or one a Trainer run decides."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for name in names:
+        if name in MOVED:
+            raise TypeError(f"{caller}() no longer takes {name} (dropbp 0.3): it is a feature now, {MOVED[name]}")
+        if name in EXPERIMENTAL and not experimental:
+            raise TypeError(
+                f"{caller}() no longer takes {name} (dropbp 0.3): measured and not better ({EXPERIMENTAL[name]}), it "
+                f"moved to dropbp.experimental.apply(model, drop_rate, {name}=...)"
+            )
+        if name not in fields:
+            known = ", ".join(f.name for f in option_fields(cls))
+            raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}; its options are {known}")
+        if not fields[name].init:
+            raise TypeError(f"{caller}() does not take {name}: {fields[name].metadata['trainer']}")
 
 
 def _windows(name: str, value: object) -> tuple[int, int]:
@@ -424,7 +448,7 @@ class TrainerOptions(DropBPOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         key = _PREFIX.get().__add__
-        if self.calibrate_at not in (None, "auto"):
+        if self.calibrate_at is not None and not is_auto(self.calibrate_at):
             point = check_fraction(
                 key("calibrate_at"), self.calibrate_at, what="a fraction of the training steps (or None)"
             )
@@ -436,21 +460,28 @@ class TrainerOptions(DropBPOptions):
                     f"or {calibrate_at}=None"
                 )
             self._set("calibrate_at", point)
-        if self.warmup != "auto":
+        if not is_auto(self.warmup):
             fraction = check_fraction(key("warmup"), self.warmup, what='a fraction of the training steps (or "auto")')
             self._set("warmup", fraction)
 
     @property
     def calibration_point(self) -> float | None:
         """``calibrate_at`` with ``"auto"`` resolved: the fraction of the run at which to calibrate, or None."""
-        if self.calibrate_at == "auto":
+        if is_auto(self.calibrate_at):
             return 0.1 if self.pattern == "uniform" else None
         return self.calibrate_at  # type: ignore[return-value]
 
+    @property
+    def warmup_fraction(self) -> float | None:
+        """``warmup`` as a fraction of the training steps; None for ``"auto"`` (:data:`AUTO_WARMUP`, which the
+        Trainer integration shortens where the drop rate cannot keep its mean)."""
+        return None if is_auto(self.warmup) else self.warmup  # type: ignore[return-value]
 
-def option_fields(cls: type[DropBPOptions]) -> list[dataclasses.Field]:
-    """The fields of ``cls`` that its callers pass (not those a Trainer run decides), in declaration order."""
-    return [f for f in dataclasses.fields(cls) if f.init]
+
+def option_fields(cls: type[DropBPOptions], experimental: bool = False) -> list[dataclasses.Field]:
+    """The fields of ``cls`` that its callers pass (not those a Trainer run decides), in declaration order: the
+    product's, or with ``experimental`` only :data:`EXPERIMENTAL`'s."""
+    return [f for f in dataclasses.fields(cls) if f.init and (f.name in EXPERIMENTAL) == experimental]
 
 
 @contextmanager
@@ -466,14 +497,16 @@ def named_as(prefix: str) -> Iterator[None]:
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def takes_options(cls: type[DropBPOptions]) -> Callable[[_F], _F]:
+def takes_options(cls: type[DropBPOptions], experimental: bool = False) -> Callable[[_F], _F]:
     """Give a function that takes ``**options`` the signature and docstring of every option of ``cls``.
 
     Its own parameters (``model, drop_rate`` of ``apply``) come first, as written; each other option
     becomes a keyword-only parameter with its default and type, documented from its help, so
-    ``help(dropbp.apply)`` lists every option and a new field needs no edit here.
+    ``help(dropbp.apply)`` lists every option and a new field needs no edit here. ``experimental``: then the
+    :data:`EXPERIMENTAL` options too (``dropbp.experimental.apply``).
     """
     hints = get_type_hints(cls)
+    fields = option_fields(cls) + (option_fields(cls, experimental=True) if experimental else [])
 
     def decorate(function: _F) -> _F:
         signature = inspect.signature(function)
@@ -481,12 +514,12 @@ def takes_options(cls: type[DropBPOptions]) -> Callable[[_F], _F]:
         named = {p.name for p in own}
         extra = [
             inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
-            for f in option_fields(cls)
+            for f in fields
             if f.name not in named
         ]
         function.__signature__ = signature.replace(parameters=[*own, *extra])  # type: ignore[attr-defined]
         lines = [f"\n    Options (:class:`dropbp.options.{cls.__name__}`; keywords, except where named above):"]
-        for f in option_fields(cls):
+        for f in fields:
             text = textwrap.fill(
                 f"{f.name}: {f.metadata['help']}", 104, subsequent_indent="    ", break_on_hyphens=False
             )

@@ -12,11 +12,11 @@ import difflib
 from typing import Any
 
 from dropbp.checks import check_bool, check_choice, check_fraction, check_int, check_number, check_ramp, check_sequence
+from dropbp.options import is_auto
 from dropbp.policy.sampler import SAMPLERS
 from dropbp.policy.schedule import DROP_SCHEDULES
-from dropbp.policy.token_selection import AUTO_KEEP_SHARES
 
-__all__ = ["STATE_VERSION", "check_state"]
+__all__ = ["STATE_VERSION", "check_state", "policy_settings"]
 
 STATE_VERSION = 1
 
@@ -34,12 +34,17 @@ POLICY_STATE = (
     "stratify",
 )
 
+#: Keys of 0.2's states that 0.3 keeps elsewhere, and where.
+MOVED_STATE = {
+    "token_shares": "0.2's automatic token shares: 0.3 keeps them under 'token_drops' (dropbp.experimental.TokenDrops)"
+}
+
 #: The keys of a state (every one required: no release wrote states with fewer).
 REQUIRED = ("version", "branches", "rates", "step", *POLICY_STATE, "rates_follow_drop_rate")
-#: Keys only some states have: ``noise_scale`` where ``drop_rate="auto"`` (the estimator's state), ``windows`` where
-#: the run's optimizer-step windows are set, ``token_shares`` where ``token_drop_rate="auto"`` (each branch's share
-#: and readings).
-OPTIONAL = ("noise_scale", "windows", "token_shares")
+#: Keys only some states have: ``windows`` where the run's optimizer-step windows are set, and each attached feature's
+#: own key where it has a state (``noise_scale``: the estimator's, checked here as ``drop_rate="auto"`` needs it; any
+#: other feature checks its own, :meth:`dropbp.features.base.Feature.check_state`).
+OPTIONAL = ("windows", "noise_scale")
 NOISE_SCALE_KEYS = ("steps", "gradient", "trace", "tokens_per_step")
 
 
@@ -57,15 +62,18 @@ def _with_hint(key: object) -> str:
     return f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
 
 
-def check_state(state: object) -> dict[str, Any]:
-    """``state`` if it is a complete, well-typed controller state; else a ``TypeError`` or ``ValueError``
-    naming the field. (Whether its rates and branches suit this model is checked where they are used.)"""
+def check_state(state: object, feature_keys: tuple[str, ...] = (), names: list[str] | None = None) -> dict[str, Any]:
+    """``state`` if it is a complete, well-typed controller state (``feature_keys``: the attached features' keys, whose
+    entries their features check), saved for the branches ``names`` where given; else a ``TypeError`` or
+    ``ValueError`` naming the field. (Whether its rates suit this model is checked where they are used.)"""
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict from state_dict(), got {type(state).__name__}")
     missing = set(REQUIRED) - set(state)
     if missing:
         raise ValueError(f"state is missing keys {sorted(missing)}; pass the dict from state_dict()")
-    unknown = sorted(set(state) - set(REQUIRED) - set(OPTIONAL), key=str)
+    for key in set(state) & set(MOVED_STATE):
+        raise ValueError(f"state[{key!r}] is {MOVED_STATE[key]}")
+    unknown = sorted(set(state) - set(REQUIRED) - set(OPTIONAL) - set(feature_keys), key=str)
     if unknown:
         hints = [_with_hint(key) for key in unknown]
         raise ValueError(
@@ -80,12 +88,18 @@ def check_state(state: object) -> dict[str, Any]:
     branches = state["branches"]
     if not isinstance(branches, (list, tuple)) or not all(isinstance(b, str) for b in branches):
         raise TypeError(f"{_field('branches')} must be a list of branch names, got {branches!r:.80}")
+    if names is not None and list(branches) != names:
+        raise ValueError(
+            f"state was saved for different branches: saved {len(branches)} starting {list(branches)[:2]}, "
+            f"this model has {len(names)} starting {names[:2]}"
+        )
     for i, rate in enumerate(check_sequence(_field("rates"), state["rates"])):
         check_number(f"state['rates'][{i}]", rate)
-    if state["drop_rate"] != "auto":
+    if not is_auto(state["drop_rate"]):
         check_fraction(_field("drop_rate"), state["drop_rate"])
     elif "noise_scale" not in state:
         raise ValueError(f"{_field('drop_rate')} is 'auto' but the state has no 'noise_scale'; pass state_dict()'s")
+
     if "noise_scale" in state:
         noise = state["noise_scale"]
         if not isinstance(noise, dict) or sorted(noise) != sorted(NOISE_SCALE_KEYS):
@@ -110,28 +124,10 @@ def check_state(state: object) -> dict[str, Any]:
         for i, value in enumerate(windows):
             check_int(f"{_field('windows')}[{i}]", value, 1)
     check_bool(_field("rates_follow_drop_rate"), state["rates_follow_drop_rate"])
-    if "token_shares" in state:
-        _check_token_shares(state["token_shares"], len(branches))
     return state
 
 
-def _check_token_shares(shares: object, branches: int) -> None:
-    """``token_shares``: per branch, a keep share of AUTO_KEEP_SHARES and None or one reading per share."""
-    name = _field("token_shares")
-    if not isinstance(shares, dict) or sorted(shares) != ["readings", "shares"]:
-        raise ValueError(f"{name} must be a dict of shares and readings, got {shares!r:.80}")
-    for key in ("shares", "readings"):
-        values = check_sequence(f"{name}[{key!r}]", shares[key])
-        if len(values) != branches:
-            raise ValueError(f"{name}[{key!r}] has {len(values)} entries, the state {branches} branches")
-    for i, share in enumerate(shares["shares"]):
-        if share not in AUTO_KEEP_SHARES:
-            raise ValueError(f"{name}['shares'][{i}] must be one of {AUTO_KEEP_SHARES}, got {share!r:.40}")
-    for i, readings in enumerate(shares["readings"]):
-        if readings is None:
-            continue
-        values = check_sequence(f"{name}['readings'][{i}]", readings)
-        if len(values) != len(AUTO_KEEP_SHARES):
-            raise ValueError(f"{name}['readings'][{i}] must hold {len(AUTO_KEEP_SHARES)} numbers, got {len(values)}")
-        for j, value in enumerate(values):
-            check_number(f"{name}['readings'][{i}][{j}]", value)
+def policy_settings(state: dict[str, Any]) -> dict[str, Any]:
+    """The options a checked ``state`` sets (:data:`POLICY_STATE` and the run's windows)."""
+    windows = state.get("windows")
+    return {**{name: state[name] for name in POLICY_STATE}, "windows": None if windows is None else tuple(windows)}

@@ -45,7 +45,7 @@ def train(args: argparse.Namespace, backend: backends.Backend, rank: int) -> tup
     """Train; whether every rank drew the same patterns and (DDP) holds the same parameters."""
     torch.manual_seed(0)  # the same initial weights on every rank
     model, _ = backend.prepare(build_model(layers=4, hidden=64, seq_len=args.seq_len))
-    ctl = dropbp.apply(model, args.drop_rate, seed=0, seq_len=args.seq_len, backend=backend)
+    ctl = dropbp.apply(model, args.drop_rate, seed=0, backend=backend)
     model = wrap(model, args.mode)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model(args.layers, args.hidden, args.seq_len)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model, optimizer = backend.prepare(model, optimizer)  # before apply: prepare may replace the model
-    ctl = dropbp.apply(model, args.drop_rate, seed=args.seed, seq_len=args.seq_len, backend=backend)
+    ctl = dropbp.apply(model, args.drop_rate, seed=args.seed, backend=backend)
 
     data = byte_corpus()
     split = len(data) * 9 // 10

@@ -12,7 +12,7 @@ step). That checks the recipe's graph breaks and the graphs it compiles, not Gau
 
 What DropBP needs in lazy mode, and the callback does by itself: a bound on distinct drop patterns (16: every pattern
 is its own compiled graph), and no value read inside a step. The script prints the graphs the run compiled beside
-``ctl.pattern_plan()``'s count, known before the run.
+``ctl.schedule.patterns()``'s count, known before the run.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer = gaudi_trainer(model, data, args, callback, backend.name)
     before = tools_for(backend).graph_compilations()
     trainer.train()
-    plan = callback.controller.pattern_plan(micro_batches=args.micro_batches)
+    plan = callback.controller.schedule.patterns(micro_batches=args.micro_batches)
     compiled = tools_for(backend).graph_compilations()
     print(f"drop patterns used: at most {plan.patterns} (bound {callback.controller.max_patterns}); training graphs: "
           f"at most {plan.graphs} planned, none new after step {plan.settled_at}")  # fmt: skip

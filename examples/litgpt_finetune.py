@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model(args.layers, args.hidden, args.seq_len)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
 
-    ctl = dropbp.apply(model, args.drop_rate, pattern="uniform", seed=args.seed, seq_len=args.seq_len)
+    ctl = dropbp.apply(model, args.drop_rate, pattern="uniform", seed=args.seed)
     calibration_batch = data.train_batch(0, args.batch, args.seed)
     ctl.calibrate(lambda: lm_loss(model, calibration_batch))
     print(f"{len(ctl.branches)} branches; calibrated rates {[round(r, 2) for r in ctl.rates]}")

@@ -66,10 +66,10 @@ def main(argv: list[str] | None = None) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model, _ = backend.prepare(get_peft_model(model, lora).train())
     ids = ids.to(backend.device)
-    ctl = dropbp.apply(model, args.drop_rate, chunked_loss=True, backend=backend)
+    ctl = dropbp.apply(model, args.drop_rate, backend=backend, features=[dropbp.ChunkedLoss()])
     checkpointing = "off" if args.no_checkpointing else "on (dropped branches skip their recomputation)"
     print(f"{ctl}: activation checkpointing {checkpointing}; the memory bound {'on' if ctl.memory_bound else 'off'}, "
-          f"at most {ctl.max_kept_branches} branches store activations in any step")  # fmt: skip
+          f"at most {ctl.schedule.max_kept_branches} branches store activations in any step")  # fmt: skip
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-4)
     for step in range(args.max_steps):
         backend.reset_peak_memory()

@@ -47,7 +47,7 @@ def train(model: torch.nn.Module, data, steps: int, batch: int, drop_rate: float
     time (s) after the first step and the final validation loss."""
     ctl = None
     if drop_rate is not None:
-        ctl = dropbp.apply(model, drop_rate, pattern="uniform", warmup_steps=0, dropped_grads="skip", seed=0)
+        ctl = dropbp.apply(model, drop_rate, pattern="uniform", warmup_steps=0, seed=0)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
     times = []
     for step in range(steps):

@@ -254,3 +254,14 @@ def accelerate_bf16_forward(model: nn.Module) -> nn.Module:
     else:
         model.forward = convert_outputs_to_fp32(autocast(model.forward))
     return model
+
+
+def attach_experimental(trainer, **options):
+    """``dropbp.attach`` with the experimental options too (``DropBPCallback.experimental``'s): applied at once and
+    registered on ``trainer``."""
+    from dropbp.integrations.hf import callback_for
+    from dropbp.options import TrainerOptions
+
+    callback = callback_for(trainer, TrainerOptions.given("attach", True, **options))
+    trainer.add_callback(callback)
+    return callback

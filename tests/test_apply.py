@@ -63,11 +63,11 @@ def test_finds_branches_under_peft_lora(arch):
 
 def test_flops_follow_mission_formulas():
     model = tiny_model("llama", layers=1)  # h=32, 4 q heads, 2 kv heads, d=8, I=64
-    ctl = dropbp.apply(model, 0.5, seq_len=100, pattern="uniform")
+    ctl = dropbp.experimental.apply(model, 0.5, seq_len=100, pattern="uniform")
     h, nq, nkv, d, inter, s = 32, 4, 2, 8, 64, 100
     attn = 2 * (h * (nq + 2 * nkv) * d + nq * d * h) + 4 * s * nq * d
     assert [b.flops for b in ctl.branches] == [attn, 2 * 3 * h * inter]
-    gpt2 = dropbp.apply(tiny_model("gpt2", layers=1), 0.5, seq_len=100, pattern="uniform")
+    gpt2 = dropbp.experimental.apply(tiny_model("gpt2", layers=1), 0.5, seq_len=100, pattern="uniform")
     assert [b.flops for b in gpt2.branches] == [2 * (32 * 96 + 32 * 32) + 4 * 100 * 32, 2 * 2 * 32 * 128]
 
 
@@ -268,7 +268,7 @@ def test_bad_branch_names(branches, error, match):
 )
 def test_bad_options(kwargs, error, match):
     with pytest.raises(error, match=match):
-        dropbp.apply(tiny_model("llama"), 0.5, **kwargs, pattern="uniform")
+        dropbp.experimental.apply(tiny_model("llama"), 0.5, **kwargs, pattern="uniform")
 
 
 def test_a_model_with_nothing_to_train_is_refused_with_what_to_do():
@@ -329,7 +329,7 @@ def test_never_drops_every_trainable_branch():
 def test_param_groups_compensate_learning_rates():
     model = tiny_model("llama", layers=2)
     ctl = dropbp.apply(model, 0.5, pattern="uniform")
-    groups = ctl.param_groups(1e-3, weight_decay=0.0)
+    groups = dropbp.experimental.param_groups(ctl, 1e-3, weight_decay=0.0)
     assert groups[0]["dropbp_branch"] is None and groups[0]["lr"] == 1e-3
     assert [g["dropbp_branch"] for g in groups[1:]] == [0, 1, 2, 3]
     assert all(g["lr"] == pytest.approx(2e-3) and g["weight_decay"] == 0.0 for g in groups[1:])
@@ -338,7 +338,7 @@ def test_param_groups_compensate_learning_rates():
     opt = torch.optim.AdamW(groups)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)
     ctl.set_rates([0.0, 0.75, 0.5, 0.25])
-    ctl.update_param_groups(opt, sched)
+    dropbp.experimental.update_param_groups(ctl, opt, sched)
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([5e-4, 5e-4, 2e-3, 1e-3, 2e-3 / 3])
     sched.step()  # schedulers recompute from the rescaled base_lrs
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([5e-4, 5e-4, 2e-3, 1e-3, 2e-3 / 3])

@@ -51,7 +51,9 @@ def test_a_setting_changes_every_later_pattern_as_if_applied_with_it(setting, va
         ("drop_rate", 1.0, ValueError, r"drop_rate must be in \[0, 1\)"),
         ("drop_rate", 0.9, ValueError, "would drop every branch"),
         ("warmup_steps", -2, ValueError, "warmup_steps must be an int >= 0"),
-        ("unbiased", 1, TypeError, "unbiased must be True or False"),
+        ("unbiased", True, AttributeError, r"no setting 'unbiased' \(dropbp 0.3: ctl.replace_options\(unbiased="),
+        ("token_drop_rate", 0.5, AttributeError, r"no setting 'token_drop_rate' \(dropbp 0.3: pass features="),
+        ("replace_option", 1, AttributeError, r"no setting 'replace_option'$"),
     ],
 )
 def test_a_bad_setting_raises_and_changes_nothing(setting, value, error, match):
@@ -298,7 +300,9 @@ def test_an_option_is_declared_once_and_reaches_apply_attach_the_callback_and_ax
     text = pydoc.render_doc(dropbp.apply)
     assert all(f"{name}: " in text for name in names)
     run = [f.name for f in option_fields(TrainerOptions)]
-    assert run == [n for n in names if n not in ("warmup_steps", "total_steps", "windows")] + ["warmup", "calibrate_at"]
+    assert run == [n for n in names if n not in ("warmup_steps", "total_steps")] + ["warmup", "calibrate_at"]
+    experimental = [f.name for f in option_fields(DropBPOptions, experimental=True)]
+    assert list(inspect.signature(dropbp.experimental.apply).parameters) == ["model", *names, *experimental]
     with pytest.raises(dataclasses.FrozenInstanceError):
         DropBPOptions(0.5).seed = 3
     with pytest.raises(ValueError, match="seed must be an int >= 0, got -1"):
@@ -311,8 +315,10 @@ def test_an_option_is_declared_once_and_reaches_apply_attach_the_callback_and_ax
     assert list(inspect.signature(DropBPCallback).parameters) == run
     pytest.importorskip("pydantic")
     from dropbp.integrations.axolotl import DropBPArgs
+    from dropbp.integrations.config_keys import FEATURE_KEYS
 
-    assert list(DropBPArgs.model_fields) == [f"dropbp_{n}" for n in run]
+    keys = [f"dropbp_{n}" for n in run if n != "features"] + [f"dropbp_{n}" for n in FEATURE_KEYS]
+    assert list(DropBPArgs.model_fields) == keys
 
 
 #: The layers, bottom first: a module imports from its own layer or those below, never above (function-level
@@ -328,17 +334,19 @@ LAYERS = {
     ),
     "policy": ("dropbp.policy",),
     "execution": ("dropbp.execution",),
+    "features": ("dropbp.features",),
     "api": (
         "dropbp.options",
         "dropbp.state",
+        "dropbp.run_schedule",
         "dropbp.controller",
         "dropbp.api",
         "dropbp.calibration",
-        "dropbp.chunked_loss",
         "dropbp.research",
         "dropbp.layer",
         "dropbp.handler",
     ),
+    "experimental": ("dropbp.experimental",),
     "integrations": ("dropbp.integrations",),
     "tools": ("dropbp.tools",),
 }

@@ -69,10 +69,10 @@ def test_config_keys_default_to_attach_defaults():
         ({"dropbp_pattern": "random"}, r"dropbp_pattern must be one of \('cut', 'uniform'\), got 'random'"),
         ({"dropbp_calibrate_at": 0.1}, r"dropbp_calibrate_at=0.1 needs dropbp_pattern='uniform'"),
         ({"dropbp_warmup": 1.5}, r"dropbp_warmup must be a fraction of the training steps \(or .auto.\) in .*got 1.5"),
-        ({"dropbp_dropped_grads": "none"}, r"dropbp_dropped_grads must be one of \('skip', 'zero', 'reuse'\)"),
+        ({"dropbp_dropped_grads": "skip"}, r"dropbp_dropped_grads: measured and not better.*dropbp.experimental.apply"),
         ({"dropbp_seed": -1}, r"dropbp_seed must be an int >= 0, got -1"),
         ({"dropbp_max_patterns": 0}, r"dropbp_max_patterns must be an int >= 1, got 0"),
-        ({"dropbp_chunked_loss": 0}, r"dropbp_chunked_loss must be False, True or a positive int \(tokens per chunk\)"),
+        ({"dropbp_chunked_loss": 0}, r"dropbp_chunked_loss: chunk_tokens must be a positive int \(tokens per chunk\)"),
     ],
 )
 def test_bad_config_values_are_refused_by_key(raw, message):
@@ -110,12 +110,12 @@ def test_plugin_from_config_trains_with_dropped_branches(tmp_path):
 
 def test_plugin_settings_reach_the_controller(tmp_path):
     plugin = _load_plugin()
-    raw = {"dropbp_drop_rate": 0.25, "dropbp_seed": 3, "dropbp_warmup": 0.5, "dropbp_dropped_grads": "zero"}
+    raw = {"dropbp_drop_rate": 0.25, "dropbp_seed": 3, "dropbp_warmup": 0.5, "dropbp_measure_noise_scale": True}
     trainer = _trainer(tmp_path, max_steps=4)
     (callback,) = plugin.add_callbacks_post_trainer(_stored_config(raw), trainer)
     ctl = callback.controller
     assert (ctl.drop_rate, ctl.seed, ctl.pattern, callback.warmup, callback.calibrate_at) == (0.25, 3, "cut", 0.5, None)
-    assert ctl.dropped_grads == "zero"
+    assert isinstance(ctl.features["noise_scale"], dropbp.NoiseScale)  # a feature's key builds the feature
 
 
 def test_register_lets_ddp_leave_dropped_parameters_without_a_gradient_unless_the_config_says():
@@ -254,7 +254,9 @@ def test_drop_rate_auto_is_a_config_value():
 
 
 def test_token_drop_rate_auto_is_a_config_value():
-    args = DropBPArgs.model_validate({"dropbp_token_drop_rate": "auto"})
-    assert args.attach_kwargs()["token_drop_rate"] == "auto" and args.options().token_drop_rate == "auto"
+    args = DropBPArgs.model_validate({"dropbp_token_drop_rate": "auto", "dropbp_token_selection": "random"})
+    (drops,) = args.options().features
+    assert (drops.key, drops.rate, drops.selection) == ("token_drops", "auto", "random")
+    assert DropBPArgs.model_validate({"dropbp_token_drop_rate": 0.0}).options().features == ()
     with pytest.raises(pydantic.ValidationError, match=r"dropbp_token_drop_rate.*\n.*'auto'"):
         DropBPArgs.model_validate({"dropbp_token_drop_rate": "most"})

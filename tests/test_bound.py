@@ -24,7 +24,7 @@ def test_gradients_are_the_patterns_with_the_bound_in_force(pattern, method, hf_
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # the uniform shape keeps more than the bound only while its rates rise: a warm-up
     ctl = dropbp.apply(model, 0.75, seed=0, pattern=pattern, memory_bound=True, warmup_steps=6 * (pattern == "uniform"))
-    keep = ctl.max_kept_branches
+    keep = ctl.schedule.max_kept_branches
     assert keep == 2  # 8 branches at 0.75
     counts = count_forwards(monkeypatch, {b.name: b.module for b in ctl.branches})
     bounded_steps = 0
@@ -84,7 +84,7 @@ def test_saved_activations_never_exceed_the_bound_over_200_steps(rate):
     uniform_model = copy.deepcopy(model)
     ctl = dropbp.apply(model, rate, seed=0, memory_bound=True)  # the cut, bounded
     uniform = dropbp.apply(uniform_model, rate, seed=0, pattern="uniform", memory_bound=False)
-    keep = ctl.max_kept_branches
+    keep = ctl.schedule.max_kept_branches
     assert keep == 12 - int(rate * 12)
     ids = batch(0, size=1, length=24)
     worst, worst_uniform, needed = 0, 0, 0
@@ -106,15 +106,15 @@ def test_memory_bound_auto_follows_what_the_settings_buy():
 
     assert not bounded(drop_rate=0.5)
     assert bounded(drop_rate=0.75) and bounded(drop_rate=0.875)
-    assert bounded(drop_rate=0.5, chunked_loss=True)
+    assert bounded(drop_rate=0.5, features=[dropbp.ChunkedLoss()])
     assert not bounded(drop_rate=0.875, memory_bound=False)
     assert bounded(drop_rate=0.5, memory_bound=True)
     with pytest.raises(TypeError, match="memory_bound must be True or False"):
         dropbp.apply(tiny_model("llama", layers=3), 0.5, memory_bound="yes")
     ctl = dropbp.apply(tiny_model("llama", layers=3), 0.5)
-    assert ctl.max_kept_branches == 6
+    assert ctl.schedule.max_kept_branches == 6
     ctl.memory_bound = True
-    assert ctl.max_kept_branches == 3
+    assert ctl.schedule.max_kept_branches == 3
     with pytest.raises(TypeError, match="memory_bound"):
         ctl.memory_bound = 1
 

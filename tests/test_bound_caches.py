@@ -73,7 +73,7 @@ def _bounded_steps_are_exact(model, reference, ctl, steps: int) -> None:
     ``reference`` with the step's pattern detached."""
     for step in range(steps):
         loss, grads = _step(model, batch(step), _plain_loss)
-        assert len(ctl.branches) - len(ctl.last_dropped) > ctl.max_kept_branches
+        assert len(ctl.branches) - len(ctl.last_dropped) > ctl.schedule.max_kept_branches
         handles = detach_outputs(reference, ctl.last_dropped)
         ref_loss, ref_grads = _step(reference, batch(step), _plain_loss)
         for h in handles:

@@ -10,7 +10,8 @@ from conftest import VOCAB, batch, tiny_model, with_lora
 from torch import nn
 
 import dropbp
-from dropbp.chunked_loss import UnsupportedModel
+from dropbp.features.chunked_loss import UnsupportedModel
+from dropbp.tools.arms import apply_arm
 from dropbp.tools.memory import saved_bytes
 
 CHUNK = 7  # does not divide the 2 x 20 tokens: the last chunk is short
@@ -50,8 +51,8 @@ def _model(arch: str, method: str) -> nn.Module:
 def test_same_loss_and_gradients_at_rate_zero(arch, method):
     model = _model(arch, method)
     reference = copy.deepcopy(model)
-    ctl = dropbp.apply(model, 0.0, pattern="uniform", chunked_loss=CHUNK)
-    assert ctl.chunked_loss == CHUNK
+    ctl = apply_arm(model, 0.0, pattern="uniform", chunked_loss=CHUNK)
+    assert ctl.features["chunked_loss"].chunk_tokens == CHUNK
     ids = batch(length=20)
     out, grads = _run(model, ids, _labels(ids))
     ref, ref_grads = _run(reference, ids, _labels(ids))
@@ -62,7 +63,7 @@ def test_same_loss_and_gradients_at_rate_zero(arch, method):
 def test_same_gradients_while_dropping():
     model = _model("llama", "full")
     plain = copy.deepcopy(model)
-    ctl = dropbp.apply(model, 0.5, seed=4, pattern="uniform", chunked_loss=CHUNK)
+    ctl = apply_arm(model, 0.5, seed=4, pattern="uniform", chunked_loss=CHUNK)
     plain_ctl = dropbp.apply(plain, 0.5, seed=4, pattern="uniform")
     ids = batch(length=20)
     for _ in range(2):
@@ -75,7 +76,7 @@ def test_same_gradients_while_dropping():
 def test_trainer_item_count_and_positional_labels():
     model = _model("llama", "full")
     reference = copy.deepcopy(model)
-    dropbp.apply(model, 0.0, pattern="uniform", chunked_loss=True)
+    dropbp.apply(model, 0.0, pattern="uniform", features=[dropbp.ChunkedLoss()])
     ids = batch(length=20)
     count = torch.tensor(50)  # what the Trainer passes under gradient accumulation
     out, grads = _run(model, ids, _labels(ids), num_items_in_batch=count)
@@ -90,7 +91,7 @@ def test_eval_keeps_logits_and_remove_restores():
     model = _model("llama", "lora")
     reference = copy.deepcopy(model)
     keys = list(model.state_dict())
-    ctl = dropbp.apply(model, 0.0, pattern="uniform", chunked_loss=True)
+    ctl = dropbp.apply(model, 0.0, pattern="uniform", features=[dropbp.ChunkedLoss()])
     ids = batch(length=20)
     model.eval()
     with torch.no_grad():
@@ -112,7 +113,7 @@ def test_saves_no_logits():
     twin = copy.deepcopy(model)
     ids = batch(length=20)
     plain = saved_bytes(dropbp.apply(model, 0.0, pattern="uniform"), ids).total
-    chunked = saved_bytes(dropbp.apply(twin, 0.0, pattern="uniform", chunked_loss=CHUNK), ids).total
+    chunked = saved_bytes(apply_arm(twin, 0.0, pattern="uniform", chunked_loss=CHUNK), ids).total
     log_softmax = ids.numel() * VOCAB * 4  # float32 at every position
     labels = (ids.numel() + ids.shape[0]) * 8  # int64, padded by one per row: each path keeps its own
     assert abs((plain - chunked) - log_softmax) <= labels
@@ -127,16 +128,16 @@ def test_refuses_what_it_cannot_handle():
         def forward(self, x):
             return x + self.mlp(x)
 
-    with pytest.raises(UnsupportedModel, match="chunked_loss=False"):
-        dropbp.apply(Plain(), 0.0, branches=["mlp"], pattern="uniform", chunked_loss=True)
+    with pytest.raises(UnsupportedModel, match="(?i)leave dropbp.ChunkedLoss out"):
+        dropbp.apply(Plain(), 0.0, branches=["mlp"], pattern="uniform", features=[dropbp.ChunkedLoss()])
     capped = tiny_model("llama", layers=2)
     capped.config.final_logit_softcapping = 30.0
     with pytest.raises(UnsupportedModel, match="final_logit_softcapping"):
-        dropbp.apply(capped, 0.0, pattern="uniform", chunked_loss=True)
+        dropbp.apply(capped, 0.0, pattern="uniform", features=[dropbp.ChunkedLoss()])
     dropbp.apply(capped, 0.0, pattern="uniform").remove()  # the refusal left nothing attached
-    for bad in (0, -3, 1.5, "yes"):
-        with pytest.raises(ValueError, match="chunked_loss must be"):
-            dropbp.apply(tiny_model("llama", layers=2), 0.0, pattern="uniform", chunked_loss=bad)
+    for bad in (0, -3, 1.5, "yes", True):
+        with pytest.raises(ValueError, match="chunk_tokens must be a positive int"):
+            dropbp.ChunkedLoss(bad)
 
 
 _MOE = {
@@ -151,12 +152,12 @@ def test_a_mixture_of_experts_keeps_its_router_loss(arch):
     common = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
     model = tiny_model(arch, layers=2, output_router_logits=True, **common, **_MOE[arch])
     reference = copy.deepcopy(model)
-    ctl = dropbp.apply(model, 0.0, pattern="uniform", chunked_loss=CHUNK)
+    ctl = apply_arm(model, 0.0, pattern="uniform", chunked_loss=CHUNK)
     ids = batch(length=20)
     out, grads = _run(model, ids, _labels(ids))
     ref, ref_grads = _run(reference, ids, _labels(ids))
     assert ref.aux_loss is not None and ref.aux_loss.item() > 0
     _assert_close(out.loss, grads, ref.loss, ref_grads)
-    with pytest.raises(UnsupportedModel, match="return_dict=True or use chunked_loss=False"):
+    with pytest.raises(UnsupportedModel, match="return_dict=True or leave dropbp.ChunkedLoss out"):
         model(input_ids=ids, labels=_labels(ids), return_dict=False)
     ctl.remove()

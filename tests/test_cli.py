@@ -12,6 +12,7 @@ from conftest import tiny_model
 
 import dropbp
 from dropbp.tools import cli
+from dropbp.tools.arms import apply_arm
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +108,7 @@ def test_the_demos_memory_table_holds_the_worst_step(monkeypatch):
 def _rates(folder, seq_len: int = 64, **schedule) -> list[float]:
     from transformers import AutoModelForCausalLM
 
-    return dropbp.apply(AutoModelForCausalLM.from_pretrained(folder), 0.5, seq_len=seq_len, **schedule).rates
+    return apply_arm(AutoModelForCausalLM.from_pretrained(folder), 0.5, seq_len=seq_len, **schedule).rates
 
 
 def test_demo_with_a_model_that_cannot_be_loaded_fails_in_one_line_and_leaves_nothing(tmp_path, capsys):

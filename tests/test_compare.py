@@ -8,6 +8,7 @@ import torch
 from conftest import tiny_model
 
 from dropbp import backends
+from dropbp.tools.arms import apply_arm
 from dropbp.tools.compare import (
     Run,
     RunResult,
@@ -131,7 +132,6 @@ def test_each_step_records_the_mean_fraction_of_branch_flops_its_micro_batches_d
     reference replays the same patterns on a second controller and reads which branches each forward dropped."""
     import copy
 
-    from dropbp import apply
     from dropbp.tools.compare import run_options
 
     model, data = tiny_model("llama", layers=4), _data()
@@ -150,7 +150,7 @@ def test_each_step_records_the_mean_fraction_of_branch_flops_its_micro_batches_d
     )
     assert full.dropped_fractions == [0.0, 0.0, 0.0]
     replay = copy.deepcopy(model).train()
-    ctl = apply(replay, 0.5, seed=5, seq_len=12, backend=backends.get("cpu"), **run_options(run, 3, 3, 2))
+    ctl = apply_arm(replay, 0.5, seed=5, seq_len=12, backend=backends.get("cpu"), **run_options(run, 3, 3, 2))
     flops = {b.name: b.flops for b in ctl.branches}
     per_forward = []
     for _ in range(6):

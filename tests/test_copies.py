@@ -14,6 +14,7 @@ from conftest import assert_same_grads, batch, loss_and_grads, tiny_model, with_
 from test_checkpointing import Net
 
 import dropbp
+from dropbp.tools.arms import apply_arm
 
 
 def _copy(model, how: str):
@@ -53,7 +54,7 @@ def test_copy_is_clean_and_independent(kind, how):
     if kind == "checkpointing_mid_step":  # held outputs patch the dropped branches' forward until backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     untouched = copy.deepcopy(model)
-    ctl = dropbp.apply(model, 0.5, seed=3, pattern="uniform", chunked_loss=kind == "chunked_loss")
+    ctl = apply_arm(model, 0.5, seed=3, pattern="uniform", chunked_loss=kind == "chunked_loss")
     loss_and_grads(model, batch(0))
     pending = model(input_ids=batch(1), labels=batch(1)).loss  # a forward whose backward has not come yet
     if kind == "checkpointing_mid_step":

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from conftest import VOCAB, detach_outputs, ranks_done, run_ranks, tiny_model
 
+import dropbp
+
 
 def _why_no_deepspeed() -> str:
     """ci/install.sh records why deepspeed did not install in the environment it made."""
@@ -31,7 +33,6 @@ def _why_no_deepspeed() -> str:
 
 pytest.importorskip("deepspeed", reason=_why_no_deepspeed())
 
-import dropbp  # noqa: E402
 
 WORLD = 2
 STEPS = 20
@@ -102,12 +103,12 @@ def _train_case(stage: int, kind: str, dropped_grads: str, accumulation: int, ap
 
     model = tiny_model("llama", layers=3)
     if apply_first:
-        ctl = dropbp.apply(model, 0.5, seed=0, pattern="uniform", dropped_grads=dropped_grads)
+        ctl = dropbp.experimental.apply(model, 0.5, seed=0, pattern="uniform", dropped_grads=dropped_grads)
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=_optimizer(kind, model.parameters()), config=_config(stage, accumulation, offload)
     )
     if not apply_first:
-        ctl = dropbp.apply(engine, 0.5, seed=0, pattern="uniform", dropped_grads=dropped_grads)
+        ctl = dropbp.experimental.apply(engine, 0.5, seed=0, pattern="uniform", dropped_grads=dropped_grads)
     rank = dist.get_rank()
     record = {"initial": _full_params(model, stage), "steps": []}
     for step in range(STEPS):
@@ -163,7 +164,7 @@ def _refusals() -> dict[str, str]:
         model = tiny_model("llama", layers=2)
         engine, *_ = deepspeed.initialize(model=model, optimizer=_optimizer("sgd", model.parameters()), config=config)
         try:
-            dropbp.apply(engine, 0.5, dropped_grads=dropped_grads)
+            dropbp.experimental.apply(engine, 0.5, dropped_grads=dropped_grads)
         except ValueError as err:
             errors[case] = str(err)
         engine.destroy()
@@ -307,7 +308,8 @@ def _train_with_trainer(out_dir: str, stage: int) -> dict:
     import transformers
     from test_hf_integration import _args, _dataset
 
-    from dropbp.integrations.hf import attach
+    from dropbp.integrations.hf import attach, callback_for
+    from dropbp.options import TrainerOptions
 
     config = {
         "train_micro_batch_size_per_gpu": "auto",
@@ -327,7 +329,7 @@ def _train_with_trainer(out_dir: str, stage: int) -> dict:
         data_collator=transformers.default_data_collator,
     )
     try:
-        attach(trainer, dropped_grads="reuse")
+        callback_for(trainer, TrainerOptions(0.5, dropped_grads="reuse"))  # dropbp.experimental's
         refused = ""
     except ValueError as err:
         refused = str(err)

@@ -18,6 +18,7 @@ from conftest import assert_same_grads, batch, detach_outputs, ranks_done, run_r
 from torch.nn.parallel import DistributedDataParallel
 
 import dropbp
+from dropbp.tools.arms import apply_arm
 
 ROOT = Path(__file__).resolve().parent.parent
 WORLD = 2
@@ -298,7 +299,7 @@ def _tokens_rank_main(rank: int, init_file: str, out_dir: str, mode: str) -> Non
         model = tiny_model("llama", layers=3)
         if mode.endswith("-checkpointing"):  # the MLP branches recomputed on their kept rows
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        ctl = dropbp.apply(model, 0.5, seed=0, token_drop_rate="auto" if mode.endswith("-auto") else 0.5)
+        ctl = apply_arm(model, 0.5, seed=0, token_drop_rate="auto" if mode.endswith("-auto") else 0.5)
         wrapped = _distribute(model, mode.removesuffix("-auto").removesuffix("-checkpointing"))
         names = [n for n, _ in model.named_parameters()]
         optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-2)
@@ -309,7 +310,7 @@ def _tokens_rank_main(rank: int, init_file: str, out_dir: str, mode: str) -> Non
             wrapped(input_ids=ids, labels=ids).loss.backward()
             record.append({
                 "dropped": ctl.last_dropped,
-                "weights": ctl.token_weights(),
+                "weights": ctl.features["token_drops"].weights(),
                 "before": dict(zip(names, before, strict=True)),
                 "grads": {n: _full(p.grad) for n, p in zip(names, model.parameters(), strict=True)},
             })  # fmt: skip
@@ -365,7 +366,7 @@ def _noise_rank_main(rank: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
         model = tiny_model("llama", layers=2)
-        ctl = dropbp.apply(model, 0.0, measure_noise_scale=True)
+        ctl = dropbp.apply(model, 0.0, features=[dropbp.NoiseScale()])
         wrapped = DistributedDataParallel(model, find_unused_parameters=True)
         optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.05)
         terms = []
@@ -383,7 +384,7 @@ def _noise_rank_main(rank: int, init_file: str, out_dir: str) -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         wrapped(input_ids=ids[0], labels=ids[0])  # closes the last step
-        measured = ctl.noise_scale()
+        measured = ctl.features["noise_scale"].estimate()
         record = {"terms": terms, "measured": measured, "tokens": 2 * ids[0].numel()}
         torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
         ranks_done()

@@ -17,7 +17,7 @@ def _train(mode: str, optimizer: str = "sgd", steps: int = 8):
     """Train a tiny llama (4 branches at rate 0.5) and record, per step, what each branch's
     parameters held as gradient right after the optimizer step, and how far they moved."""
     model = tiny_model("llama", layers=2)
-    ctl = dropbp.apply(model, 0.5, seed=3, backend="cpu", dropped_grads=mode)
+    ctl = dropbp.experimental.apply(model, 0.5, seed=3, backend="cpu", dropped_grads=mode)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=1.0) if optimizer == "sgd" else torch.optim.AdamW(params, lr=1e-2)
     history = []
@@ -81,7 +81,7 @@ def test_zero_lets_adam_momentum_move_dropped_branches():
 
 def test_only_parameters_of_the_stepping_optimizer_are_filled_and_remove_stops_filling():
     model = tiny_model("llama", layers=2)
-    ctl = dropbp.apply(model, 0.5, seed=3, backend="cpu", dropped_grads="zero")
+    ctl = dropbp.experimental.apply(model, 0.5, seed=3, backend="cpu", dropped_grads="zero")
     first = ctl.branches[0].module
     others = [p for p in model.parameters() if all(p is not q for q in first.parameters())]
     opt = torch.optim.SGD(others, lr=0.1)
@@ -97,17 +97,17 @@ def test_only_parameters_of_the_stepping_optimizer_are_filled_and_remove_stops_f
     ctl.remove()
     model(input_ids=batch(9), labels=batch(9)).loss.backward()
     opt.step()  # no hook left: nothing filled, nothing raised
-    assert ctl.dropped_grads == "zero"
+    assert ctl.options.dropped_grads == "zero"
 
 
 def test_bad_mode_is_rejected_with_the_choices():
     with pytest.raises(ValueError, match=r"dropped_grads must be one of \('skip', 'zero', 'reuse'\), got 'stale'"):
-        dropbp.apply(tiny_model("llama", layers=2), 0.5, backend="cpu", dropped_grads="stale")
+        dropbp.experimental.apply(tiny_model("llama", layers=2), 0.5, backend="cpu", dropped_grads="stale")
 
 
 def test_two_optimizers_stepping_in_turn_both_fill_their_parameters():
     model = tiny_model("llama", layers=2)
-    ctl = dropbp.apply(model, 0.5, seed=3, backend="cpu", dropped_grads="zero")
+    ctl = dropbp.experimental.apply(model, 0.5, seed=3, backend="cpu", dropped_grads="zero")
     params = [p for p in model.parameters() if p.requires_grad]
     first, second = torch.optim.SGD(params[::2], lr=0.1), torch.optim.SGD(params[1::2], lr=0.1)
     for step in range(4):

@@ -12,7 +12,8 @@ from conftest import VOCAB, tiny_model, with_lora
 import dropbp
 
 transformers = pytest.importorskip("transformers")
-from dropbp.integrations.hf import STATE_FILE, DropBPCallback, attach  # noqa: E402
+from dropbp.integrations.hf import STATE_FILE, DropBPCallback, attach, callback_for  # noqa: E402
+from dropbp.options import TrainerOptions  # noqa: E402
 
 SEQ = 32
 
@@ -150,16 +151,16 @@ def test_resume_continues_the_same_patterns(tmp_path):
 def test_resume_continues_token_drop_rate_auto_with_its_shares(tmp_path):
     kw = dict(save_strategy="steps", save_steps=10, output_dir=str(tmp_path / "run"))
     full = _trainer(tmp_path, **kw)
-    full_cb = attach(full, drop_rate=0.5, token_drop_rate="auto")
+    full_cb = attach(full, drop_rate=0.5, features=[dropbp.experimental.TokenDrops('auto')])
     full.train()
     resumed = _trainer(tmp_path, **kw)
-    resumed_cb = attach(resumed, drop_rate=0.5, token_drop_rate="auto")
+    resumed_cb = attach(resumed, drop_rate=0.5, features=[dropbp.experimental.TokenDrops('auto')])
     resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-10"))
-    want, got = full_cb.controller.state_dict()["token_shares"], resumed_cb.controller.state_dict()["token_shares"]
+    want, got = full_cb.controller.state_dict()["token_drops"], resumed_cb.controller.state_dict()["token_drops"]
     assert got["shares"] == want["shares"] and min(want["shares"]) < 1.0  # rows were dropped, the same after resume
     for a, b in zip(got["readings"], want["readings"], strict=True):
         assert a == b if a is None else a == pytest.approx(b, abs=1e-5)
-    assert set(full_cb.controller.token_keep_shares().values()) == set(want["shares"])
+    assert set(full_cb.controller.features["token_drops"].keep_shares().values()) == set(want["shares"])
     logged = [e for e in full.state.log_history if "dropbp/token_keep_share" in e]
     assert logged and logged[-1]["dropbp/token_keep_min"] == min(want["shares"])
 
@@ -236,7 +237,8 @@ def test_trainer_optimizer_sees_filled_gradients_of_dropped_branches(tmp_path):
     """With dropped_grads="zero" the Trainer's optimizer (after clipping) gets a zero gradient for
     every trainable parameter of a dropped branch instead of none."""
     trainer = _trainer(tmp_path, max_steps=6, max_grad_norm=1.0)
-    callback = attach(trainer, drop_rate=0.5, calibrate_at=None, dropped_grads="zero")
+    callback = callback_for(trainer, TrainerOptions(0.5, calibrate_at=None, dropped_grads="zero"))  # experimental
+    trainer.add_callback(callback)
     ctl = callback.controller
     seen: list[tuple[tuple[str, ...], list[bool]]] = []
 
@@ -275,7 +277,7 @@ def test_auto_warmup_is_shortened_where_a_high_rate_cannot_keep_its_mean(tmp_pat
         trainer.train()
     ctl = callback.controller
     assert 0 < ctl.warmup_steps < 10 and ctl.total_steps == 50  # 20% of 25 steps x 2 micro-batches is 10
-    assert sum(ctl.drop_rate_at(s) for s in range(50)) / 50 == pytest.approx(0.875, abs=1e-9)
+    assert sum(ctl.schedule.drop_rate_at(s) for s in range(50)) / 50 == pytest.approx(0.875, abs=1e-9)
     with pytest.raises(ValueError, match="cannot take"):
         ctl.warmup_steps += 1  # one forward longer is refused: the longest that fits was taken
     (warning,) = [r.getMessage() for r in caplog.records if "warm-up shortened" in r.getMessage()]
@@ -296,8 +298,9 @@ def test_chunked_loss_trains_as_the_plain_loss(tmp_path):
     weights = []
     for chunked in (False, True):
         trainer = _trainer(tmp_path, max_steps=3, gradient_accumulation_steps=2)
-        callback = attach(trainer, 0.5, calibrate_at=None, warmup=0.0, pattern="uniform", chunked_loss=chunked)
-        assert (callback.controller.chunked_loss is not None) == chunked
+        features = [dropbp.ChunkedLoss()] if chunked else []
+        callback = attach(trainer, 0.5, calibrate_at=None, warmup=0.0, pattern="uniform", features=features)
+        assert ("chunked_loss" in callback.controller.features) == chunked
         trainer.train()
         weights.append({n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad})
     for name, want in weights[0].items():
@@ -442,7 +445,7 @@ def test_the_callback_logs_the_noise_scale_it_measures(tmp_path, caplog):
     """``measure_noise_scale=True`` with gradient accumulation: every logging step after the first closed optimizer
     step carries ``dropbp/noise_scale`` (tokens) and ``dropbp/noise_ratio``, the controller's own figures; once
     enough steps are measured, the forecast per arm is logged once."""
-    callback = DropBPCallback(0.5, measure_noise_scale=True)
+    callback = DropBPCallback(0.5, features=[dropbp.NoiseScale()])
     trainer = _trainer(tmp_path, callbacks=[callback], gradient_accumulation_steps=2, max_steps=10, logging_steps=2)
     with caplog.at_level(logging.INFO, logger="dropbp"):
         trainer.train()
@@ -452,7 +455,7 @@ def test_the_callback_logs_the_noise_scale_it_measures(tmp_path, caplog):
     assert all("branch drops at 0.5:" in m and "full backprop at half the batch:" in m for m in said)
     logged = [h for h in trainer.state.log_history if "dropbp/noise_scale" in h]
     assert [h["step"] for h in logged] == [2, 4, 6, 8, 10]
-    final = callback.controller.noise_scale()
+    final = callback.controller.features["noise_scale"].estimate()
     assert final.tokens_per_step == 2 * 2 * SEQ and final.steps == 9  # the 10th closes at a next forward
     assert logged[-1]["dropbp/noise_scale"] == final.tokens
     assert logged[-1]["dropbp/noise_ratio"] == pytest.approx(final.tokens / final.tokens_per_step)
@@ -466,7 +469,7 @@ def test_the_start_forecast_reads_the_runs_data_and_leaves_the_run_as_it_was(tmp
 
     def trained(start_windows: int):
         monkeypatch.setattr(hf, "START_WINDOWS", start_windows)
-        callback = DropBPCallback(0.5, measure_noise_scale=True)
+        callback = DropBPCallback(0.5, features=[dropbp.NoiseScale()])
         trainer = _trainer(tmp_path, callbacks=[callback], gradient_accumulation_steps=2, max_steps=6)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="dropbp"):

@@ -17,6 +17,7 @@ from conftest import batch, detach_outputs, loss_and_grads, tiny_model, weight_b
 
 import dropbp
 from dropbp.policy.schedule import SCHEDULE_LEVELS
+from dropbp.tools.arms import apply_arm
 
 
 def _warmup(step: int) -> float:  # warmup_steps=4: 0, 1/4, 2/4, 3/4, then 1
@@ -72,7 +73,7 @@ def test_each_step_and_the_expectation_over_cuts_are_exact(schedule):
     options, factor = SCHEDULES[schedule]
     model = tiny_model("llama", layers=3)
     reference = copy.deepcopy(model)
-    ctl = dropbp.apply(model, 0.3, seed=2, unbiased=True, **options)
+    ctl = apply_arm(model, 0.3, seed=2, unbiased=True, **options)
     names, base = [b.name for b in ctl.branches], ctl.rates
     ids = batch(7)
     _, full = loss_and_grads(reference, ids)
@@ -112,7 +113,7 @@ def test_a_kept_branch_passes_full_backprops_gradient_down_the_residual_stream()
     embeddings of a step that dropped nothing get exactly full backprop's gradient, weights or not)."""
     model = tiny_model("llama", layers=3)
     reference = copy.deepcopy(model)
-    ctl = dropbp.apply(model, 0.3, seed=0, unbiased=True)
+    ctl = dropbp.experimental.apply(model, 0.3, seed=0, unbiased=True)
     ids = batch(3)
     _, full = loss_and_grads(reference, ids)
     for _ in range(40):
@@ -135,7 +136,7 @@ def test_checkpointing_recomputes_with_the_weights_of_the_forward_it_recomputes(
     checkpointed = copy.deepcopy(plain)
     checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     for model in (plain, checkpointed):
-        dropbp.apply(model, 0.3, seed=5, unbiased=True, warmup_steps=4)
+        dropbp.experimental.apply(model, 0.3, seed=5, unbiased=True, warmup_steps=4)
     results = []
     for model in (plain, checkpointed):
         model.train()

@@ -91,7 +91,7 @@ def test_unbiased_scaling_applies_at_the_residual_add(arch):
     weight gets the weighted gradient too; everything else gets the detached reference's."""
     model = _model(arch)
     reference = copy.deepcopy(model)
-    ctl = dropbp.apply(model, 0.5, seed=4, unbiased=True, pattern="uniform")
+    ctl = dropbp.experimental.apply(model, 0.5, seed=4, unbiased=True, pattern="uniform")
     ctl.set_rates([0.2, 0.6, 0.5, 0.4, 0.3, 0.7])
     rates = {b.name: b.rate for b in ctl.branches}
     for step in range(3):
@@ -112,7 +112,7 @@ def test_zero_fill_covers_the_post_norm():
     """dropped_grads="zero": the optimizer sees a zero gradient for every parameter of a dropped
     branch, its post-norm included (not a real gradient, not None)."""
     model = _model("gemma2")
-    ctl = dropbp.apply(model, 0.5, seed=3, dropped_grads="zero", pattern="uniform")
+    ctl = dropbp.experimental.apply(model, 0.5, seed=3, dropped_grads="zero", pattern="uniform")
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     loss_and_grads(model, batch())
     opt.step()
@@ -131,7 +131,8 @@ def test_calibration_measures_post_norm_branches():
     ctl = dropbp.apply(model, 0.5, pattern="uniform")
     ids = batch()
     fast = ctl.calibrate(lambda: model(input_ids=ids, labels=ids).loss)
-    slow = ctl.calibrate(lambda: model(input_ids=ids, labels=ids).loss, method="exact-recompute")
+    with dropbp.experimental.exact_recompute():
+        slow = ctl.calibrate(lambda: model(input_ids=ids, labels=ids).loss)
     torch.testing.assert_close(torch.tensor(fast), torch.tensor(slow), rtol=1e-4, atol=1e-12)
 
 

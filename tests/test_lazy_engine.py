@@ -33,7 +33,8 @@ from conftest import (
 from dropbp.backends.lazy import LazyEngineBackend, compiled_graphs, graph_runs, start
 
 import dropbp
-from dropbp.policy.token_selection import AUTO_KEEP_SHARES
+from dropbp.experimental.token_selection import AUTO_KEEP_SHARES
+from dropbp.tools.arms import apply_arm
 
 _vocab_sizes = itertools.count(VOCAB)
 
@@ -132,12 +133,10 @@ def test_graphs_are_bounded_by_the_plan_and_stop_when_the_rates_settle(pattern, 
     early = early_runs_of_the_model(model)
     model = model.to("lazy")
     # attach's shape of run: a warm-up over 20% of the run, the time schedule over its known length
-    ctl = dropbp.apply(
-        model, 0.5, seed=0, pattern=pattern, warmup_steps=total // 5, total_steps=total, backend=backend
-    )
+    ctl = dropbp.apply(model, 0.5, seed=0, pattern=pattern, warmup_steps=total // 5, total_steps=total, backend=backend)
     assert ctl.max_patterns == 16
     torch._lazy.mark_step()  # the set-up's own graph (moving the model), before the first training step
-    plan = ctl.pattern_plan(micro_batches=micro_batches)
+    plan = ctl.schedule.patterns(micro_batches=micro_batches)
     assert plan.settled_at <= steps * 3 // 4  # some steps left to show that nothing more compiles
     breaks = Breaks(backend)
     totals = train(model, ctl, breaks, steps, micro_batches)
@@ -184,7 +183,7 @@ def test_the_memory_bound_on_the_engine_is_exact_and_its_graphs_are_the_plans(ra
     model = model.to("lazy")
     ctl = dropbp.apply(model, rate, seed=2, backend=backend)
     assert ctl.memory_bound and ctl.pattern == "cut"
-    keep = ctl.max_kept_branches
+    keep = ctl.schedule.max_kept_branches
     counts = count_forwards(monkeypatch, {b.name: b.module for b in ctl.branches})
     bounded_steps = 0
     for step in range(20):  # the weights stay put: each step against the same reference
@@ -201,7 +200,7 @@ def test_the_memory_bound_on_the_engine_is_exact_and_its_graphs_are_the_plans(ra
     ctl = dropbp.apply(model, rate, seed=0, warmup_steps=8, total_steps=steps * micro_batches, backend=backend)
     assert ctl.memory_bound
     torch._lazy.mark_step()
-    plan = ctl.pattern_plan(micro_batches=micro_batches)
+    plan = ctl.schedule.patterns(micro_batches=micro_batches)
     breaks = Breaks(backend)
     totals = train(model, ctl, breaks, steps, micro_batches)
     at_backward = sum(n for label, n, _ in breaks.events if label == "backward")
@@ -213,11 +212,11 @@ def test_the_memory_bound_on_the_engine_is_exact_and_its_graphs_are_the_plans(ra
 
 def test_the_plan_needs_the_runs_length():
     ctl = dropbp.apply(tiny_model("llama", layers=2), 0.5)
-    with pytest.raises(ValueError, match="pattern_plan needs optimizer_steps"):
-        ctl.pattern_plan()
+    with pytest.raises(ValueError, match="schedule.patterns needs optimizer_steps"):
+        ctl.schedule.patterns()
     with pytest.raises(ValueError, match="micro_batches"):
-        ctl.pattern_plan(10, micro_batches=0)
-    plan = ctl.pattern_plan(10)
+        ctl.schedule.patterns(10, micro_batches=0)
+    plan = ctl.schedule.patterns(10)
     assert plan.sequences == plan.prefixes == plan.patterns and plan.graphs == 2 * plan.patterns + 2
 
 
@@ -323,7 +322,7 @@ def _after(method, then):
 
 
 def _plan(callback, micro_batches: int):
-    return callback.controller.pattern_plan(micro_batches=micro_batches)
+    return callback.controller.schedule.patterns(micro_batches=micro_batches)
 
 
 def test_the_device_bound_holds_through_setters_and_states_from_other_devices():
@@ -340,17 +339,17 @@ def test_the_device_bound_holds_through_setters_and_states_from_other_devices():
     lazy.load_state_dict(cpu.state_dict() | {"branches": [b.name for b in lazy.branches]})
     assert lazy.max_patterns == 16 and lazy.seed == 3
     with pytest.raises(ValueError, match="stratify=2 cannot run on the 'lazy' backend: .* at most 16 patterns"):
-        dropbp.apply(own_model(), 0.5, backend="lazy", stratify=2)
+        dropbp.experimental.apply(own_model(), 0.5, backend="lazy", stratify=2)
 
     auto = dropbp.apply(own_model(), 0.5, backend="lazy", pattern="uniform")
     assert auto.memory_bound is False
     auto.drop_rate = 0.875
-    assert auto.memory_bound is True and auto.max_kept_branches == 1
+    assert auto.memory_bound is True and auto.schedule.max_kept_branches == 1
     state = auto.state_dict()
     auto.drop_rate = 0.5
     assert auto.memory_bound is False
     auto.load_state_dict(state)
-    assert auto.memory_bound is True and auto.max_kept_branches == 1
+    assert auto.memory_bound is True and auto.schedule.max_kept_branches == 1
 
 
 def _checkpointed(model: torch.nn.Module, checkpointing: bool) -> torch.nn.Module:
@@ -368,13 +367,15 @@ def test_token_drops_on_the_engine_are_exact_and_compile_no_graph_per_selection(
     model = _checkpointed(own_model(), checkpointing)
     reference = copy.deepcopy(model)
     model = model.to("lazy")
-    ctl = dropbp.apply(model, 0.5, seed=1, token_drop_rate=0.5, backend=backend)
+    ctl = dropbp.apply(model, 0.5, seed=1, backend=backend, features=[dropbp.experimental.TokenDrops(0.5)])
     for step in range(3):
         model.zero_grad(set_to_none=True)
         ids = batch(step)
         assert ctl.backward(model(input_ids=ids.to("lazy"), labels=ids.to("lazy")).loss)
         grads = {n: None if p.grad is None else p.grad.cpu() for n, p in model.named_parameters()}
-        weights = {name: w.cpu() for name, w in ctl.token_weights().items() if name not in ctl.last_dropped}
+        weights = {
+            name: w.cpu() for name, w in ctl.features["token_drops"].weights().items() if name not in ctl.last_dropped
+        }
         handles = detach_outputs(reference, ctl.last_dropped)
         modules = dict(reference.named_modules())
         for name, w in weights.items():
@@ -393,14 +394,14 @@ def test_token_drops_on_the_engine_are_exact_and_compile_no_graph_per_selection(
 
     def graphs(**options) -> list[int]:  # a run of its own (a new vocabulary): graphs counted from its start
         model = _checkpointed(own_model(), checkpointing).to("lazy")
-        ctl = dropbp.apply(model, 0.5, seed=0, backend=backend, **options)
+        ctl = apply_arm(model, 0.5, seed=0, backend=backend, **options)
         torch._lazy.mark_step()
         return train(model, ctl, Breaks(backend), steps=40, micro_batches=1)
 
     branches_only, with_tokens = graphs(), graphs(token_drop_rate=0.5)
     # the same patterns compile no more graphs with token drops, and nothing new once every pattern has run
     assert with_tokens[-1] <= branches_only[-1] and with_tokens[-10:] == [with_tokens[-1]] * 10, with_tokens
-    # token_drop_rate="auto": one share for every branch (LazyGraphBackend.token_shares), so at most a graph per
+    # TokenDrops("auto"): one share for every branch (the backend compiles graphs: token_shares), so at most a graph per
     # pattern and share, and none new once the shares settle
     with_auto = graphs(token_drop_rate="auto")
     assert with_auto[-1] <= len(AUTO_KEEP_SHARES) * branches_only[-1] and with_auto[-10:] == [with_auto[-1]] * 10

@@ -54,7 +54,8 @@ def test_the_yamls_dropbp_keys_become_the_callback_and_the_rest_goes_to_run_exp(
     [callback] = callbacks
     assert isinstance(callback, DropBPCallback)
     options = callback.options
-    assert (options.drop_rate, options.token_drop_rate, options.calibrate_at) == (0.5, 0.3, None)
+    (drops,) = options.features  # dropbp_token_drop_rate builds the experimental feature
+    assert (options.drop_rate, drops.rate, options.calibrate_at) == (0.5, 0.3, None)
 
 
 def test_an_explicit_ddp_find_unused_parameters_is_left_as_the_file_sets_it(run_exp, tmp_path):

@@ -1,5 +1,5 @@
-"""The gradient noise scale (``measure_noise_scale``, ``ctl.noise_scale()``): the estimator against an analytic value,
-the library's reads against the same estimator fed gradients computed apart, and what it refuses."""
+"""The gradient noise scale (the ``dropbp.NoiseScale`` feature, ``.estimate()``): the estimator against an analytic
+value, the library's reads against the same estimator fed gradients computed apart, and what it refuses."""
 
 from __future__ import annotations
 
@@ -74,9 +74,9 @@ def test_noise_scale_equals_the_estimator_fed_gradients_computed_apart(variant):
     if variant.pop("checkpointing", False):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     model.train()
-    ctl = dropbp.apply(model, 0.0, measure_noise_scale=True)
+    ctl = dropbp.apply(model, 0.0, features=[dropbp.NoiseScale()])
     reference = _train(model, ctl, steps=3, m=3, **variant)
-    got, want = ctl.noise_scale(), reference.estimate()
+    got, want = ctl.features["noise_scale"].estimate(), reference.estimate()
     assert got.steps == want.steps == 3 and got.tokens_per_step == want.tokens_per_step == 72
     assert math.isclose(got.gradient_sq_norm, want.gradient_sq_norm, rel_tol=1e-4)
     assert math.isclose(got.trace, want.trace, rel_tol=1e-4)
@@ -87,23 +87,24 @@ def test_nothing_is_measured_without_accumulation_or_when_off():
     model = tiny_model("llama", layers=2)
     model.train()
     ctl = dropbp.apply(model, 0.5)
-    with pytest.raises(RuntimeError, match="measure_noise_scale=True"):
-        ctl.noise_scale()
-    ctl.measure_noise_scale = True
+    noise = dropbp.NoiseScale()
+    assert "noise_scale" not in ctl.features
+    with pytest.raises(RuntimeError, match="measures nothing until attached"):
+        noise.estimate()
+    ctl.replace_options(features=[noise])
     _train(model, ctl, steps=2, m=1)
-    assert ctl.noise_scale() is None  # one micro-batch per step: no spread to measure
-    ctl.measure_noise_scale = False
-    with pytest.raises(RuntimeError, match="not measured"):
-        ctl.noise_scale()
-    with pytest.raises(TypeError, match="measure_noise_scale"):
-        dropbp.apply(tiny_model("llama", layers=2), 0.5, measure_noise_scale="yes")
+    assert noise.estimate() is None  # one micro-batch per step: no spread to measure
+    ctl.replace_options(features=[])  # off: its reads leave the model
+    assert not noise.attached and noise.handles() == [] and noise.estimate() is None
+    with pytest.raises(TypeError, match=r"no longer takes measure_noise_scale.*dropbp.NoiseScale\(\)"):
+        dropbp.apply(tiny_model("llama", layers=2), 0.5, measure_noise_scale=True)
 
 
 def test_the_reads_leave_the_gradients_and_the_model_as_they_were():
     model = tiny_model("llama", layers=2)
     model.train()
     twin = copy.deepcopy(model)
-    ctl = dropbp.apply(model, 0.0, measure_noise_scale=True)
+    ctl = dropbp.apply(model, 0.0, features=[dropbp.NoiseScale()])
     ids = batch(3, size=2, length=12)
     for x in (ids, ids):
         model(input_ids=x, labels=x).loss.backward()
@@ -174,7 +175,7 @@ def test_the_shipped_map_and_the_automatic_rate_assume_one_branch_share():
 def test_drop_rate_auto_follows_the_noise_scale_and_resumes(monkeypatch):
     """``drop_rate="auto"`` measures the noise scale, drops nothing before a step is measured, then takes the rate
     ``auto_drop_rate`` gives from the next pattern on; a state saved mid-run resumes the estimate and the rate."""
-    import dropbp.controller
+    import dropbp.features.noise_scale
 
     chosen = []
 
@@ -182,11 +183,11 @@ def test_drop_rate_auto_follows_the_noise_scale_and_resumes(monkeypatch):
         chosen.append(measured.steps)
         return 0.5 if measured.steps < 3 else 0.25
 
-    monkeypatch.setattr(dropbp.controller, "auto_drop_rate", lambda measured, rates: pick(measured, rates))
+    monkeypatch.setattr(dropbp.features.noise_scale, "auto_drop_rate", lambda measured, rates: pick(measured, rates))
     model = tiny_model("llama", layers=4)
     model.train()
-    ctl = dropbp.apply(model, "auto", warmup_steps=5, drop_schedule="linear", total_steps=40)
-    assert ctl.drop_rate == 0.0 and ctl.measure_noise_scale and ctl.options.warmup_steps == 0
+    ctl = dropbp.experimental.apply(model, "auto", warmup_steps=5, drop_schedule="linear", total_steps=40)
+    assert ctl.drop_rate == 0.0 and "noise_scale" in ctl.features and ctl.schedule.options.warmup_steps == 0
     _train(model, ctl, steps=1, m=2)
     assert ctl.drop_rate == 0.5 and chosen == [1]
     _train(model, ctl, steps=2, m=2, seed=1)
@@ -197,7 +198,7 @@ def test_drop_rate_auto_follows_the_noise_scale_and_resumes(monkeypatch):
     ctl.remove()
     resumed = dropbp.apply(model, 0.5)
     resumed.load_state_dict(state)
-    assert resumed.drop_rate == 0.25 and resumed.noise_scale().steps == 3
+    assert resumed.drop_rate == 0.25 and resumed.features["noise_scale"].estimate().steps == 3
     with pytest.raises(ValueError, match="'auto' but the state has no 'noise_scale'"):
         resumed.load_state_dict({k: v for k, v in state.items() if k != "noise_scale"})
 
@@ -206,7 +207,7 @@ def test_the_start_reading_equals_the_formulas_on_gradients_computed_apart():
     """``measure_windows`` (the Trainer's reading before the first step): windows of two micro-batches, each loss
     backpropagated on its own; against each micro-batch's gradient from ``torch.autograd.grad`` and the unbiased
     formulas averaged as the estimator does (weights 0.9 ** age, bias-corrected); ``.grad`` left as found."""
-    from dropbp.execution.gradient_noise import measure_windows
+    from dropbp.features.gradient_noise import measure_windows
 
     model = tiny_model("llama", layers=2)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -12,11 +12,20 @@ import weakref
 
 import pytest
 import torch
-from conftest import assert_same_grads, batch, detach_outputs, loss_and_grads, tiny_model, with_lora
+from conftest import (
+    assert_same_grads,
+    attach_experimental,
+    batch,
+    detach_outputs,
+    loss_and_grads,
+    tiny_model,
+    with_lora,
+)
 
 import dropbp
 from dropbp.controller import controller_of
 from dropbp.policy.sampler import PatternSampler
+from dropbp.tools.arms import apply_arm
 
 
 @pytest.fixture(autouse=True)
@@ -212,7 +221,9 @@ def test_trainer_resumed_with_another_length_says_what_happens(tmp_path, caplog)
     first = _trainer(tmp_path, **kw)
     first_ctl = attach(first, drop_rate=0.5).controller
     first.train()
-    spent = first_ctl.mean_drop_rate(0, 10) * 10  # forwards 0-9 as the first run's 20-forward schedule had them
+    spent = (
+        first_ctl.schedule.mean_drop_rate(0, 10) * 10
+    )  # forwards 0-9 as the first run's 20-forward schedule had them
     resumed = _trainer(tmp_path, **{**kw, "max_steps": 40})
     callback = attach(resumed, drop_rate=0.5)
     with caplog.at_level(logging.WARNING, logger="dropbp"):
@@ -221,7 +232,7 @@ def test_trainer_resumed_with_another_length_says_what_happens(tmp_path, caplog)
     assert ctl.total_steps == 40
     said = [r.getMessage() for r in caplog.records if "another length" in r.getMessage()]
     assert len(said) == 1 and "20 forwards before, 40 now" in said[0]
-    mean = (ctl.mean_drop_rate(10, 40) * 30 + spent) / 40
+    mean = (ctl.schedule.mean_drop_rate(10, 40) * 30 + spent) / 40
     assert f"mean drop rate is {mean:.3f}" in said[0]
 
 
@@ -233,18 +244,17 @@ def test_a_resumed_trainer_honours_its_callbacks_options_and_says_so(tmp_path, c
     resumed run's callback asks for: the callback's setting is used from there on, with a warning naming it."""
     from test_hf_integration import _trainer
 
-    from dropbp.integrations.hf import attach
 
     kw = dict(save_strategy="steps", save_steps=10, output_dir=str(tmp_path / "run"))
     first = _trainer(tmp_path, **kw)
-    attach(first, drop_rate=0.5, pattern="cut")
+    attach_experimental(first, drop_rate=0.5, pattern="cut")
     first.train()
     resumed = _trainer(tmp_path, **kw, gradient_accumulation_steps=2 if option == "stratify" else 1)
     asked = {"drop_rate": 0.5, "pattern": "cut", option: value}
-    callback = attach(resumed, **asked)
+    callback = attach_experimental(resumed, **asked)
     with caplog.at_level(logging.WARNING, logger="dropbp"):
         resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-10"))
-    assert getattr(callback.controller.options_given, option) == value
+    assert getattr(callback.controller.options, option) == value
     said = [r.getMessage() for r in caplog.records if "this callback asks for" in r.getMessage()]
     assert len(said) == 1 and f"{option}={value!r}" in said[0] and "checkpoint-10" in said[0]
 
@@ -266,19 +276,18 @@ def test_a_resumed_trainer_loads_what_its_callback_asks_for_on_its_device(tmp_pa
     schedule is fitted again to the asked rate, and a device's own bound is not a change."""
     from test_hf_integration import _trainer
 
-    from dropbp.integrations.hf import attach
 
     kw = dict(save_strategy="steps", save_steps=10, output_dir=str(tmp_path / "run"), gradient_accumulation_steps=2)
     first = _trainer(tmp_path, **kw)
-    attach(first, **{"drop_rate": 0.5, **saved})
+    attach_experimental(first, **{"drop_rate": 0.5, **saved})
     first.train()
     again = _trainer(tmp_path, **kw)
-    callback = attach(again, **{"drop_rate": 0.5, **resumed})
+    callback = attach_experimental(again, **{"drop_rate": 0.5, **resumed})
     with caplog.at_level(logging.WARNING, logger="dropbp"):
         again.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-10"))
     ctl = callback.controller
-    assert ctl.step == 40 and ctl.total_steps == 40 and ctl.stratify == 1
-    assert ctl.mean_drop_rate(0, 40) == pytest.approx(ctl.drop_rate)
+    assert ctl.step == 40 and ctl.total_steps == 40 and ctl.options.stratify == 1
+    assert ctl.schedule.mean_drop_rate(0, 40) == pytest.approx(ctl.drop_rate)
     said = [r.getMessage() for r in caplog.records if "this callback asks for" in r.getMessage()]
     assert said == [] if warned is None else (len(said) == 1 and warned in said[0])
 
@@ -456,7 +465,9 @@ def test_a_deep_copy_of_a_parametrized_branch_is_clean():
     plain = copy.deepcopy(model)
     hooks = lambda m: sum(len(x._forward_hooks) + len(x._forward_pre_hooks) for x in m.modules())  # noqa: E731
     before = hooks(model)
-    ctl = dropbp.apply(model, 0.5, token_drop_rate=0.5)  # token drops hook the (parametrized) down projections
+    ctl = dropbp.apply(
+        model, 0.5, features=[dropbp.experimental.TokenDrops(0.5)]
+    )  # token drops hook the (parametrized) down projections
     clone = copy.deepcopy(model)
     assert hooks(clone) == before and ctl.model is model
     ids = batch(0)
@@ -532,7 +543,7 @@ def test_epochs_with_a_short_last_window_schedule_the_forwards_the_run_makes(tmp
     ctl = attach(trainer, drop_rate=0.5).controller
     trainer.train()
     assert trainer.state.max_steps == 8 and ctl.step == 30 and ctl.total_steps == 30
-    assert ctl.mean_drop_rate(0, 30) == pytest.approx(0.5)
+    assert ctl.schedule.mean_drop_rate(0, 30) == pytest.approx(0.5)
     assert training_forwards(8, 4, range(15)) == 30 and training_forwards(5, 4, range(15)) == 19
     assert training_forwards(8, 4, range(16)) == 32 and training_forwards(8, 4, iter([])) == 32
 
@@ -544,7 +555,6 @@ def _patterns_per_optimizer_step(tmp_path, epochs: int, **options) -> tuple[list
     import transformers
     from test_hf_integration import _args, _dataset
 
-    from dropbp.integrations.hf import attach
 
     trainer = transformers.Trainer(
         model=tiny_model("llama", layers=4),
@@ -552,7 +562,7 @@ def _patterns_per_optimizer_step(tmp_path, epochs: int, **options) -> tuple[list
         train_dataset=_dataset(30),
         data_collator=transformers.default_data_collator,
     )
-    ctl = attach(trainer, drop_rate=0.5, warmup=0, **options).controller
+    ctl = attach_experimental(trainer, drop_rate=0.5, warmup=0, **options).controller
     seen: list[tuple[str, ...]] = []
     trainer.model.register_forward_hook(lambda m, args, out: seen.append(ctl.last_dropped) if m.training else None)
     trainer.train()
@@ -567,7 +577,7 @@ def test_stratified_groups_are_the_optimizer_steps_when_epochs_end_with_a_short_
     rate is at most 1 - 1/m is kept in at least one of the step's m forwards - in every step, not only while the
     forward count stays a multiple of 4 (a short window of 3 is a group of its own, of 3 slices)."""
     steps, ctl = _patterns_per_optimizer_step(tmp_path, epochs=6, stratify=4)
-    assert ctl.windows == (15, 4)
+    assert ctl.options.windows == (15, 4)
     names = [b.name for b in ctl.branches]
     for forwards in steps:
         m = len(forwards)
@@ -601,8 +611,8 @@ def test_importance_weights_are_the_forwards_whatever_changes_before_its_backwar
     model.train()
     twin = copy.deepcopy(model)
     ids = batch(4, size=2, length=12)
-    ctl = dropbp.apply(model, 0.5, unbiased=True, pattern="uniform", seed=3)
-    still = dropbp.apply(twin, 0.5, unbiased=True, pattern="uniform", seed=3)
+    ctl = dropbp.experimental.apply(model, 0.5, unbiased=True, pattern="uniform", seed=3)
+    still = dropbp.experimental.apply(twin, 0.5, unbiased=True, pattern="uniform", seed=3)
     loss = model(input_ids=ids, labels=ids).loss
     ctl.drop_rate = 0.25  # after the forward, before its backward
     loss.backward()
@@ -640,7 +650,7 @@ def test_importance_weights_follow_how_the_patterns_are_drawn(options, lora_atte
     model.train()
     ids = batch(6, size=2, length=12)
     _, full = loss_and_grads(model, ids)
-    dropbp.apply(model, 0.5, unbiased=True, seed=1, **options)
+    apply_arm(model, 0.5, unbiased=True, seed=1, **options)
     steps = 240 if options.get("warmup_steps") else 60
     total = {}
     for _ in range(steps):
@@ -686,7 +696,7 @@ def test_importance_weights_are_unbiased_over_pools_keep_rules_and_checkpointing
         model.train()
         ids = batch(seed, size=1, length=8)
         _, full = loss_and_grads(model, ids)
-        ctl = dropbp.apply(model, rate, unbiased=True, seed=seed, pattern="cut", max_patterns=pool)
+        ctl = dropbp.experimental.apply(model, rate, unbiased=True, seed=seed, pattern="cut", max_patterns=pool)
         total: dict = {}
         for _ in range(2 * pool):  # two whole cycles
             _, got = loss_and_grads(model, ids)
@@ -739,9 +749,13 @@ def test_every_number_a_user_gives_is_checked_before_anything_runs():
     @given(name=st.sampled_from(sorted(valid)), value=anything)
     def check_option(name, value):
         try:
-            ctl = dropbp.apply(model, **{"drop_rate": 0.5, name: value})
+            if name == "token_drop_rate":  # the experimental feature's rate
+                ctl = dropbp.apply(model, 0.5, features=[dropbp.experimental.TokenDrops(value)])
+            else:
+                ctl = dropbp.experimental.apply(model, **{"drop_rate": 0.5, name: value})
         except (TypeError, ValueError) as error:
-            assert not valid[name](value) and name in str(error), (name, value, error)
+            said = "rate" if name == "token_drop_rate" else name
+            assert not valid[name](value) and said in str(error), (name, value, error)
             return
         ctl.remove()
         assert valid[name](value), (name, value)

@@ -80,7 +80,7 @@ class Settings(RuleBasedStateMachine):
     def settings_are_the_last_given_resolved_here(self) -> None:
         ctl, given = self.ctl, self.given
         for name, value in given.items():
-            assert getattr(ctl.options_given, name) == value, name
+            assert getattr(ctl.options, name) == value, name
         assert ctl.drop_rate == given["drop_rate"] and ctl.pattern == given["pattern"] and ctl.seed == given["seed"]
         bound = BOUND[self.backend] if given["max_patterns"] is None else given["max_patterns"]
         assert ctl.max_patterns == bound

@@ -49,8 +49,8 @@ def test_independent_draws_can_drop_a_branch_in_every_forward_of_a_step():
 
 def test_apply_stratifies_and_the_setting_is_saved():
     model = tiny_model("llama", layers=3).train()
-    ctl = dropbp.apply(model, 0.5, seed=1, stratify=4)
-    assert ctl.stratify == 4 and ctl.state_dict()["stratify"] == 4
+    ctl = dropbp.experimental.apply(model, 0.5, seed=1, stratify=4)
+    assert ctl.options.stratify == 4 and ctl.state_dict()["stratify"] == 4
     rates, names = ctl.rates, [b.name for b in ctl.branches]
     for _ in range(3):
         counts = dict.fromkeys(names, 0)
@@ -62,7 +62,7 @@ def test_apply_stratifies_and_the_setting_is_saved():
             assert math.floor(4 * r) <= counts[name] <= math.ceil(4 * r)
     again = dropbp.apply(tiny_model("llama", layers=3), 0.5, seed=1)
     again.load_state_dict(ctl.state_dict())
-    assert again.stratify == 4
+    assert again.options.stratify == 4
 
 
 @pytest.mark.parametrize(
@@ -75,7 +75,7 @@ def test_apply_stratifies_and_the_setting_is_saved():
 )
 def test_bad_stratification_is_refused_with_the_reason(options, message):
     with pytest.raises(ValueError, match=message):
-        dropbp.apply(tiny_model("llama", layers=3), 0.5, **options)
+        dropbp.experimental.apply(tiny_model("llama", layers=3), 0.5, **options)
 
 
 def test_windows_map_forwards_to_indices_that_start_every_optimizer_step():
@@ -102,17 +102,17 @@ def test_a_short_group_takes_one_depth_in_each_of_its_own_slices(size):
 
 def test_windows_are_an_option_of_apply_saved_with_the_state():
     model = tiny_model("llama", layers=3).train()
-    ctl = dropbp.apply(model, 0.5, seed=1, stratify=4, windows=[15, 4])
-    assert ctl.windows == (15, 4) and ctl.state_dict()["windows"] == [15, 4]
+    ctl = dropbp.experimental.apply(model, 0.5, seed=1, stratify=4, windows=[15, 4])
+    assert ctl.options.windows == (15, 4) and ctl.state_dict()["windows"] == [15, 4]
     again = dropbp.apply(tiny_model("llama", layers=3), 0.5, seed=1)
     assert "windows" not in again.state_dict()  # none set: the state has no key (states saved before windows load)
     again.load_state_dict(ctl.state_dict())
-    assert again.windows == (15, 4)
+    assert again.options.windows == (15, 4)
     assert [again.dropped_at(s) for s in range(40)] == [ctl.dropped_at(s) for s in range(40)]
     plain = dropbp.apply(tiny_model("llama", layers=3), 0.5, seed=1)
     plain.load_state_dict({k: v for k, v in ctl.state_dict().items() if k != "windows"})
-    assert plain.windows is None
-    ctl.windows = None
+    assert plain.options.windows is None
+    ctl.replace_options(windows=None)
     assert "windows" not in ctl.state_dict()
 
 
@@ -127,7 +127,7 @@ def test_windows_are_an_option_of_apply_saved_with_the_state():
 )
 def test_bad_windows_are_refused_naming_them(windows, error, message):
     with pytest.raises(error, match=message):
-        dropbp.apply(tiny_model("llama", layers=3), 0.5, windows=windows)
+        dropbp.experimental.apply(tiny_model("llama", layers=3), 0.5, windows=windows)
     ctl = dropbp.apply(tiny_model("llama", layers=3), 0.5)
     with pytest.raises((TypeError, ValueError), match=r"windows"):
         ctl.load_state_dict(ctl.state_dict() | {"windows": windows})

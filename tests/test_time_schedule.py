@@ -11,6 +11,7 @@ from conftest import batch, tiny_model, with_lora
 
 import dropbp
 from dropbp.policy.schedule import DROP_SCHEDULES, TimeSchedule
+from dropbp.tools.arms import apply_arm
 from dropbp.tools.compare import Run, compare, lr_factor
 from dropbp.tools.textdata import TokenData
 
@@ -22,7 +23,7 @@ SHAPES_AND_RAMPS = [("constant", 0.5), ("linear", 0.4), ("cosine", 0.4), ("step"
 @pytest.mark.parametrize("warmup", [0, 30])
 def test_the_mean_rate_over_the_run_is_the_drop_rate(pattern, schedule, ramp, warmup):
     total = 300
-    ctl = dropbp.apply(
+    ctl = dropbp.experimental.apply(
         tiny_model("llama", layers=6),
         0.5,
         backend="cpu",
@@ -32,15 +33,15 @@ def test_the_mean_rate_over_the_run_is_the_drop_rate(pattern, schedule, ramp, wa
         ramp=ramp,
         warmup_steps=warmup,
     )
-    rates = [ctl.drop_rate_at(s) for s in range(total)]
+    rates = [ctl.schedule.drop_rate_at(s) for s in range(total)]
     assert sum(rates) / total == pytest.approx(0.5, abs=1e-9)
     if schedule != "constant" or warmup:
         assert rates[0] == 0.0 and max(rates) > 0.5  # less early, more late: the same compute
-    assert ctl.drop_rate_at(10 * total) == rates[-1]  # past the run, the last rate holds
+    assert ctl.schedule.drop_rate_at(10 * total) == rates[-1]  # past the run, the last rate holds
 
 
 def test_a_rising_schedule_drops_less_early_than_late_and_cuts_from_the_bottom():
-    ctl = dropbp.apply(
+    ctl = dropbp.experimental.apply(
         tiny_model("llama", layers=6), 0.5, seed=3, backend="cpu", total_steps=400, drop_schedule="linear", ramp=0.5
     )
     early = sum(len(ctl.dropped_at(s)) for s in range(100))
@@ -57,7 +58,7 @@ def test_without_total_steps_nothing_changes():
     plain = dropbp.apply(model, 0.5, seed=5, backend="cpu", warmup_steps=10)
     before = [plain.dropped_at(s) for s in range(50)]
     plain.remove()
-    again = dropbp.apply(model, 0.5, seed=5, backend="cpu", warmup_steps=10, drop_schedule="linear")
+    again = dropbp.experimental.apply(model, 0.5, seed=5, backend="cpu", warmup_steps=10, drop_schedule="linear")
     assert [again.dropped_at(s) for s in range(50)] == before  # a schedule needs the run's length
     assert again.total_steps is None
 
@@ -65,14 +66,14 @@ def test_without_total_steps_nothing_changes():
 def test_a_state_resumes_in_the_middle_of_a_schedule():
     kw = dict(seed=11, backend="cpu", total_steps=40, drop_schedule="cosine", ramp=0.5, warmup_steps=6)
     model = tiny_model("llama", layers=4)
-    whole = dropbp.apply(model, 0.5, **kw)
+    whole = dropbp.experimental.apply(model, 0.5, **kw)
     uninterrupted = []
     for step in range(40):
         model(input_ids=batch(step), labels=batch(step)).loss.backward()
         uninterrupted.append(whole.last_dropped)
     whole.remove()
 
-    first = dropbp.apply(model, 0.5, **kw)
+    first = dropbp.experimental.apply(model, 0.5, **kw)
     for step in range(17):
         model(input_ids=batch(step), labels=batch(step)).loss.backward()
     state = first.state_dict()
@@ -81,7 +82,12 @@ def test_a_state_resumes_in_the_middle_of_a_schedule():
 
     resumed = dropbp.apply(model, 0.5, seed=0, backend="cpu")  # other settings: the state's win
     resumed.load_state_dict(state)
-    assert (resumed.total_steps, resumed.drop_schedule, resumed.ramp, resumed.step) == (40, "cosine", 0.5, 17)
+    assert (resumed.total_steps, resumed.options.drop_schedule, resumed.options.ramp, resumed.step) == (
+        40,
+        "cosine",
+        0.5,
+        17,
+    )
     assert resumed.rates == whole.rates
     for step in range(17, 40):
         model(input_ids=batch(step), labels=batch(step)).loss.backward()
@@ -90,7 +96,9 @@ def test_a_state_resumes_in_the_middle_of_a_schedule():
 
 def test_hand_loop_with_accumulation_draws_a_pattern_per_micro_batch():
     model = with_lora(tiny_model("llama", layers=4))
-    ctl = dropbp.apply(model, 0.5, seed=2, backend="cpu", total_steps=32, drop_schedule="linear", ramp=0.25)
+    ctl = dropbp.experimental.apply(
+        model, 0.5, seed=2, backend="cpu", total_steps=32, drop_schedule="linear", ramp=0.25
+    )
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     seen = []
     for step in range(4):
@@ -108,23 +116,22 @@ def test_hand_loop_with_accumulation_draws_a_pattern_per_micro_batch():
 def test_settings_are_checked_and_an_impossible_peak_is_refused():
     model = tiny_model("llama", layers=4)
     with pytest.raises(ValueError, match=r"drop_schedule must be one of \('constant', 'linear', 'cosine', 'step'\)"):
-        dropbp.apply(model, 0.5, backend="cpu", drop_schedule="exponential")
+        dropbp.experimental.apply(model, 0.5, backend="cpu", drop_schedule="exponential")
     with pytest.raises(ValueError, match=r"ramp must be a fraction of the run in \(0, 1\], got 0"):
-        dropbp.apply(model, 0.5, backend="cpu", ramp=0.0)
+        dropbp.experimental.apply(model, 0.5, backend="cpu", ramp=0.0)
     with pytest.raises(ValueError, match="total_steps must be"):
         dropbp.apply(model, 0.5, backend="cpu", total_steps=0)
     with pytest.raises(ValueError, match=r"peaking at 2x the rates, which the 'cut' shape cannot take.*drop_schedule="):
-        dropbp.apply(model, 0.5, backend="cpu", total_steps=100, drop_schedule="step", ramp=0.5)
+        dropbp.experimental.apply(model, 0.5, backend="cpu", total_steps=100, drop_schedule="step", ramp=0.5)
     ctl = dropbp.apply(model, 0.5, backend="cpu", total_steps=100)
     before = ctl.state_dict()
     with pytest.raises(ValueError, match="peaking at 2x"):
-        ctl.drop_schedule = "step"  # ramp 0.5 by default... a refused change changes nothing
-    ctl.ramp = 0.2
-    ctl.drop_schedule = "step"
-    assert ctl.drop_schedule == "step" and ctl.ramp == 0.2
-    ctl.drop_schedule, ctl.ramp = "constant", 0.5
+        ctl.replace_options(drop_schedule="step")  # ramp 0.5 by default... a refused change changes nothing
+    ctl.replace_options(ramp=0.2)
+    ctl.replace_options(drop_schedule="step")
+    assert ctl.options.drop_schedule == "step" and ctl.options.ramp == 0.2
+    ctl.replace_options(drop_schedule="constant", ramp=0.5)
     assert ctl.state_dict() == before
-
 
 
 def test_a_warm_up_too_high_to_keep_the_mean_is_refused_with_advice_that_fits():
@@ -137,11 +144,12 @@ def test_a_warm_up_too_high_to_keep_the_mean_is_refused_with_advice_that_fits():
     assert message.endswith(advice)
     dropbp.apply(tiny_model("llama", layers=4), 0.875, backend="cpu", total_steps=100)  # no warm-up: no peak
 
+
 def test_bounded_pattern_pools_move_in_quarters():
-    ctl = dropbp.apply(
+    ctl = dropbp.experimental.apply(
         tiny_model("llama", layers=4), 0.5, backend="cpu", max_patterns=4, total_steps=200, drop_schedule="linear"
     )
-    assert len({ctl.drop_rate_at(s) for s in range(200)}) <= 5  # 0, 1/4, 1/2, 3/4 and 1 of the peak
+    assert len({ctl.schedule.drop_rate_at(s) for s in range(200)}) <= 5  # 0, 1/4, 1/2, 3/4 and 1 of the peak
 
 
 def test_time_schedule_quantises_then_keeps_the_mean():
@@ -181,7 +189,7 @@ def test_engine_gives_each_run_its_own_schedules_and_a_pattern_per_micro_batch(m
     controllers = []
 
     def applying(*a, **k):
-        controllers.append(dropbp.apply(*a, **k))
+        controllers.append(apply_arm(*a, **k))
         return controllers[-1]
 
     monkeypatch.setattr("dropbp.tools.compare.apply", applying)
@@ -237,13 +245,13 @@ def _longest_by_trial(ctl, total: int, up_to: int) -> int:
 def test_the_longest_warmup_is_the_longest_the_settings_take(pattern, schedule, rate):
     """``ctl.longest_warmup`` (a pure function) equals a search that tries each warm-up on the controller, with
     the shape's own rates and with given ones, and it changes nothing."""
-    ctl = dropbp.apply(tiny_model("llama", layers=4), rate, pattern=pattern, drop_schedule=schedule)
+    ctl = dropbp.experimental.apply(tiny_model("llama", layers=4), rate, pattern=pattern, drop_schedule=schedule)
     for given in (False, True):
         if given:
             ctl.set_rates([r * 0.9 for r in ctl.rates])
         before = ctl.state_dict()
         for total, up_to in ((50, 10), (200, 40), (1000, 200)):
-            assert ctl.longest_warmup(total, up_to) == _longest_by_trial(ctl, total, up_to)
+            assert ctl.schedule.longest_warmup(total, up_to) == _longest_by_trial(ctl, total, up_to)
         assert ctl.state_dict() == before
 
 
@@ -290,6 +298,6 @@ def test_a_pattern_bound_holds_over_the_whole_run(pattern, rate, drop_schedule, 
     patterns = [ctl.dropped_at(s) for s in range(steps)]
     assert len(set(patterns)) <= max_patterns
     # each branch's share of drops follows its scheduled rate, within the pool's 1/K per branch
-    scheduled = sum(ctl.drop_rate_at(s) for s in range(steps)) / steps
+    scheduled = sum(ctl.schedule.drop_rate_at(s) for s in range(steps)) / steps
     dropped = sum(len(p) for p in patterns) / (steps * len(ctl.branches))
     assert math.isclose(dropped, scheduled, abs_tol=1 / (max_patterns - 1) + 0.02)

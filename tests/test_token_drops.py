@@ -1,6 +1,7 @@
-"""Token drops (``token_drop_rate``): exact against a hand-written reference, unbiased, resumable, off at 0.
+"""Token drops (``dropbp.experimental.TokenDrops``): exact against a hand-written reference, unbiased, resumable, off
+at 0.
 
-The reference never imports dropbp's mechanism: for the weights a run recorded (``ctl.token_weights()``), the plain
+The reference never imports dropbp's mechanism: for the weights a run recorded (the feature's ``weights()``), the plain
 model's branch outputs ``y`` are replaced by ``y.detach() + (w * y - (w * y).detach())`` (same values; gradient ``w``
 times the arriving one) with forward hooks, and every parameter's gradient must match.
 """
@@ -16,7 +17,7 @@ from conftest import assert_same_grads, batch, loss_and_grads, tiny_model, with_
 from dropbp.backends.base import LazyGraphBackend
 
 import dropbp
-from dropbp.policy.token_selection import (
+from dropbp.experimental.token_selection import (
     AUTO_KEEP_SHARES,
     AUTO_VARIANCE_BUDGET,
     added_variance,
@@ -25,7 +26,9 @@ from dropbp.policy.token_selection import (
     keep_count,
     selection_weights,
     systematic_sample,
+    token_shares,
 )
+from dropbp.tools.arms import apply_arm
 
 MOE = {"qwen3_moe": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)}  # fmt: skip
@@ -60,10 +63,10 @@ def _weighted_outputs(model: torch.nn.Module, weights: dict[str, torch.Tensor]) 
 def test_gradients_equal_the_reference_for_the_recorded_selection(arch, method, checkpointing):
     model = _model(arch, method, checkpointing)
     ids = batch(1, size=2, length=12)
-    ctl = dropbp.apply(model, 0.5, token_drop_rate=0.5, seed=4)
+    ctl = dropbp.apply(model, 0.5, seed=4, features=[dropbp.experimental.TokenDrops(0.5)])
     for step in range(3):  # branch drops and token drops together, three patterns
         loss, got = loss_and_grads(model, ids)
-        weights = ctl.token_weights()
+        weights = ctl.features["token_drops"].weights()
         dropped = set(ctl.last_dropped)
         assert weights and not dropped & set(weights)  # dropped branches select nothing
         for w in weights.values():
@@ -78,13 +81,13 @@ def test_gradients_equal_the_reference_for_the_recorded_selection(arch, method, 
             h.remove()
         assert torch.equal(loss, plain_loss)
         assert_same_grads(got, want, atol=1e-5)
-        ctl = dropbp.apply(model, 0.5, token_drop_rate=0.5, seed=4)
+        ctl = dropbp.apply(model, 0.5, seed=4, features=[dropbp.experimental.TokenDrops(0.5)])
         ctl.load_state_dict(ctl.state_dict() | {"step": step + 1})
 
 
 def test_the_row_local_linear_maps_run_on_the_kept_rows(monkeypatch):
     """The query, output and MLP projections' backward gathers the kept rows; keys and values keep all rows."""
-    from dropbp.execution import token_backward
+    from dropbp.experimental import token_backward
 
     seen: list[int] = []
     real = torch.Tensor.index_select
@@ -95,7 +98,7 @@ def test_the_row_local_linear_maps_run_on_the_kept_rows(monkeypatch):
         return real(self, dim, index)
 
     model = tiny_model("llama", layers=2)
-    ctl = dropbp.apply(model, 0.0, token_drop_rate=0.75)
+    ctl = dropbp.apply(model, 0.0, features=[dropbp.experimental.TokenDrops(0.75)])
     monkeypatch.setattr(torch.Tensor, "index_select", counting)
     ids = batch(0, size=2, length=16)
     model(input_ids=ids, labels=ids).loss.backward()
@@ -104,7 +107,7 @@ def test_the_row_local_linear_maps_run_on_the_kept_rows(monkeypatch):
     # per layer: q and o (attention) and gate, up, down (MLP): the gradient rows and the input rows of each
     assert seen == [kept] * (2 * 5 * 2)
     assert token_backward.TokenDrops  # the module the gathering lives in
-    assert set(ctl.token_weights()) == {b.name for b in ctl.branches}
+    assert set(ctl.features["token_drops"].weights()) == {b.name for b in ctl.branches}
 
 
 def _rows_seen(model: torch.nn.Module, suffixes: tuple[str, ...]) -> list[tuple[str, bool, int, torch.dtype]]:
@@ -131,7 +134,7 @@ def test_a_checkpointed_mlp_branch_is_recomputed_on_its_kept_rows_only(method):
     full-row forward is not run a second time; the attention branch is recomputed on every row. Under bf16 autocast
     the rerun is in bf16, as the forward was."""
     model = _model("llama", method, checkpointing=True, layers=2)
-    dropbp.apply(model, 0.0, token_drop_rate=0.75)
+    dropbp.apply(model, 0.0, features=[dropbp.experimental.TokenDrops(0.75)])
     seen = _rows_seen(model, ("self_attn.q_proj", "mlp.gate_proj"))
     ids = batch(0, size=2, length=16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -151,7 +154,7 @@ def test_dropout_in_an_mlp_branch_keeps_its_recomputation_on_every_row(dropout, 
     model = tiny_model("gpt2", layers=2, resid_pdrop=dropout)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     reference = copy.deepcopy(model)
-    ctl = dropbp.apply(model, 0.0, token_drop_rate=0.5)
+    ctl = dropbp.apply(model, 0.0, features=[dropbp.experimental.TokenDrops(0.5)])
     seen = _rows_seen(model, ("mlp.c_fc",))
     _matches_reference(model, ctl, reference, batch(0))
     assert [call[1:3] for call in seen] == [(False, 24)] * 2 + [(True, recomputed_rows)] * 2
@@ -166,7 +169,7 @@ def test_an_mlp_branch_whose_input_needs_no_gradient_is_recomputed_whole_and_sta
     model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.get_base_model().disable_input_require_grads()  # Hugging Face's hook (for re-entrant checkpointing) off
     reference = copy.deepcopy(model)
-    ctl = dropbp.apply(model, 0.0, token_drop_rate=0.5)
+    ctl = dropbp.apply(model, 0.0, features=[dropbp.experimental.TokenDrops(0.5)])
     seen = _rows_seen(model, ("mlp.gate_proj",))
     _matches_reference(model, ctl, reference, batch(0))
     assert [call[1:3] for call in seen] == [(False, 24)] * 2 + [(True, keep_count(24, 0.5)), (True, 24)]
@@ -180,14 +183,14 @@ def test_importance_weights_and_kept_rows_recomputation_equal_the_reference(arch
 
     model = _model(arch, "lora", checkpointing=True)
     reference = copy.deepcopy(model)
-    ctl = dropbp.apply(model, 0.5, token_drop_rate=0.5, unbiased=True, seed=3)
+    ctl = dropbp.experimental.apply(model, 0.5, unbiased=True, seed=3, features=[dropbp.experimental.TokenDrops(0.5)])
     patterns = set()
     for step in range(4):
         ids = batch(step)
         rates = {b.name: b.rate for b in ctl.branches}
         loss, got = loss_and_grads(model, ids)
         dropped = set(ctl.last_dropped)
-        weights = {k: v for k, v in ctl.token_weights().items() if k not in dropped}
+        weights = {k: v for k, v in ctl.features["token_drops"].weights().items() if k not in dropped}
         from conftest import detach_outputs
 
         handles = [*_weighted_outputs(reference, weights), *detach_outputs(reference, tuple(dropped))]
@@ -206,31 +209,32 @@ def test_rate_zero_is_the_model_without_the_library():
     model = tiny_model("llama")
     ids = batch(2)
     _, want = loss_and_grads(model, ids)
-    ctl = dropbp.apply(model, 0.0, token_drop_rate=0.0)
+    drops = dropbp.experimental.TokenDrops(0.0)
+    ctl = dropbp.apply(model, 0.0, features=[drops])
     _, got = loss_and_grads(model, ids)
     assert_same_grads(got, want, atol=0.0)
-    assert ctl.token_weights() == {}
-    ctl.token_drop_rate = 0.5  # switched on later: from the next step
+    assert ctl.features["token_drops"].weights() == {}
+    ctl.features["token_drops"].rate = 0.5  # switched on later: from the next step
     loss_and_grads(model, ids)
-    assert len(ctl.token_weights()) == len(ctl.branches)
-    ctl.token_drop_rate = 0.0  # and off again: exactly the plain model
+    assert len(ctl.features["token_drops"].weights()) == len(ctl.branches)
+    ctl.features["token_drops"].rate = 0.0  # and off again: exactly the plain model
     _, again = loss_and_grads(model, ids)
     assert_same_grads(again, want, atol=0.0)
 
 
 def test_eval_and_no_grad_forwards_select_nothing():
     model = tiny_model("llama")
-    ctl = dropbp.apply(model, 0.0, token_drop_rate=0.5)
+    ctl = dropbp.apply(model, 0.0, features=[dropbp.experimental.TokenDrops(0.5)])
     ids = batch(3)
     with torch.no_grad():
         model(input_ids=ids)
     model.eval()
     model(input_ids=ids, labels=ids).loss.backward()
-    assert ctl.token_weights() == {} and ctl.step == 0
+    assert ctl.features["token_drops"].weights() == {} and ctl.step == 0
     model.train()
     with ctl.forcing(frozenset()):  # calibration's forced forwards measure plain gradients
         model(input_ids=ids, labels=ids).loss.backward()
-    assert ctl.token_weights() == {}
+    assert ctl.features["token_drops"].weights() == {}
 
 
 @pytest.mark.parametrize(("drop_rate", "token_drop_rate"), [(0.5, 0.5), (0.0, "auto")], ids=["fixed", "auto"])
@@ -243,17 +247,17 @@ def test_a_resumed_run_repeats_the_selections(drop_rate, token_drop_rate):
         out = []
         for i in steps:
             loss_and_grads(model, ids[i])
-            out.append({k: v.clone() for k, v in ctl.token_weights().items()})
+            out.append({k: v.clone() for k, v in ctl.features["token_drops"].weights().items()})
         return out
 
     model = tiny_model("llama")
-    ctl = dropbp.apply(model, drop_rate, token_drop_rate=token_drop_rate, seed=9)
+    ctl = apply_arm(model, drop_rate, token_drop_rate=token_drop_rate, seed=9)
     run(model, ctl, range(3))
     state = ctl.state_dict()
-    assert ("token_shares" in state) == (token_drop_rate == "auto")
+    assert ("token_drops" in state) == (token_drop_rate == "auto")
     straight = run(model, ctl, range(3, 6))
     ctl.remove()
-    resumed = dropbp.apply(model, drop_rate, token_drop_rate=token_drop_rate, seed=0)
+    resumed = apply_arm(model, drop_rate, token_drop_rate=token_drop_rate, seed=0)
     resumed.load_state_dict(state)
     again = run(model, resumed, range(3, 6))
     for a, b in zip(straight, again, strict=True):
@@ -267,7 +271,7 @@ def test_the_weighted_selection_is_unbiased(rule):
     model = tiny_model("llama", layers=2)
     ids = batch(5, size=2, length=16)
     _, full = loss_and_grads(model, ids)
-    ctl = dropbp.apply(model, 0.0, token_drop_rate=0.75, token_selection=rule)
+    ctl = apply_arm(model, 0.0, token_drop_rate=0.75, token_selection=rule)
     name = "model.layers.0.mlp.down_proj.weight"
     samples = []
     for seed in range(300):
@@ -288,7 +292,7 @@ def test_the_weighted_selection_is_unbiased_for_lora_adapters():
     model = _model("llama", "lora", checkpointing=False)
     ids = batch(5, size=2, length=16)
     _, full = loss_and_grads(model, ids)
-    ctl = dropbp.apply(model, 0.0, token_drop_rate=0.5)
+    ctl = dropbp.apply(model, 0.0, features=[dropbp.experimental.TokenDrops(0.5)])
     names = [n for n in full if full[n] is not None and ".layers.0.self_attn.q_proj.lora_" in n]
     samples: dict[str, list] = {n: [] for n in names}
     for seed in range(200):
@@ -308,9 +312,9 @@ def test_the_forward_and_cumulative_rules_match_the_reference_for_their_selectio
     """The recorded weights of TokenDrop's two rules give the reference's gradients, as the default rule's do."""
     model = _model("llama", "lora", checkpointing=False)
     ids = batch(2, size=2, length=12)
-    ctl = dropbp.apply(model, 0.0, token_drop_rate=0.5, token_selection=rule, seed=3)
+    ctl = apply_arm(model, 0.0, token_drop_rate=0.5, token_selection=rule, seed=3)
     loss, got = loss_and_grads(model, ids)
-    weights = ctl.token_weights()
+    weights = ctl.features["token_drops"].weights()
     ctl.remove()
     handles = _weighted_outputs(model, weights)
     plain_loss, want = loss_and_grads(model, ids)
@@ -323,15 +327,15 @@ def test_the_forward_and_cumulative_rules_match_the_reference_for_their_selectio
 def test_cumulative_selection_keeps_the_topmost_branchs_rows_in_every_branch_below():
     model = tiny_model("llama", layers=3)
     ids = batch(3, size=2, length=16)
-    ctl = dropbp.apply(model, 0.0, token_drop_rate=0.75, token_selection="cumulative", seed=1)
+    ctl = dropbp.apply(model, 0.0, seed=1, features=[dropbp.experimental.TokenDrops(0.75, "cumulative")])
     for _ in range(2):
         loss_and_grads(model, ids)
-        weights = list(ctl.token_weights().values())
+        weights = list(ctl.features["token_drops"].weights().values())
         assert len(weights) == 6 and all(torch.equal(w, weights[0]) for w in weights)
         assert int((weights[0] > 0).sum()) == keep_count(32, 0.75)
     first = weights[0]
     loss_and_grads(model, ids)  # the next forward draws anew
-    assert not torch.equal(next(iter(ctl.token_weights().values())), first)
+    assert not torch.equal(next(iter(ctl.features["token_drops"].weights().values())), first)
 
 
 def test_the_residual_rule_keeps_rows_by_the_size_of_the_branch_output():
@@ -398,15 +402,21 @@ def test_a_lazy_graph_device_gathers_fixed_row_counts():
 @pytest.mark.parametrize(
     ("option", "value", "match"),
     [
-        ("token_drop_rate", 1.0, "token_drop_rate must be .* the share of token rows whose backward each kept"),
-        ("token_drop_rate", -0.1, "token_drop_rate must be"),
-        ("token_selection", "largest", "token_selection must be one of"),
-        ("token_drop_rate", "most", "token_drop_rate must be .* or 'auto'"),
+        ("rate", 1.0, "rate must be .* the share of token rows whose backward each kept"),
+        ("rate", -0.1, "rate must be"),
+        ("selection", "largest", "selection must be one of"),
+        ("rate", "most", "rate must be .* or 'auto'"),
     ],
 )
 def test_bad_token_options_say_what_to_do(option, value, match):
     with pytest.raises((ValueError, TypeError), match=match):
-        dropbp.apply(tiny_model("llama"), 0.5, **{option: value})
+        dropbp.experimental.TokenDrops(**{"rate": 0.5, option: value})
+    drops = dropbp.experimental.TokenDrops(0.5)
+    with pytest.raises((ValueError, TypeError), match=match):  # a refused setting changes nothing
+        setattr(drops, option, value)
+    assert (drops.rate, drops.selection) == (0.5, "gradient")
+    with pytest.raises(TypeError, match=r"no longer takes token_drop_rate \(dropbp 0.3\).*TokenDrops"):
+        dropbp.apply(tiny_model("llama"), 0.5, token_drop_rate=0.5)  # 0.2's spelling says where it went
 
 
 def _matches_reference(model: torch.nn.Module, ctl, reference: torch.nn.Module, ids: torch.Tensor) -> None:
@@ -415,7 +425,7 @@ def _matches_reference(model: torch.nn.Module, ctl, reference: torch.nn.Module, 
     from conftest import detach_outputs
 
     loss, got = loss_and_grads(model, ids)
-    weights = {k: v for k, v in ctl.token_weights().items() if k not in ctl.last_dropped}
+    weights = {k: v for k, v in ctl.features["token_drops"].weights().items() if k not in ctl.last_dropped}
     handles = [*_weighted_outputs(reference, weights), *detach_outputs(reference, ctl.last_dropped)]
     plain_loss, want = loss_and_grads(reference, ids)
     for h in handles:
@@ -429,10 +439,10 @@ def test_token_drops_compose_with_the_memory_bound_and_the_chunked_loss():
 
     model = tiny_model("llama", layers=4)
     reference = copy.deepcopy(model)
-    ctl = dropbp.apply(model, 0.75, token_drop_rate=0.5, chunked_loss=8, seed=2)
+    ctl = dropbp.apply(model, 0.75, seed=2, features=[dropbp.experimental.TokenDrops(0.5), dropbp.ChunkedLoss(8)])
     assert ctl.memory_bound
     for step in range(4):
-        ctl.token_weights().clear()
+        ctl.features["token_drops"].weights().clear()
         _matches_reference(model, ctl, reference, batch(step, size=2, length=16))
 
 
@@ -447,7 +457,7 @@ def test_4bit_layers_run_full_rows_said_once_and_lora_stays_exact(monkeypatch):
     model = with_lora(quantize_4bit(tiny_model("llama", layers=2), torch.float32))
     reference = copy.deepcopy(model)
     with pytest.warns(UserWarning, match=r"token drops run the backward of \d+ linear map\(s\) on full rows") as seen:
-        ctl = dropbp.apply(model, 0.0, token_drop_rate=0.5)
+        ctl = dropbp.apply(model, 0.0, features=[dropbp.experimental.TokenDrops(0.5)])
     assert len([w for w in seen if "full rows" in str(w.message)]) == 1
     for step in range(2):
         _matches_reference(model, ctl, reference, batch(step))
@@ -460,7 +470,7 @@ def test_grad_mode_is_restored_when_a_gathered_linear_map_raises(monkeypatch, er
     without autograd; an exception in it (Ctrl-C included) leaves grad mode as it was, and the next step is exact."""
     model = _model("llama", "full", checkpointing, layers=2)
     reference = copy.deepcopy(model)
-    ctl = dropbp.apply(model, 0.0, token_drop_rate=0.5)
+    ctl = dropbp.apply(model, 0.0, features=[dropbp.experimental.TokenDrops(0.5)])
     down = model.model.layers[1].mlp.down_proj
 
     def broken(x):
@@ -537,16 +547,16 @@ def test_auto_keeps_every_row_until_measured_then_the_fewest_its_readings_allow(
     model = tiny_model("llama")
     reference = copy.deepcopy(model)
     first, second = batch(1, size=2, length=16), batch(2, size=2, length=16)
-    ctl = dropbp.apply(model, 0.0, token_drop_rate="auto", seed=2)
+    ctl = dropbp.apply(model, 0.0, seed=2, features=[dropbp.experimental.TokenDrops("auto")])
     _, got = loss_and_grads(model, first)
-    weights = ctl.token_weights()
+    weights = ctl.features["token_drops"].weights()
     rows = _branch_output_gradients(reference, list(weights), first)
     for name, w in weights.items():  # every row that carries gradient (not a sequence's last), weight 1
         assert torch.equal(w, (rows[name].norm(dim=1) > 0).float()), name
     _, want = loss_and_grads(reference, first)
     assert_same_grads(got, want, atol=1e-6)  # so the step is full backprop's
     loss_and_grads(model, second)
-    for name, w in ctl.token_weights().items():
+    for name, w in ctl.features["token_drops"].weights().items():
         norms = rows[name].float().norm(dim=1).tolist()
         readings = [_reference_added_variance(norms, keep_count(32, 1 - share)) for share in AUTO_KEEP_SHARES]
         share = next(s for s, r in zip(AUTO_KEEP_SHARES, readings, strict=True) if r <= AUTO_VARIANCE_BUDGET)
@@ -556,18 +566,20 @@ def test_auto_keeps_every_row_until_measured_then_the_fewest_its_readings_allow(
 def test_leaving_auto_forgets_its_readings():
     """A fixed rate set after "auto" reads nothing more; back on "auto", every row is kept again until measured."""
     model = tiny_model("llama")
-    ctl = dropbp.apply(model, 0.0, token_drop_rate="auto", seed=2)
+    ctl = dropbp.apply(model, 0.0, seed=2, features=[dropbp.experimental.TokenDrops("auto")])
     for step in range(3):
         loss_and_grads(model, batch(step, size=2, length=16))
-    assert min(ctl.token_keep_shares().values()) < 1.0
-    ctl.token_drop_rate = 0.5
+    assert min(ctl.features["token_drops"].keep_shares().values()) < 1.0
+    ctl.features["token_drops"].rate = 0.5
     loss_and_grads(model, batch(3, size=2, length=16))
-    assert set(ctl.token_keep_shares().values()) == {0.5}
-    ctl.token_drop_rate = "auto"
-    assert set(ctl.token_keep_shares().values()) == {1.0}
+    assert set(ctl.features["token_drops"].keep_shares().values()) == {0.5}
+    ctl.features["token_drops"].rate = "auto"
+    assert set(ctl.features["token_drops"].keep_shares().values()) == {1.0}
     ids = batch(4, size=2, length=16)
     loss_and_grads(model, ids)
-    for name, w in ctl.token_weights().items():  # every row but each sequence's last (no gradient), weight 1
+    for name, w in (
+        ctl.features["token_drops"].weights().items()
+    ):  # every row but each sequence's last (no gradient), weight 1
         assert torch.equal(w, (w > 0).float()) and int((w > 0).sum()) == 30, name
 
 
@@ -575,44 +587,51 @@ def test_leaving_auto_forgets_its_readings():
 def test_auto_gradients_equal_the_reference_for_the_recorded_selection(method):
     model = _model("llama", method, checkpointing=False)
     reference = copy.deepcopy(model)
-    ctl = dropbp.apply(model, 0.5, token_drop_rate="auto", seed=6)
+    ctl = dropbp.apply(model, 0.5, seed=6, features=[dropbp.experimental.TokenDrops("auto")])
     for step in range(4):
         ids = batch(step, size=2, length=12)
         _, got = loss_and_grads(model, ids)
         from conftest import detach_outputs
 
-        handles = _weighted_outputs(reference, ctl.token_weights()) + detach_outputs(reference, tuple(ctl.last_dropped))
+        handles = _weighted_outputs(reference, ctl.features["token_drops"].weights()) + detach_outputs(
+            reference, tuple(ctl.last_dropped)
+        )
         _, want = loss_and_grads(reference, ids)
         for h in handles:
             h.remove()
         assert_same_grads(got, want, atol=1e-5)
-    assert any(int((w > 0).sum()) < 24 for w in ctl.token_weights().values())  # rows were dropped by then
+    assert any(
+        int((w > 0).sum()) < 24 for w in ctl.features["token_drops"].weights().values()
+    )  # rows were dropped by then
 
 
 @pytest.mark.parametrize(
     ("edit", "match"),
     [
-        (lambda t: t["shares"].__setitem__(0, 0.3), r"token_shares'\]\['shares'\]\[0\] must be one of"),
+        (lambda t: t["shares"].__setitem__(0, 0.3), r"token_drops'\]\['shares'\]\[0\] must be one of"),
         (lambda t: t["readings"].__setitem__(1, [0.1]), r"must hold 8 numbers"),
         (lambda t: t["shares"].pop(), r"has 5 entries, the state 6 branches"),
     ],
 )
 def test_a_bad_auto_state_is_refused_naming_the_field(edit, match):
     model = tiny_model("llama")
-    ctl = dropbp.apply(model, 0.0, token_drop_rate="auto")
+    ctl = dropbp.apply(model, 0.0, features=[dropbp.experimental.TokenDrops("auto")])
     loss_and_grads(model, batch(0))
     state = ctl.state_dict()
-    edit(state["token_shares"])
+    before = copy.deepcopy(state)
+    edit(state["token_drops"])
     with pytest.raises(ValueError, match=match):
         ctl.load_state_dict(state)
+    assert ctl.state_dict() == before  # nothing loaded
 
 
 def test_a_lazy_graph_device_gives_every_branch_one_share():
     in_force = [1.0, 0.5, 0.5, 1.0]
     chosen = {1: 0.25, 2: 0.75}  # branches 0 and 3 not read yet
-    assert _Lazy().token_shares(in_force, chosen) == [0.75] * 4
-    assert _Lazy().token_shares(in_force, {}) == in_force
-    assert dropbp.backends.get("cpu").token_shares(in_force, chosen) == [1.0, 0.25, 0.75, 1.0]
+    assert _Lazy().compiles_graphs and not dropbp.backends.get("cpu").compiles_graphs  # the device states the fact
+    assert token_shares(in_force, chosen, one_share=True) == [0.75] * 4  # the policy decides
+    assert token_shares(in_force, {}, one_share=True) == in_force
+    assert token_shares(in_force, chosen, one_share=False) == [1.0, 0.25, 0.75, 1.0]
 
 
 # -- on a GPU ------------------------------------------------------------------------------------------
@@ -626,15 +645,17 @@ def test_cuda_gradients_equal_the_reference_for_the_recorded_selection(method, c
 
     model = _model("llama", method, checkpointing).cuda()
     reference = copy.deepcopy(model)
-    ctl = dropbp.apply(model, 0.5, token_drop_rate=token_drop_rate, seed=6, backend="cuda")
+    ctl = apply_arm(model, 0.5, token_drop_rate=token_drop_rate, seed=6, backend="cuda")
     for step in range(4):
         ids = batch(step, size=2, length=12).cuda()
         _, got = loss_and_grads(model, ids)
-        weights = ctl.token_weights()
+        weights = ctl.features["token_drops"].weights()
         assert all(w.device.type == "cuda" for w in weights.values())
         handles = _weighted_outputs(reference, weights) + detach_outputs(reference, tuple(ctl.last_dropped))
         _, want = loss_and_grads(reference, ids)
         for h in handles:
             h.remove()
         assert_same_grads(got, want, atol=2e-5)
-    assert any(int((w > 0).sum()) < 24 for w in ctl.token_weights().values())  # rows were dropped by then
+    assert any(
+        int((w > 0).sum()) < 24 for w in ctl.features["token_drops"].weights().values()
+    )  # rows were dropped by then

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import attach_experimental, tiny_model
 
 hypothesis = pytest.importorskip("hypothesis")
 transformers = pytest.importorskip("transformers")
@@ -26,7 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from test_hf_integration import _args, _dataset  # noqa: E402
 
 from dropbp.controller import controller_of  # noqa: E402
-from dropbp.integrations.hf import DropBPCallback, attach  # noqa: E402
+from dropbp.integrations.hf import DropBPCallback  # noqa: E402
 
 LAZY_BOUND = 16  # the lazy backend's pattern bound (backends.lazy: default_max_patterns)
 
@@ -85,7 +85,7 @@ class TrainerRuns(RuleBasedStateMachine):
         folder = output_dir or tempfile.mkdtemp(prefix="dropbp-runs-")
         args = _args(Path(folder), gradient_accumulation_steps=self.accumulation, output_dir=folder, logging_steps=1000)
         made = dict(model_init=lambda: tiny_model("llama", layers=3)) if self.how == "model_init" else {}
-        callback = DropBPCallback(**options) if self.how == "callback" else None
+        callback = DropBPCallback.experimental(**options) if self.how == "callback" else None
         trainer = transformers.Trainer(
             model=None if made else tiny_model("llama", layers=3),
             args=args,
@@ -95,7 +95,7 @@ class TrainerRuns(RuleBasedStateMachine):
             **made,
         )
         if callback is None:
-            callback = attach(trainer, **options)
+            callback = attach_experimental(trainer, **options)
         return trainer, callback, recorder
 
     def _length(self, trainer, epochs: int | None, steps: int | None) -> int:
@@ -136,7 +136,7 @@ class TrainerRuns(RuleBasedStateMachine):
         ctl = callback.controller
         for name, value in options.items():
             if name not in ("warmup", "backend"):
-                assert getattr(ctl.options_given, name) == value, (name, value)
+                assert getattr(ctl.options, name) == value, (name, value)
         self._check_run(trainer, callback, recorder, steps, resumed_at=3)
         self.trainer, self.callback, self.recorder, self.backend = trainer, callback, recorder, backend
         self.options = options
@@ -152,13 +152,13 @@ class TrainerRuns(RuleBasedStateMachine):
         assert ctl.total_steps == forwards
         if not callback.calibrated:  # (calibration replaces the rates: earlier forwards drew with the shape's own)
             assert all(dropped == ctl.dropped_at(s) for s, dropped in recorder.seen.items())
-            assert ctl.mean_drop_rate(0, forwards) == pytest.approx(ctl.drop_rate, abs=1e-6)
+            assert ctl.schedule.mean_drop_rate(0, forwards) == pytest.approx(ctl.drop_rate, abs=1e-6)
         if ctl.backend.name == "lazy":
             assert ctl.max_patterns is not None and ctl.max_patterns <= LAZY_BOUND
             assert len(set(recorder.seen.values())) <= ctl.max_patterns
         expected_windows = None if self.batches % self.accumulation == 0 else (self.batches, self.accumulation)
-        assert ctl.windows == expected_windows
-        if ctl.stratify > 1 and ctl.warmup_steps == 0:
+        assert ctl.options.windows == expected_windows
+        if ctl.options.stratify > 1 and ctl.warmup_steps == 0:
             names = [b.name for b in ctl.branches]
             start = 0
             for m in sizes:

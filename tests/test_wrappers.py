@@ -10,6 +10,7 @@ from conftest import accelerate_bf16_forward, batch, tiny_model, with_lora
 from test_hf_integration import _args, _dataset
 
 import dropbp
+from dropbp.tools.arms import apply_arm
 
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
@@ -36,7 +37,7 @@ def test_trainer_bf16_with_the_chunked_loss_callback_trains_as_without_it(tmp_pa
 
     plain = _bf16_trainer(tmp_path / "plain", method)
     plain.train()
-    callback = DropBPCallback(drop_rate=0.0, chunked_loss=True)
+    callback = DropBPCallback(drop_rate=0.0, features=[dropbp.ChunkedLoss()])
     chunked = _bf16_trainer(tmp_path / "chunked", method, callbacks=[callback])
     chunked.train()  # Accelerate's forward was on the model before on_train_begin: chunked_loss goes on top of it
     assert len(_losses(chunked)) == 4
@@ -53,7 +54,7 @@ def _accelerate_mixed_precision(model: torch.nn.Module) -> torch.nn.Module:
 def test_remove_takes_off_only_dropbps_forward(chunked_loss):
     model = tiny_model("llama", layers=4)
     ids = batch(0)
-    ctl = dropbp.apply(model, 0.5, seed=0, chunked_loss=chunked_loss)
+    ctl = apply_arm(model, 0.5, seed=0, chunked_loss=chunked_loss)
     model = _accelerate_mixed_precision(model)  # installed on top of dropbp's forward
     wrapper = vars(model)["forward"]
     model.eval()
@@ -75,7 +76,7 @@ def test_remove_takes_off_only_dropbps_forward(chunked_loss):
 def test_apply_after_accelerate_then_remove_leaves_accelerates_forward():
     model = _accelerate_mixed_precision(tiny_model("llama", layers=4))
     wrapper = vars(model)["forward"]
-    ctl = dropbp.apply(model, 0.5, seed=0, chunked_loss=True)
+    ctl = dropbp.apply(model, 0.5, seed=0, features=[dropbp.ChunkedLoss()])
     ids = batch(1)
     model(input_ids=ids, labels=ids).loss.backward()
     ctl.remove()
@@ -83,14 +84,14 @@ def test_apply_after_accelerate_then_remove_leaves_accelerates_forward():
 
 
 def test_chunked_loss_applied_twice_is_refused():
-    from dropbp.chunked_loss import ChunkedLoss
+    from dropbp.features.chunked_loss import ChunkedHead
 
     model = tiny_model("llama", layers=2)
-    first = ChunkedLoss(model)
+    first = ChunkedHead(model)
     with pytest.raises(RuntimeError, match="already on this LlamaForCausalLM .*remove the first"):
-        ChunkedLoss(model)
+        ChunkedHead(model)
     first.remove()
-    ChunkedLoss(model).remove()
+    ChunkedHead(model).remove()
 
 
 def test_a_copy_leaves_out_accelerates_forward_over_dropbps_and_runs_itself():

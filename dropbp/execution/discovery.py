@@ -136,7 +136,7 @@ def row_local_linears(branch: Branch) -> tuple[list[RowLocalLinear], list[str]]:
 def recomputes_on_kept_rows(branch: Branch) -> bool:
     """Whether token drops may recompute ``branch`` on its kept rows alone, under activation checkpointing: an MLP
     branch without a tail or experts, so that each row of its one output tensor is a function of the same row of its
-    input alone (:mod:`dropbp.execution.token_backward`)."""
+    input alone (:mod:`dropbp.experimental.token_backward`)."""
     paths = (name.split(".") for name, _ in branch.module.named_modules())
     return branch.kind == "mlp" and not branch.tail and not any(EXPERTS in path for path in paths)
 

@@ -31,9 +31,8 @@ from dropbp.execution.branch_forward import attach_gradient_scaling, attach_no_g
 from dropbp.execution.compile_guards import outside_graphs
 from dropbp.execution.discovery import BRANCH_ADVICE, Branch, ResidualProbe, holder
 from dropbp.execution.distributed import check_running_ddp_checkpointing
-from dropbp.execution.patching import ForwardPatch
+from dropbp.execution.patching import ForwardPatch, HookSwitch
 from dropbp.execution.recompute import RecomputeCache, forward_region, in_backward, recomputed_region
-from dropbp.execution.token_backward import RowSlot
 from dropbp.policy.drop_policy import DropPolicy
 from dropbp.policy.lr_compensation import compensation
 
@@ -60,21 +59,11 @@ class ExecutionSettings:
     unbiased: bool = False
     bounded: bool = False
     seed: int = 0
-    token_drop_rate: float | None = 0.0  # None: token_drop_rate="auto" (each branch's share is token drops' own)
-    token_selection: str = "gradient"
 
     @classmethod
     def of(cls, options: object) -> ExecutionSettings:
         """The share of resolved options (a :class:`dropbp.options.DropBPOptions` after ``resolved``)."""
-        token_drop_rate = options.token_drop_rate
-        return cls(
-            options.drop_rate,
-            options.unbiased,
-            bool(options.memory_bound),
-            options.seed,
-            None if isinstance(token_drop_rate, str) else token_drop_rate,
-            options.token_selection,
-        )
+        return cls(options.drop_rate, options.unbiased, bool(options.memory_bound), options.seed)
 
 
 #: A forward's decision: the dropped branches, and every branch's drop rate then (empty: nothing drops).
@@ -115,6 +104,7 @@ class StepHooks:
         self.settings = settings
         #: Whether kept branches get importance weights in the forward under way (``unbiased``, read as it starts).
         self.weighting = False
+
         #: Training forwards that drew a pattern so far (the step counter).
         self.step = 0
         #: The pattern in force: indices of the dropped branches.
@@ -148,6 +138,7 @@ class StepHooks:
             model.register_forward_hook(self._after_model_forward, always_call=True),
             *self._probe.handles,
         ]
+        model_level = len(self._handles)
         for index, (module, *tail) in enumerate(parts):
             dropped, cache = self._dropped_test(index), self._recompute.branches[index]
             # the gradient entering the branch is the one at the residual add: the last part's output
@@ -159,6 +150,9 @@ class StepHooks:
             for norm in tail:  # checkpointing recomputes a norm cheaply: no held output needed
                 self._handles += attach_no_grad_hooks(norm, dropped)
             self._handles.append(attach_gradient_scaling(tail[-1], self._scale_for(index)))
+        #: The branches' own hooks, taken out of their modules while a training forward can drop nothing and weighs
+        #: nothing (every rate 0): the branches then run exactly as without dropbp, at no cost per call.
+        self._branch_hooks = HookSwitch(self._handles[model_level:])
         guarded = self._guarded_forward()
         self._guard = ForwardPatch(model, guarded)
         # the model's own signature: the Trainer keeps the dataset columns that forward names
@@ -275,18 +269,12 @@ class StepHooks:
         kept_scale = self._kept_scale(index)
         return lambda module: 1.0 if index in self.in_force() else kept_scale(module)  # dropped: no gradient
 
-    def token_slot(self, index: int) -> RowSlot | None:
-        """The token selection a call of branch ``index`` now makes (:mod:`dropbp.execution.token_backward`): None
-        where it makes none (token drops off, the branch dropped, calibration's forced forwards, outside a training
-        forward of the model or its recomputation)."""
-        settings = self.settings
-        off = settings.token_drop_rate is not None and settings.token_drop_rate <= 0.0
-        if off or self.forced is not None:
+    def kept_step(self, index: int) -> int | None:
+        """The step of the training forward (or its recomputation) in which branch ``index`` runs kept now; None
+        where it is dropped, in calibration's forced forwards and outside a training forward of the model."""
+        if self.forced is not None or not (self._forward or in_backward()) or index in self.in_force():
             return None
-        if not (self._forward or in_backward()) or index in self.in_force():
-            return None
-        key = (settings.seed, max(0, self.step - 1), index)  # the forward under way has counted its step
-        return RowSlot(key, settings.token_drop_rate, settings.token_selection, self._backend.place_rows)
+        return max(0, self.step - 1)  # the forward under way has counted its step
 
     def kept_bound(self) -> int | None:
         """How many kept branches may store activations in a training forward now (None: the bound is off)."""
@@ -298,13 +286,18 @@ class StepHooks:
         if in_backward():
             return  # checkpointing recomputes the whole model: the step's decision stands
         self.weighting = self.settings.unbiased  # read once per forward, not at every branch call
+        training = model.training and torch.is_grad_enabled()
+        if training and self.forced is None and not self.weighting and self._policy.never_drops:
+            self._branch_hooks.turn_off()  # nothing to drop or weigh: the branches run as without dropbp
+        else:
+            self._branch_hooks.turn_on()
         if self.forced is not None:
             self.dropped = self.forced  # calibration passes: a given pattern, no step taken
             self._recompute.begin_forward()
             self._forward = True
             return
         self._forward = False  # until a pattern is drawn and accepted
-        if not (model.training and torch.is_grad_enabled()):
+        if not training:
             return  # eval or no-grad forwards drop nothing and leave the step's decision alone
         self.dropped = self.pattern(self.step)
         # read only where kept branches are weighted (unbiased=True): the hot path stays as it was without
@@ -383,6 +376,7 @@ class StepHooks:
 
     def remove(self) -> None:
         """Remove every hook; the model is as before."""
+        self._branch_hooks.turn_on()
         for h in self._handles:
             h.remove()
         self._handles = []

@@ -49,6 +49,8 @@ def _over_dropbp(forward: Any) -> Any:
     """``forward``, or, when it is another library's wrapper around a forward dropbp set (Accelerate's
     mixed-precision forward, put on after ``apply``), that forward of dropbp's: the wrapper calls the original
     model's forward, so a copy cannot keep it (said with a warning)."""
+    if hasattr(forward, _PREVIOUS):
+        return forward  # dropbp's own, on top (a feature's patch over the hooks' guard)
     link, depth = getattr(forward, "__wrapped__", None), 0
     while link is not None and depth < 16:
         if hasattr(link, _PREVIOUS):
@@ -218,3 +220,48 @@ class ForwardPatch:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+class HookSwitch:
+    """Takes hooks out of their modules (``off``) and puts each back where it was (``on``): a module with no hook
+    left is called on torch's fast path, with no hook call at all.
+
+    Args:
+        handles: the hooks switched, as :class:`~torch.utils.hooks.RemovableHandle` (their dicts' keys).
+    """
+
+    def __init__(self, handles: Iterable[RemovableHandle]) -> None:
+        self._handles = list(handles)
+        #: While off: per hooks dict, the dict, its keys' order when first taken from, and the hooks taken out.
+        self._taken: dict[int, tuple[dict, list[int], dict[int, Any]]] | None = None
+
+    @property
+    def off(self) -> bool:
+        return self._taken is not None
+
+    def turn_off(self) -> None:
+        if self._taken is not None:
+            return
+        taken: dict[int, tuple[dict, list[int], dict[int, Any]]] = {}
+        for handle in self._handles:
+            hooks = handle.hooks_dict_ref()
+            if hooks is not None and handle.id in hooks:
+                entry = taken.setdefault(id(hooks), (hooks, list(hooks), {}))
+                entry[2][handle.id] = hooks.pop(handle.id)
+        self._taken = taken
+
+    def turn_on(self) -> None:
+        """Each hook back in its place among its dict's others (hooks added meanwhile keep theirs: before the
+        earlier ones where prepended, else after them)."""
+        if self._taken is None:
+            return
+        for hooks, order, ours in self._taken.values():
+            now = list(hooks)
+            earlier = set(order)
+            first = next((i for i, key in enumerate(now) if key in earlier), len(now))
+            merged = now[:first] + [k for k in order if k in ours or k in hooks]
+            merged += [k for k in now[first:] if k not in earlier]
+            values = {**hooks, **ours}
+            hooks.clear()
+            hooks.update((key, values[key]) for key in merged)
+        self._taken = None

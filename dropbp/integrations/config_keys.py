@@ -1,9 +1,10 @@
 """DropBP's options as config keys: ``dropbp_`` and an option's name, checked as a YAML file gives them.
 
 :data:`DropBPArgs` is a pydantic model generated from :class:`dropbp.options.TrainerOptions` (every option, its
-default and help): the keys of an axolotl config (``dropbp.integrations.axolotl``) and of a LLaMA-Factory YAML
+default and help; ``features`` as one key per feature, :data:`FEATURE_KEYS`, which build the same feature objects as
+``features=[...]``): the keys of an axolotl config (``dropbp.integrations.axolotl``) and of a LLaMA-Factory YAML
 (``dropbp.integrations.llamafactory``). Numbers and booleans are strict (YAML types them: ``true`` is no drop rate);
-the options' own checks run with messages naming the keys.
+the options' own checks run with messages naming the keys; an experimental option's key says where it went.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, create_model, model_validator
 
-from dropbp.options import TrainerOptions, named_as, option_fields
+from dropbp.experimental import TokenDrops
+from dropbp.features import ChunkedLoss, Feature, NoiseScale
+from dropbp.options import EXPERIMENTAL, TrainerOptions, named_as, option_fields
 
-__all__ = ["PREFIX", "DropBPArgs"]
+__all__ = ["FEATURE_KEYS", "PREFIX", "DropBPArgs"]
 
 #: What goes before each option's name to make its config key.
 PREFIX = "dropbp_"
@@ -48,8 +51,31 @@ def _yaml_type(annotation: Any) -> Any:
 _YAML_OVERRIDES: dict[str, Any] = {
     "calibrate_at": StrictFloat | Literal["auto", False],
     "drop_rate": StrictFloat | Literal["auto"],
-    "token_drop_rate": StrictFloat | Literal["auto"],
 }
+
+
+def _token_drops(value: Any, keys: Mapping[str, Any]) -> Feature | None:
+    return TokenDrops(value, keys["token_selection"]) if value != 0 else None
+
+
+#: The config keys that stand for ``features``: per key, its type, default, help and the feature it builds from its
+#: value (None: none); ``token_selection`` goes with ``token_drop_rate``.
+FEATURE_KEYS: dict[str, tuple[Any, Any, str, Any]] = {
+    "measure_noise_scale": (
+        StrictBool, False, "Measure the gradient noise scale (the dropbp.NoiseScale feature).",
+        lambda value, keys: NoiseScale() if value else None,
+    ),
+    "chunked_loss": (
+        StrictBool | StrictInt, False, "The LM head and loss in chunks (dropbp.ChunkedLoss): true, or tokens per chunk",
+        lambda value, keys: None if value is False else ChunkedLoss(None if value is True else value),
+    ),
+    "token_drop_rate": (
+        StrictFloat | Literal["auto"], 0.0,
+        "Experimental token drops (dropbp.experimental.TokenDrops): the share of token rows skipped, or 'auto'.",
+        _token_drops,
+    ),
+    "token_selection": (str, "gradient", "Token drops' selection rule (with dropbp_token_drop_rate).", None),
+}  # fmt: skip
 
 
 class _DropBPArgsBase(BaseModel):
@@ -65,6 +91,20 @@ class _DropBPArgsBase(BaseModel):
         """
         if isinstance(data, Mapping) and "dropbp_calibrate_at" in data and data["dropbp_calibrate_at"] is None:
             data = {**data, "dropbp_calibrate_at": False}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dropbp_experimental_keys_moved(cls, data: Any) -> Any:
+        """An experimental option's key (``dropbp_stratify``) is refused, saying where it went, not ignored."""
+        moved = (
+            sorted(key for key in data if key.removeprefix(PREFIX) in EXPERIMENTAL) if isinstance(data, Mapping) else []
+        )
+        if moved:
+            raise ValueError(
+                f"{', '.join(moved)}: measured and not better, these options left the config keys in dropbp 0.3 "
+                "(dropbp.experimental.apply takes them; dropbp.options.EXPERIMENTAL names each one's record)"
+            )
         return data
 
     @model_validator(mode="after")
@@ -88,9 +128,17 @@ class _DropBPArgsBase(BaseModel):
 
     def attach_kwargs(self) -> dict[str, Any]:
         """The arguments of :func:`dropbp.integrations.hf.attach` that these keys stand for."""
-        kwargs = {f.name: getattr(self, PREFIX + f.name) for f in option_fields(TrainerOptions)}
+        kwargs = {f.name: getattr(self, PREFIX + f.name) for f in option_fields(TrainerOptions) if f.name != "features"}
         if kwargs["calibrate_at"] is False:
             kwargs["calibrate_at"] = None
+        keys = {name: getattr(self, PREFIX + name) for name in FEATURE_KEYS}
+        features = []
+        for name, (_, _, _, make) in FEATURE_KEYS.items():
+            try:
+                features.append(None if make is None else make(keys[name], keys))
+            except (ValueError, TypeError) as error:  # the feature's own check, named by its key
+                raise type(error)(f"{PREFIX}{name}: {error}") from None
+        kwargs["features"] = tuple(f for f in features if f is not None)
         return kwargs
 
     def options(self) -> TrainerOptions:
@@ -114,5 +162,10 @@ DropBPArgs = create_model(
     **{
         PREFIX + f.name: _key(f, hint)
         for f, hint in ((f, get_type_hints(TrainerOptions)[f.name]) for f in option_fields(TrainerOptions))
+        if f.name != "features"
+    },
+    **{
+        PREFIX + name: (kind, Field(default=default, description=text))
+        for name, (kind, default, text, _) in FEATURE_KEYS.items()
     },
 )

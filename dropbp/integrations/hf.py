@@ -26,7 +26,7 @@ from dropbp.execution.frameworks import unwrap
 from dropbp.files import read_json, write_atomically
 from dropbp.integrations.forecast import forecast, noise_scale_forecast
 from dropbp.internals import prepared_inputs
-from dropbp.options import AUTO, AUTO_WARMUP, TrainerOptions, takes_options
+from dropbp.options import AUTO_WARMUP, TrainerOptions, takes_options
 
 __all__ = [
     "STATE_FILE",
@@ -125,7 +125,7 @@ def check_gaudi_arguments(args: Any) -> None:
             "the model's forward as HPU graphs (Habana's ModuleCacher), which are replayed by input shape "
             "alone: the branches dropbp chooses each step would not change after the capture. Set "
             "use_hpu_graphs_for_training=False; in lazy mode dropbp bounds the graphs compiled itself (max_patterns; "
-            "ctl.pattern_plan() says how many)."
+            "ctl.schedule.patterns() says how many)."
         )
 
 
@@ -158,6 +158,14 @@ class DropBPCallback(TrainerCallback):
         self._removed = False
 
     @classmethod
+    @takes_options(TrainerOptions, experimental=True)
+    def experimental(cls, drop_rate: float | str = 0.5, **options: Any) -> DropBPCallback:
+        """The callback with the experimental options too (``dropbp.experimental.apply``'s)."""
+        return cls.from_options(
+            TrainerOptions.given("DropBPCallback.experimental", True, drop_rate=drop_rate, **options)
+        )
+
+    @classmethod
     def from_options(cls, options: TrainerOptions) -> DropBPCallback:
         """The callback of already checked options (:func:`attach`, the axolotl plugin)."""
         if not isinstance(options, TrainerOptions):
@@ -175,7 +183,8 @@ class DropBPCallback(TrainerCallback):
     def warmup(self) -> float:
         """The fraction of the training steps over which the rates rise from 0 (``"auto"``: 0.2, which
         a high drop rate may shorten when training begins; ``controller.warmup_steps`` is then the run's)."""
-        return AUTO_WARMUP if self.options.warmup == "auto" else self.options.warmup
+        fraction = self.options.warmup_fraction
+        return AUTO_WARMUP if fraction is None else fraction
 
     def _bind(self, trainer: Trainer) -> None:
         """Apply DropBP to ``trainer.model`` now, knowing the trainer (what :func:`attach` does)."""
@@ -305,7 +314,7 @@ class DropBPCallback(TrainerCallback):
         self._honour({name: state[name] for name in changed}, changed, path)
         self._follow_windows()  # a state saved by another run, or before windows were kept, has others
         forwards = self._forwards
-        if self.options.drop_rate != AUTO and self.controller.total_steps != forwards:
+        if not self.options.follows_noise_scale and self.controller.total_steps != forwards:
             self._replan(forwards)
 
     def _forecast_at_start(self, args: TrainingArguments, state: TrainerState, model: Any, loader: Any) -> bool:
@@ -315,10 +324,10 @@ class DropBPCallback(TrainerCallback):
         indexable data, no loss): the caller logs the map's forecast instead."""
         from dataclasses import replace
 
-        from dropbp.execution.gradient_noise import measure_windows
+        from dropbp.features.gradient_noise import measure_windows
 
         ctl = self.controller
-        if not ctl.measure_noise_scale or model is None:
+        if "noise_scale" not in ctl.features or model is None:
             return False
         batches = start_batches(loader, 2 * START_WINDOWS)
         if not batches:
@@ -343,7 +352,7 @@ class DropBPCallback(TrainerCallback):
         ``max_patterns=None`` asks for this device's own bound, which a state saved on the same device holds."""
         if not isinstance(state, dict):
             return {}  # load_state_dict refuses it, naming what is wrong
-        given = self.controller.options_given
+        given = self.controller.options
         asked = {name: getattr(given, name) for name in CALLBACK_DECIDES if name in state}
         if asked.get("max_patterns", 0) is None:
             asked["max_patterns"] = self.controller.backend.default_max_patterns
@@ -356,7 +365,7 @@ class DropBPCallback(TrainerCallback):
         ctl = self.controller
         if not changed:
             return
-        if self.options.drop_rate == AUTO:
+        if self.options.follows_noise_scale:
             ctl.replace_options(**changed)
         else:  # the checkpoint's warm-up was fitted to its own rate: fit the schedule again to the asked one
             ctl.replace_options(**changed, warmup_steps=0, total_steps=None)
@@ -374,9 +383,9 @@ class DropBPCallback(TrainerCallback):
         here on; the forwards already run followed the old one, so the run's mean drop rate moves. Said plainly."""
         ctl = self.controller
         done, before = ctl.step, ctl.total_steps
-        spent = ctl.mean_drop_rate(0, done) * done if done else 0.0
+        spent = ctl.schedule.mean_drop_rate(0, done) * done if done else 0.0
         self._schedule(forwards)
-        rest = ctl.mean_drop_rate(done, forwards) * (forwards - done) if forwards > done else 0.0
+        rest = ctl.schedule.mean_drop_rate(done, forwards) * (forwards - done) if forwards > done else 0.0
         mean = (spent + rest) / max(forwards, done)
         log.warning(
             "dropbp: this run resumed at training forward %d with another length: %s forwards before, %d now "
@@ -392,8 +401,8 @@ class DropBPCallback(TrainerCallback):
 
     def _follow_windows(self) -> None:
         """The run's optimizer-step windows on the controller (the run decides them, as the schedule's length)."""
-        if self.controller.windows != self._windows:
-            self.controller.windows = self._windows
+        if self.controller.options.windows != self._windows:
+            self.controller.replace_options(windows=self._windows)
 
     def _schedule(self, forwards: int) -> None:
         """The warm-up and the time schedule over a run of ``forwards`` training forwards.
@@ -403,9 +412,9 @@ class DropBPCallback(TrainerCallback):
         (the controller's message says what to change); ``"auto"`` takes the longest that fits, up to 20%.
         """
         ctl = self.controller
-        if self.options.drop_rate == AUTO:
+        if self.options.follows_noise_scale:
             return  # the measured noise scale sets each step's rate: no warm-up or time schedule
-        if self.options.warmup != "auto":
+        if self.options.warmup_fraction is not None:
             ctl.replace_options(warmup_steps=round(self.warmup * forwards), total_steps=forwards)
             return
         longest = round(AUTO_WARMUP * forwards)
@@ -453,20 +462,18 @@ class DropBPCallback(TrainerCallback):
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any):
         if self._active() and control.should_log:
-            stats = self.controller.drop_stats(reset=True)
+            stats = self.controller.schedule.drop_stats(reset=True)
             logs = {
                 "dropbp/dropped_branches": stats["dropped_branches"],
                 "dropbp/dropped_flops_fraction": stats["dropped_flops_fraction"],
             }
-            measured = self.controller.noise_scale() if self.controller.measure_noise_scale else None
-            if measured is not None:  # tokens; the optimizer step that just ran closes at the next one's forward
-                logs |= {"dropbp/noise_scale": measured.tokens, "dropbp/noise_ratio": measured.ratio}
-                if not self._noise_forecast_said and measured.steps >= NOISE_FORECAST_STEPS:
-                    self._noise_forecast_said = True
-                    log.info("%s", noise_scale_forecast(measured, self.controller.drop_rate))
-            if self.controller.token_drop_rate == AUTO:  # the shares the branches' readings chose
-                shares = list(self.controller.token_keep_shares().values())
-                logs |= {"dropbp/token_keep_share": sum(shares) / len(shares), "dropbp/token_keep_min": min(shares)}
+            for feature in self.controller.features.values():  # each feature's own figures
+                logs |= {f"dropbp/{name}": value for name, value in feature.logs().items()}
+            noise = self.controller.features.get("noise_scale")
+            measured = None if noise is None else noise.estimate()
+            if measured is not None and not self._noise_forecast_said and measured.steps >= NOISE_FORECAST_STEPS:
+                self._noise_forecast_said = True  # tokens; the step that just ran closes at the next one's forward
+                log.info("%s", noise_scale_forecast(measured, self.controller.drop_rate))
             self._log(args, state, control, logs)
             control.should_log = True  # the log cleared it: the Trainer still logs its loss at this step
 
@@ -499,7 +506,7 @@ def fit_auto_warmup(ctl: DropBPController, forwards: int) -> int:
     """Set ``ctl``'s schedule as ``warmup="auto"`` does for a run of ``forwards`` training forwards: the time
     schedule over them and the longest warm-up, up to 20% of them, whose peak the pattern shape can take (the
     peak grows with the warm-up). Returns that warm-up."""
-    longest = ctl.longest_warmup(forwards, round(AUTO_WARMUP * forwards))
+    longest = ctl.schedule.longest_warmup(forwards, round(AUTO_WARMUP * forwards))
     ctl.replace_options(warmup_steps=longest, total_steps=forwards)
     return longest
 

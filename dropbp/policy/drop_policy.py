@@ -203,6 +203,11 @@ class DropPolicy:
         return self._options.total_steps
 
     @property
+    def never_drops(self) -> bool:
+        """Whether no step can drop a branch: every rate is 0 (a warm-up or time schedule only scales them)."""
+        return not any(self._rates)
+
+    @property
     def rates(self) -> list[float]:
         """Per-branch drop rates, in branch order (a copy)."""
         return list(self._rates)

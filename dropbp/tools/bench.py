@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dropbp import apply
 from dropbp.backends import Backend
 from dropbp.execution.branch_forward import attach_no_grad_hooks
 from dropbp.imports import require
+from dropbp.tools.arms import apply_arm as apply
 from dropbp.tools.compare import timing_verdict
 from dropbp.tools.device_tools import tools_for
 from dropbp.tools.report import finish_axes, save_figure, write_record
@@ -40,6 +40,7 @@ __all__ = [
     "measure_model",
     "write_outputs",
 ]
+
 
 def _llama_shape(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int) -> dict:
     return dict(
@@ -173,7 +174,7 @@ class _Bench:
             whole = float(config == "all_dropped")
             return whole, whole
         ctl = attached[0]  # attached for this one step: its tally holds that step alone
-        return ctl.drop_stats()["dropped_flops_fraction"], ctl.drop_rate_at(ctl.step - 1)
+        return ctl.schedule.drop_stats()["dropped_flops_fraction"], ctl.schedule.drop_rate_at(ctl.step - 1)
 
     def step(self, ids: torch.Tensor) -> tuple[float, float, float]:
         """Forward, backward and optimizer seconds of one training step.

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dropbp import apply
 from dropbp.backends import Backend
 from dropbp.internals import module_hooks
+from dropbp.tools.arms import apply_arm as apply
 from dropbp.tools.check_report import FAIL, PASS, SKIP, Outcome
 
 __all__ = ["TOLERANCE", "Probe", "correctness_checks", "graph_saved_bytes"]
@@ -180,7 +180,7 @@ def check_token_gradients(probe: Probe) -> Outcome:
     ctl = apply(probe.model, 0.0, token_drop_rate=0.5, seed=0, backend=probe.backend)
     try:
         got = probe.grads()
-        recorded = ctl.token_weights()
+        recorded = ctl.features["token_drops"].weights()
         names = {module: name for name, module in probe.model.named_modules()}
         last = {b.name: names[b.parts[-1]] for b in ctl.branches}  # what the residual add receives
     finally:

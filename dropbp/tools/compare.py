@@ -21,12 +21,13 @@ from itertools import accumulate, pairwise
 import torch
 from torch import nn
 
-from dropbp import apply
+from dropbp import experimental
 from dropbp.backends import Backend
 from dropbp.controller import DropBPController
 from dropbp.execution.dropped_grads import DEFAULT_DROPPED_GRADS
 from dropbp.options import AUTO_WARMUP
 from dropbp.policy.allocation import cut_cap, cut_rates
+from dropbp.tools.arms import apply_arm as apply
 from dropbp.tools.device_tools import tools_for
 from dropbp.tools.frontier import equal_quality_speedup
 from dropbp.tools.textdata import TokenData
@@ -243,7 +244,7 @@ class _Trainee:
             if run.rates is not None:
                 self.ctl.set_rates(control_rates(run.rates, [b.flops for b in self.ctl.branches], run.drop_rate))
         if self.ctl is not None and run.lr_compensation:
-            groups = self.ctl.param_groups(lr)
+            groups = experimental.param_groups(self.ctl, lr)
         else:
             groups = [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(groups, lr=lr, weight_decay=regime.weight_decay)
@@ -279,15 +280,17 @@ class _Trainee:
         seconds = time.perf_counter() - start
         self.result.step_seconds.append(seconds)
         self.result.dropped_fractions.append(
-            self.ctl.drop_stats()["dropped_flops_fraction"] if self.ctl is not None else 0.0
+            self.ctl.schedule.drop_stats()["dropped_flops_fraction"] if self.ctl is not None else 0.0
         )
         self.elapsed += seconds
-        selections = self.ctl.token_weights() if self.ctl is not None and self.run.token_drop_rate else {}
+        selections = (
+            self.ctl.features["token_drops"].weights() if self.ctl is not None and self.run.token_drop_rate else {}
+        )
         if selections:
             kept = torch.stack([(w > 0).float().mean() for w in selections.values()]).mean()  # one host read
             self.result.kept_token_shares.append(float(kept))
         if self.run.measure_noise_scale:
-            measured = self.ctl.noise_scale()
+            measured = self.ctl.features["noise_scale"].estimate()
             self.result.noise_scale.append(None if measured is None else measured.tokens)
 
     def calibrate(self, ids: torch.Tensor) -> None:
@@ -298,7 +301,7 @@ class _Trainee:
         self.ctl.calibrate(lambda: self.model(input_ids=ids, labels=ids).loss)
         self.base_rates = self.ctl.rates
         if self.run.lr_compensation:
-            self.ctl.update_param_groups(self.opt)
+            experimental.update_param_groups(self.ctl, self.opt)
         self.backend.synchronize()
         self.result.calibration_seconds = time.perf_counter() - start
         self.elapsed += self.result.calibration_seconds

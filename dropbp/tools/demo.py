@@ -25,11 +25,12 @@ from pathlib import Path
 
 import torch
 
-from dropbp import __version__, apply
+from dropbp import __version__
 from dropbp.backends import Backend
 from dropbp.files import write_atomically
 from dropbp.imports import require
 from dropbp.integrations.forecast import forecast
+from dropbp.tools.arms import apply_arm as apply
 from dropbp.tools.bench import Point, measure_model
 from dropbp.tools.compare import Run, compare, run_options, summarise, timing_check
 from dropbp.tools.pretrained import UnusableModel, load_causal_lm

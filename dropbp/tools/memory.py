@@ -225,7 +225,6 @@ def saved_bytes(
         compare_full: also measure the same forward with nothing dropped (``full_total``).
     """
     ctl = _controller(target)
-    ctl.check_attached()
     model = ctl.model
     if not model.training or not torch.is_grad_enabled():
         raise RuntimeError("saved_bytes measures a training forward: call model.train() and leave grad mode on")

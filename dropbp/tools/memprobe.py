@@ -80,8 +80,9 @@ def _watch(budget: int, result: dict[str, Any]) -> None:
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
-    from dropbp import apply, backends
-    from dropbp.chunked_loss import ChunkedLoss
+    from dropbp import backends
+    from dropbp.features.chunked_loss import ChunkedHead
+    from dropbp.tools.arms import apply_arm as apply
     from dropbp.tools.bench import build_model
 
     backend = backends.get(spec.get("backend"))
@@ -92,7 +93,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     model = build_model(spec["preset"], spec["method"], seq, dtype, backend.device, checkpointing)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     if rate is None:  # the baseline: no DropBP (the chunked loss alone, if asked)
-        attached: Any = ChunkedLoss(model) if chunked else None
+        attached: Any = ChunkedHead(model) if chunked else None
     else:
         attached = apply(
             model,
@@ -157,7 +158,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _account(model, attached, ids: torch.Tensor, rate: float | None, chunked: bool) -> dict[str, int]:
     """Saved-activation bytes of the pattern the measured step used (the baseline: none dropped)."""
-    from dropbp import apply
+    from dropbp.tools.arms import apply_arm as apply
     from dropbp.tools.memory import saved_bytes
 
     _say("counting saved activations")

@@ -1,10 +1,11 @@
-"""A memory-lean LM head and cross-entropy for Hugging Face causal LMs called with ``labels``.
+"""The chunked loss feature (:class:`ChunkedLoss`): a memory-lean LM head and cross-entropy for Hugging Face causal
+LMs called with ``labels``.
 
 The head and the loss run over chunks of tokens inside one autograd function that keeps only the final hidden
 states and the labels and recomputes each chunk's logits in backward, so the full logits and their gradient never
 exist at once; the loss and every gradient are the plain path's. It is independent of dropping (usable at rate 0).
 It patches the model instance's ``forward`` (the class, ``isinstance``, state-dict keys and ``save_pretrained`` are
-unchanged); :meth:`ChunkedLoss.remove` restores it, and copies and pickles of the model leave it out
+unchanged); :meth:`ChunkedHead.remove` restores it, and copies and pickles of the model leave it out
 (:mod:`dropbp.execution.patching`). Only training forwards (``model.training`` and grad mode on) with ``labels`` take
 the chunked path, and they return ``logits=None``; evaluation keeps the plain path. Another library's forward already on
 the instance (Accelerate's mixed-precision wrapper) stays underneath and runs the body; the head and loss then run in
@@ -23,8 +24,10 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from dropbp.execution.patching import ForwardPatch
+from dropbp.features.base import Feature
+from dropbp.features.host import Host
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "ChunkedLoss", "UnsupportedModel", "linear_cross_entropy"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "ChunkedHead", "ChunkedLoss", "UnsupportedModel", "linear_cross_entropy"]
 
 #: float32 logits per chunk: 64 MiB, i.e. 341 tokens at a 49k vocabulary, 512 at 32k.
 DEFAULT_CHUNK_BYTES = 64 * 2**20
@@ -35,7 +38,7 @@ _LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": None, "logi
 
 
 class UnsupportedModel(ValueError):
-    """``chunked_loss`` cannot reproduce this model's loss; the message says why and what to do."""
+    """The chunked loss cannot reproduce this model's loss; the message says why and what to do."""
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -132,9 +135,9 @@ def _find_causal_lm(model: nn.Module) -> nn.Module:
             if head is not None:
                 return module
     raise UnsupportedModel(
-        f"chunked_loss needs a Hugging Face causal LM (a PreTrainedModel with an output embedding and a "
+        f"the chunked loss needs a Hugging Face causal LM (a PreTrainedModel with an output embedding and a "
         f"`labels` argument) inside the model; none found in {type(model).__name__}. "
-        "Leave chunked_loss=False for this model"
+        "Leave dropbp.ChunkedLoss out for this model"
     )
 
 
@@ -142,9 +145,9 @@ def _check_head(lm: nn.Module) -> nn.Linear:
     head = lm.get_output_embeddings()
     if type(head) is not nn.Linear:
         raise UnsupportedModel(
-            f"chunked_loss computes the head as a plain nn.Linear, but {type(lm).__name__}'s output layer is a "
+            f"the chunked loss computes the head as a plain nn.Linear, but {type(lm).__name__}'s output layer is a "
             f"{type(head).__name__} (an adapter on the LM head?); leave the head out of the adapter's "
-            "target_modules or use chunked_loss=False"
+            "target_modules or leave dropbp.ChunkedLoss out"
         )
     config = getattr(lm, "config", None)
     for name, neutral in _LOGIT_TRANSFORMS.items():
@@ -152,7 +155,7 @@ def _check_head(lm: nn.Module) -> nn.Linear:
         if value != neutral:
             raise UnsupportedModel(
                 f"{type(lm).__name__} transforms its logits ({name}={value}), so its loss is not cross-entropy of "
-                "the head's output; use chunked_loss=False for this model"
+                "the head's output; leave dropbp.ChunkedLoss out for this model"
             )
     return head
 
@@ -179,7 +182,7 @@ def _is_chunked(forward: Any) -> bool:
     return False
 
 
-class ChunkedLoss:
+class ChunkedHead:
     """The chunked head and loss patched onto the causal LM inside ``model``; ``remove()`` undoes it.
 
     Args:
@@ -192,11 +195,10 @@ class ChunkedLoss:
         head = _check_head(self.lm)
         if chunk_tokens is None:
             chunk_tokens = max(1, DEFAULT_CHUNK_BYTES // (4 * head.weight.shape[0]))
-        if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-            raise ValueError(f"chunk_tokens must be a positive int (tokens per chunk), got {chunk_tokens!r}")
+        _check_chunk_tokens(chunk_tokens)
         if _is_chunked(vars(self.lm).get("forward")):
             raise RuntimeError(
-                f"chunked_loss is already on this {type(self.lm).__name__} (applied twice); remove the first "
+                f"the chunked loss is already on this {type(self.lm).__name__} (applied twice); remove the first "
                 "(its controller's remove()) before applying it again"
             )
         self.chunk_tokens = chunk_tokens
@@ -228,7 +230,7 @@ class ChunkedLoss:
         ):
             raise UnsupportedModel(
                 "chunked_loss cannot find the router's auxiliary loss in a tuple output (return_dict=False with "
-                "output_router_logits); call the model with return_dict=True or use chunked_loss=False"
+                "output_router_logits); call the model with return_dict=True or leave dropbp.ChunkedLoss out"
             )
         hidden = out[0] if isinstance(out, tuple) else out.logits
         loss = linear_cross_entropy(
@@ -256,10 +258,53 @@ class ChunkedLoss:
         if coef is None:
             raise UnsupportedModel(
                 f"{type(self.lm).__name__} returns a router auxiliary loss (aux_loss) but no router_aux_loss_coef "
-                "to weigh it by, so chunked_loss cannot add it as the model would; use chunked_loss=False"
+                "to weigh it by, so the chunked loss cannot add it as the model would; leave dropbp.ChunkedLoss out"
             )
         return coef * aux.to(loss.device)
 
     def remove(self) -> None:
         """Restore the model's own forward."""
         self._patch.remove()
+
+
+def _check_chunk_tokens(chunk_tokens: object) -> None:
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be a positive int (tokens per chunk) or None, got {chunk_tokens!r}")
+
+
+class ChunkedLoss(Feature):
+    """The feature: for a Hugging Face causal LM called with ``labels`` in training, the LM head and cross-entropy in
+    chunks recomputed in backward (:class:`ChunkedHead`): same loss and gradients, but the full logits and their
+    gradient never exist at once, so they no longer cap the memory dropping saves. Such forwards return
+    ``logits=None``. Works at any drop rate, 0 included; turns ``memory_bound="auto"`` on.
+
+    Args:
+        chunk_tokens: tokens per chunk; None: as many as fit 64 MiB of float32 logits.
+    """
+
+    key = "chunked_loss"
+    bounds_memory = True
+
+    def __init__(self, chunk_tokens: int | None = None) -> None:
+        super().__init__()
+        if chunk_tokens is not None:
+            _check_chunk_tokens(chunk_tokens)
+        self._asked = chunk_tokens
+
+    def check(self, model: nn.Module, framework: bool) -> None:
+        _check_head(_find_causal_lm(model))
+
+    def attach(self, host: Host) -> None:
+        super().attach(host)
+        self._part = ChunkedHead(host.model, self._asked)
+
+    @property
+    def chunk_tokens(self) -> int | None:
+        """Tokens per chunk in force (None until attached, where ``chunk_tokens=None`` asks for the default)."""
+        return self._asked if self._part is None else self._part.chunk_tokens
+
+    def modules(self) -> list[nn.Module]:
+        return [] if self._part is None else [self._part.lm]
+
+    def __repr__(self) -> str:
+        return f"ChunkedLoss(chunk_tokens={self.chunk_tokens})"

@@ -1,4 +1,4 @@
-"""The gradient reads the noise scale needs (``measure_noise_scale=True``; the numbers are
+"""The gradient reads the noise scale feature needs (:class:`dropbp.NoiseScale`; the numbers are
 :mod:`dropbp.policy.noise_scale`'s).
 
 No extra forward or backward: each micro-batch's gradient is the difference of the accumulated gradients (``.grad``
@@ -43,9 +43,9 @@ def check_reads(model: nn.Module, framework: bool) -> None:
     if framework or sharded:
         what = "FSDP shards" if sharded else "this framework's engine partitions or reduces"
         raise RuntimeError(
-            f"measure_noise_scale reads each micro-batch's gradient from .grad, which {what} between the reads. "
+            f"the noise scale reads each micro-batch's gradient from .grad, which {what} between the reads. "
             "Measure the noise scale under DDP or in a one-process run (e.g. `dropbp check --model PATH`), or set "
-            "measure_noise_scale=False"
+            "leave dropbp.NoiseScale out"
         )
 
 
@@ -235,7 +235,8 @@ class MicroBatchGradients:
             return
         m = len(micro)
         scale = float(m * m)  # micro-batch gradients as means over their own tokens, the sum as the window's mean
-        gradient, trace = window_terms([float(x) * scale for x in micro], float(batch), sum(tokens) / m)
+        *squares, batch_square = torch.stack([*(x.to(batch.device) for x in micro), batch]).tolist()  # one host read
+        gradient, trace = window_terms([x * scale for x in squares], batch_square, sum(tokens) / m)
         ranks = _world()
         if ranks > 1:  # every rank closes the same steps (the same forwards): the terms averaged across them
             import torch.distributed as dist

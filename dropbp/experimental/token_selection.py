@@ -48,6 +48,7 @@ __all__ = [
     "selection_scores",
     "selection_weights",
     "systematic_sample",
+    "token_shares",
 ]
 
 #: The selection rules, the default first.
@@ -181,3 +182,14 @@ def selection_weights(
     """
     probabilities = RankedScores(selection_scores(row_norms, rule, residual_norms)).probabilities((keep,))[0]
     return sampled_weights(probabilities, order, offset)
+
+
+def token_shares(shares: list[float], chosen: dict[int, float], one_share: bool) -> list[float]:
+    """The keep share of every branch under ``TokenDrops("auto")``, from those in force (``shares``) and those the
+    readings now allow (``chosen``, by branch index, for the branches read so far): each read branch its own; with
+    ``one_share`` (a device that compiles every distinct graph: a step's graph is keyed by each branch's row count, so
+    per-branch shares would compile a graph per combination) one share for every branch, the largest a read branch
+    asks for (so every read branch's added variance stays within the budget)."""
+    if one_share and chosen:
+        return [max(chosen.values())] * len(shares)
+    return [chosen.get(index, share) for index, share in enumerate(shares)]

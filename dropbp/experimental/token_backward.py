@@ -1,11 +1,12 @@
-"""Token drops: a kept branch's backward on the token rows that carry its gradient (``token_drop_rate``).
+"""Token drops: a kept branch's backward on the token rows that carry its gradient (:class:`dropbp.experimental.
+TokenDrops`, the feature).
 
 What it computes. In a training forward, each kept branch's output passes through :class:`_SelectRows` (an identity).
 In backward, the gradient ``g`` arriving there (one row per token) is replaced by ``w * g``: the selection rule
-(:mod:`dropbp.policy.token_selection`) keeps rows with probability ``p_t`` and ``w_t = 1 / p_t`` on the kept rows, 0
-elsewhere, so every gradient the branch produces (its parameters', and what it passes down through its input) is an
-unbiased estimate of full backprop's. The residual stream is untouched. Exactly: every parameter's gradient equals
-the unmodified model's in which each kept branch's output ``y`` is replaced by
+(:mod:`dropbp.experimental.token_selection`) keeps rows with probability ``p_t`` and ``w_t = 1 / p_t`` on the kept
+rows, 0 elsewhere, so every gradient the branch produces (its parameters', and what it passes down through its
+input) is an unbiased estimate of full backprop's. The residual stream is untouched. Exactly: every parameter's
+gradient equals the unmodified model's in which each kept branch's output ``y`` is replaced by
 ``y.detach() + (w * y - (w * y).detach())`` (same values, gradient ``w * g``), for the weights recorded
 (:attr:`TokenDrops.last_weights`).
 
@@ -44,8 +45,7 @@ from torch.utils.hooks import RemovableHandle
 from dropbp.backends import Backend
 from dropbp.execution.compile_guards import outside_graphs
 from dropbp.execution.discovery import RowLocalLinear
-from dropbp.internals import checkpoint_hook
-from dropbp.policy.token_selection import (
+from dropbp.experimental.token_selection import (
     AUTO_KEEP_SHARES,
     RankedScores,
     added_variance_at,
@@ -53,7 +53,9 @@ from dropbp.policy.token_selection import (
     keep_count,
     sampled_weights,
     selection_scores,
+    token_shares,
 )
+from dropbp.internals import checkpoint_hook
 
 __all__ = ["RowSlot", "TokenDrops"]
 
@@ -446,7 +448,7 @@ class TokenDrops:
         device = self._readings[read[0]].device
         readings = torch.stack([self._readings[index].to(device) for index in read]).tolist()
         chosen = {index: auto_keep_share(values) for index, values in zip(read, readings, strict=True)}
-        self.auto_shares = self._backend.token_shares(self.auto_shares, chosen)
+        self.auto_shares = token_shares(self.auto_shares, chosen, one_share=self._backend.compiles_graphs)
 
     def auto_state(self) -> dict[str, list]:
         """token_drop_rate="auto"'s state: each branch's share in force and readings (None before its first)."""

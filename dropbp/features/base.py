@@ -1,0 +1,89 @@
+"""The protocol between the controller and a feature: what a capability beyond the paper's DropBP implements.
+
+A feature (the noise scale, the chunked loss, token drops) is given to ``dropbp.apply(..., features=[...])``. It owns
+its options (its constructor's arguments, checked there), its ``"auto"`` / ``None`` resolution, its part of the
+controller's ``state_dict`` (under its :attr:`Feature.key`), its Trainer log and its removal. The controller calls it
+(through :class:`dropbp.features.attached.AttachedFeatures`) and nothing else: :meth:`~Feature.check` before anything
+is attached (a refusal leaves the model as it was), :meth:`~Feature.attach` once the core is in place (a feature
+reaches the core through :class:`dropbp.features.host.Host` only), its state and log when asked, and
+:meth:`~Feature.remove` at ``ctl.remove()`` or when ``ctl.replace_options(features=...)`` leaves it out.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+if TYPE_CHECKING:
+    from dropbp.features.host import Host
+
+__all__ = ["Feature"]
+
+
+class Feature:
+    """A capability attached to one controller; subclasses override what they use (each default does nothing).
+
+    A feature object serves one controller: :meth:`attach` refuses a second one.
+    """
+
+    #: Its name: the controller's ``state_dict`` key, its entry in ``ctl.features`` and the prefix of its Trainer logs.
+    key: ClassVar[str] = ""
+    #: Whether ``memory_bound="auto"`` turns the bound on with it (what it buys is memory).
+    bounds_memory: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self._host: Host | None = None
+        #: What :meth:`attach` put on the model (an object with ``remove()``), taken off by :meth:`remove`.
+        self._part: Any = None
+
+    @property
+    def host(self) -> Host:
+        """What this feature may use of the controller it is attached to (:class:`dropbp.features.host.Host`)."""
+        if self._host is None:
+            raise RuntimeError(f"the {self.key} feature is not attached: pass it to dropbp.apply(..., features=[...])")
+        return self._host
+
+    @property
+    def attached(self) -> bool:
+        return self._host is not None
+
+    def check(self, model: nn.Module, framework: bool) -> None:
+        """Raise if this feature cannot run on ``model`` (``framework``: a DeepSpeed engine holds its gradients),
+        before the controller attaches anything."""
+
+    def attach(self, host: Host) -> None:
+        """Put the feature on the model; the core's hooks are in place. Subclasses call this first."""
+        if self._host is not None:
+            raise ValueError(f"this {type(self).__name__} is attached to another controller: make one per model")
+        self._host = host
+
+    def modules(self) -> list[nn.Module]:
+        """The modules it hooks or patches (copies and pickles of them come out clean)."""
+        return []
+
+    def handles(self) -> list[RemovableHandle]:
+        """Its hooks' handles now (left out of copies and pickles)."""
+        return []
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """Its part of the controller's state (None: nothing to resume)."""
+        return None
+
+    def check_state(self, state: Any) -> None:
+        """Raise if ``state`` (:meth:`state_dict` output read back) cannot be loaded; change nothing."""
+
+    def load_state_dict(self, state: Any) -> None:
+        """Restore :meth:`state_dict` output, already checked by :meth:`check_state`."""
+
+    def logs(self) -> dict[str, float]:
+        """What the Trainer callback logs of it at each logging step (keys without the ``dropbp/`` prefix)."""
+        return {}
+
+    def remove(self) -> None:
+        """Take the feature off the model (the controller's ``remove``)."""
+        if self._part is not None:
+            self._part.remove()
+            self._part = None
+        self._host = None

@@ -1,0 +1,103 @@
+"""The noise scale feature (:class:`NoiseScale`): the run's gradient noise scale, and the rate of ``drop_rate="auto"``.
+
+It reads each micro-batch's gradient from what gradient accumulation computes anyway
+(:mod:`dropbp.features.gradient_noise`) and feeds the estimator of :mod:`dropbp.policy.noise_scale`; ``estimate()``
+gives ``B_simple`` in tokens. With ``drop_rate="auto"`` (which adds this feature where none is given) it owns that
+``"auto"``: after each measured optimizer step it chooses the rate the noise scale forecasts best
+(:func:`dropbp.policy.noise_scale.auto_drop_rate`) and asks the controller to resolve its options again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from dropbp.features.base import Feature
+from dropbp.features.gradient_noise import MicroBatchGradients, check_reads
+from dropbp.features.host import Host
+from dropbp.policy.noise_scale import AUTO_RATES, NoiseScaleEstimator, auto_drop_rate
+from dropbp.policy.noise_scale import NoiseScale as Measured
+
+__all__ = ["NoiseScale"]
+
+
+class NoiseScale(Feature):
+    """Measure the gradient noise scale of this run from the micro-batch gradients gradient accumulation computes
+    anyway: needs at least 2 micro-batches per optimizer step, costs one copy of the trainable parameters'
+    gradients and one host read per optimizer step; averaged across ranks under DDP, refused under FSDP and
+    DeepSpeed. Logged by the Trainer callback as ``dropbp/noise_scale``; resumes with the controller's state."""
+
+    key = "noise_scale"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._estimator = NoiseScaleEstimator()
+        self._chosen: tuple[tuple[int, str, int], float] | None = None  # rate()'s last answer, by what it read
+        self._was_attached = False
+
+    def check(self, model: nn.Module, framework: bool) -> None:
+        check_reads(model, framework)
+
+    def attach(self, host: Host) -> None:
+        super().attach(host)
+        self._was_attached = True
+        self._part = MicroBatchGradients(
+            host.model, self._estimator, lambda: host.hooks.forced is None, on_step=self._follow
+        )
+        self._part.install()
+
+    def estimate(self) -> Measured | None:
+        """The noise scale measured so far (``.tokens`` is ``B_simple``), or None before the first optimizer step with
+        at least 2 micro-batches has closed (a step closes when the next one's first forward finds the gradients
+        cleared). Still readable once removed; a feature never attached (or loaded) has measured nothing: raises."""
+        if not (self._part or self._estimator.steps or self._was_attached):
+            raise RuntimeError(
+                "this NoiseScale measures nothing until attached: dropbp.apply(model, rate, features=[noise]) or "
+                "ctl.replace_options(features=[noise]); train with gradient accumulation of at least 2"
+            )
+        return self._estimator.estimate()
+
+    def rate(self, pattern: str, branches: int) -> float:
+        """``drop_rate="auto"`` resolved: the rate the noise scale measured so far forecasts best
+        (:func:`dropbp.policy.noise_scale.auto_drop_rate`: 0 until measured) among those a model of ``branches``
+        branches and this ``pattern`` can take (the uniform shape never drops every branch); worked out once per
+        measured step."""
+        measured = self._estimator.estimate()
+        if measured is None:
+            return 0.0
+        key = (measured.steps, pattern, branches)
+        if self._chosen is None or self._chosen[0] != key:
+            rates = tuple(p for p in AUTO_RATES if pattern != "uniform" or p * branches <= branches - 1)
+            self._chosen = key, auto_drop_rate(measured, rates=rates)
+        return self._chosen[1]
+
+    def _follow(self) -> None:
+        """After each measured optimizer step: under ``drop_rate="auto"``, where the noise scale now forecasts another
+        rate, the controller resolves its options again (that rate from the next pattern on)."""
+        given, branches = self.host.given(), len(self.host.branches)
+        if given.follows_noise_scale and self.rate(given.pattern, branches) != self.host.options().drop_rate:
+            self.host.resolve_again()
+
+    def handles(self) -> list[RemovableHandle]:
+        return [] if self._part is None else self._part.handles
+
+    def flush(self) -> None:
+        """Close the optimizer step under way now (the run ended, or the caller knows a step just finished)."""
+        if self._part is not None:
+            self._part.flush()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._estimator.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:  # attached or not: the controller loads it before it resolves
+        self._estimator.load_state_dict(state)
+        self._chosen = None
+
+    def logs(self) -> dict[str, float]:
+        measured = self.estimate()
+        return {} if measured is None else {"noise_scale": measured.tokens, "noise_ratio": measured.ratio}
+
+    def __repr__(self) -> str:
+        return f"NoiseScale(estimate={self.estimate()})"

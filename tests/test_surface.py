@@ -1,0 +1,222 @@
+"""dropbp 0.3's surface: a small core (the paper's DropBP), features that own their settings, the experiments out of
+``apply``'s signature with 0.2's spellings saying where they went, and no stale pointer in the library or docs."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import batch, tiny_model
+
+import dropbp
+from dropbp.controller import DropBPController
+from dropbp.features.base import Feature
+from dropbp.options import EXPERIMENTAL, MOVED
+
+ROOT = Path(dropbp.__file__).parent.parent
+PACKAGE = ROOT / "dropbp"
+OUT_OF_APPLY = (
+    "token_selection",
+    "unbiased",
+    "dropped_grads",
+    "stratify",
+    "ramp",
+    "drop_schedule",
+    "windows",
+    "seq_len",
+)
+
+
+def test_apply_and_the_callback_take_at_most_ten_options_besides_the_drop_rate():
+    options = [n for n in inspect.signature(dropbp.apply).parameters if n not in ("model", "drop_rate")]
+    assert len(options) <= 10, options
+    assert not set(OUT_OF_APPLY) & set(options)
+    pytest.importorskip("transformers")
+    from dropbp.integrations.hf import DropBPCallback
+
+    callback = [n for n in inspect.signature(DropBPCallback).parameters if n != "drop_rate"]
+    assert len(callback) <= 10 and not set(OUT_OF_APPLY) & set(callback)
+
+
+@pytest.mark.parametrize("name", sorted({*EXPERIMENTAL, *MOVED}))
+def test_a_moved_option_says_where_it_went_everywhere_it_could_be_given(name):
+    model = tiny_model("llama", layers=2)
+    where = "dropbp.experimental.apply" if name in EXPERIMENTAL else MOVED[name].split(" (")[0]
+    with pytest.raises(TypeError, match=rf"no longer takes {name} \(dropbp 0.3\).*{re.escape(where)}"):
+        dropbp.apply(model, 0.5, **{name: 1})
+    ctl = dropbp.apply(model, 0.5, seed=2)
+    before = (ctl.state_dict(), [ctl.dropped_at(s) for s in range(20)])
+    if name in MOVED:  # a setter of 0.2's
+        with pytest.raises(TypeError, match=rf"no longer takes {name}"):
+            ctl.replace_options(**{name: 1})
+    assert (ctl.state_dict(), [ctl.dropped_at(s) for s in range(20)]) == before
+    pytest.importorskip("transformers")
+    from dropbp.integrations.hf import DropBPCallback
+
+    with pytest.raises(TypeError, match=rf"no longer takes {name}"):
+        DropBPCallback(0.5, **{name: 1})
+
+
+def test_the_controller_is_lean():
+    """At most 28 public names (methods, properties and attributes set in ``__init__``) and 350 lines."""
+    source = (PACKAGE / "controller.py").read_text()
+    cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "DropBPController")
+    names = {n.name for n in cls.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")}
+    names |= {t.id for n in cls.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    names |= {
+        t.attr
+        for n in ast.walk(init)
+        if isinstance(n, (ast.Assign, ast.AnnAssign))
+        for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+    }
+    public = sorted(n for n in names if not n.startswith("_"))
+    assert len(public) <= 28, public
+    assert len(source.splitlines()) <= 350
+
+
+def _auto_comparisons() -> list[str]:
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        if "tools" in path.relative_to(PACKAGE).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                sides += [e for s in sides if isinstance(s, (ast.Tuple, ast.List, ast.Set)) for e in s.elts]
+                if any(
+                    isinstance(s, ast.Constant) and s.value == "auto" or getattr(s, "id", "") == "AUTO" for s in sides
+                ):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    return found
+
+
+def test_auto_is_resolved_in_few_places():
+    """Each ``"auto"`` is resolved by one function of the feature or option that owns it; the core compares it in
+    at most 10 places outside the tools."""
+    assert len(_auto_comparisons()) <= 10, _auto_comparisons()
+
+
+_MOD = re.compile(r":mod:`~?(\.?[\w.]+)`")
+_DOC = re.compile(r"(?<![\w/.-])docs/([\w.-]+\.md)")
+
+
+def _pointer_files() -> list[Path]:
+    files = [*PACKAGE.rglob("*.py"), *(ROOT / "backends").glob("*.py"), *(ROOT / "docs").glob("*.md")]
+    return [*files, ROOT / "README.md", *(ROOT / "examples").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]
+
+
+def _resolves(module: str) -> bool:
+    """Whether a dotted name is a module of the checkout, or a name defined at the top of one."""
+    parts = module.split(".")
+    for cut in range(len(parts), 0, -1):
+        path = ROOT.joinpath(*parts[:cut])
+        if parts[0] == "dropbp" and len(parts) > 1 and parts[1] == "backends":
+            path = ROOT.joinpath("backends", *parts[2:cut])
+        found = [f for f in (path.with_suffix(".py"), path / "__init__.py") if f.is_file()]
+        if found:
+            if cut == len(parts):
+                return True
+            name = re.escape(parts[cut])
+            return bool(re.search(rf"^(class |def ){name}\b|^{name}\s*[:=]", found[0].read_text(), re.M))
+    return False
+
+
+@pytest.mark.skipif(not (ROOT / "docs").is_dir(), reason="dropbp installed without its checkout: no docs to read")
+def test_every_module_and_docs_pointer_resolves():
+    stale = []
+    for path in _pointer_files():
+        text = path.read_text()
+        package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])  # where a relative :mod: starts
+        named = [package + m if m.startswith(".") else m for m in _MOD.findall(text)]
+        stale += [f"{path.relative_to(ROOT)}: :mod:`{m}`" for m in named if m.startswith("dropbp") and not _resolves(m)]
+        stale += [
+            f"{path.relative_to(ROOT)}: docs/{d}" for d in _DOC.findall(text) if not (ROOT / "docs" / d).is_file()
+        ]
+    assert not stale
+
+
+def test_the_pointer_check_sees_a_stale_one(tmp_path):
+    assert _resolves("dropbp.features.noise_scale") and _resolves("dropbp.options.DropBPOptions")
+    assert not _resolves("dropbp.execution.gradient_noise") and not _resolves("dropbp.chunked_loss")
+    assert _DOC.findall("see docs/architectures.md and ../docs/x.md") == ["architectures.md"]
+    assert _MOD.findall(":mod:`.graphs` and :mod:`~dropbp.policy`") == [".graphs", "dropbp.policy"]
+
+
+class _Refusing(Feature):
+    key = "refusing"
+
+    def check(self, model, framework):
+        raise RuntimeError("this feature cannot run here")
+
+
+def test_a_feature_that_refuses_leaves_the_model_as_it_was():
+    model = tiny_model("llama", layers=2)
+    hooks = lambda: sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())  # noqa: E731, SLF001
+    before, forward = hooks(), vars(model).get("forward")
+    with pytest.raises(RuntimeError, match="cannot run here"):
+        dropbp.apply(model, 0.5, features=[_Refusing()])
+    assert hooks() == before and vars(model).get("forward") is forward
+    dropbp.apply(model, 0.5)  # nothing was left attached
+
+
+def test_features_are_one_object_per_model_and_removed_with_the_controller():
+    noise = dropbp.NoiseScale()
+    model = tiny_model("llama", layers=2)
+    ctl = dropbp.apply(model, 0.5, features=[noise])
+    assert ctl.features == {"noise_scale": noise}
+    with pytest.raises(ValueError, match="attached to another controller"):
+        dropbp.apply(tiny_model("llama", layers=2), 0.5, features=[noise])
+    with pytest.raises(ValueError, match="two features of one kind"):
+        dropbp.apply(tiny_model("llama", layers=2), 0.5, features=[dropbp.NoiseScale(), dropbp.NoiseScale()])
+    with pytest.raises(TypeError, match="must be a list of dropbp features"):
+        dropbp.apply(tiny_model("llama", layers=2), 0.5, features=["noise"])
+    ctl.remove()
+    assert not noise.attached
+    other = dropbp.apply(tiny_model("llama", layers=2), 0.5, features=[noise])  # free again
+    assert other.features["noise_scale"] is noise
+
+
+def test_a_feature_added_or_left_out_by_replace_options_is_attached_or_removed():
+    model = tiny_model("llama", layers=2)
+    ctl = dropbp.apply(model, 0.0)
+    chunked = dropbp.ChunkedLoss(8)
+    ctl.replace_options(features=[chunked])
+    ids = batch(1)
+    assert model(input_ids=ids, labels=ids).logits is None  # the chunked loss computes no logits
+    assert ctl.options.bounded  # a feature that buys memory turns memory_bound="auto" on
+    ctl.replace_options(features=[])
+    assert model(input_ids=ids, labels=ids).logits is not None and not chunked.attached
+
+
+def test_drop_rate_auto_adds_the_noise_scale_and_its_state_resumes():
+    model = tiny_model("llama", layers=2)
+    ctl = dropbp.apply(model, "auto")
+    assert isinstance(ctl.features["noise_scale"], dropbp.NoiseScale) and ctl.drop_rate == 0.0
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    for step in range(3):
+        for m in range(2):
+            ids = batch(10 * step + m)
+            (model(input_ids=ids, labels=ids).loss / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    state = ctl.state_dict()
+    assert state["drop_rate"] == "auto" and state["noise_scale"]["steps"] >= 1
+    fresh = dropbp.apply(tiny_model("llama", layers=2), "auto")
+    fresh.load_state_dict(state)
+    assert fresh.state_dict() == state
+    with pytest.raises(ValueError, match=r"state\['token_shares'\] is 0.2's automatic token shares.*'token_drops'"):
+        fresh.load_state_dict({**state, "token_shares": {}})
+    assert fresh.state_dict() == state
+
+
+def test_the_controller_a_researcher_builds_is_the_same_class():
+    ctl = dropbp.experimental.apply(tiny_model("llama", layers=2), 0.5, stratify=2, unbiased=True)
+    assert type(ctl) is DropBPController and ctl.options.stratify == 2 and ctl.options.unbiased
+    ctl.replace_options(stratify=1)  # the experimental settings change as the core's
+    assert ctl.options.stratify == 1
