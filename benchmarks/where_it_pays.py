@@ -46,8 +46,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 OUT = RESULTS / "where_it_pays"
 COST_RECORD = RESULTS / "bench_checkpointing_cpu" / "full" / "bench.json"
 CACHE = Path.home() / ".cache" / "dropbp"
-#: what dropbp.integrations.forecast reads
-SHIPPED_MAP = RESULTS.parent.parent / "dropbp" / "integrations" / "where_it_pays.json"
+#: what dropbp.experimental.where_it_pays reads
+SHIPPED_MAP = RESULTS.parent.parent / "dropbp" / "experimental" / "where_it_pays.json"
 
 SEQ_LEN = 128
 MICRO_SEQUENCES = 4  # 512 tokens per micro-batch, as the cost record's step
@@ -504,9 +504,9 @@ def sweep_only(cells: list[Cell], figures: list[dict], done: dict[str, dict]) ->
 
 
 def shipped_map(record: dict) -> dict:
-    """What ``dropbp.integrations.forecast`` reads: per cell and DropBP rate, the shipped default's speedup at equal
-    quality at equal time (mean and 95% interval over the seeds), and the share of a micro-batch's time the branches'
-    backward takes in the cost record (the noise-scale forecast's default step cost)."""
+    """What ``dropbp.experimental.where_it_pays`` reads: per cell and DropBP rate, the shipped default's speedup at
+    equal quality at equal time (mean and 95% interval over the seeds), and the share of a micro-batch's time the
+    branches' backward takes in the cost record (the noise-scale forecast's default step cost)."""
     cells = []
     for f in record["cells"]:
         for rate in RATES:

@@ -3,12 +3,13 @@
 Every public entry point (the options of ``apply`` and ``attach``, :mod:`dropbp.options`; the
 controller's setters; ``allocate_rates``; the CLI) validates its values with these, each message
 naming the argument, what it got and what it accepts. The checks of drop rates, which apply the never-drop-everything
-rule, live with the rule (:mod:`dropbp.policy.never_drop_all`).
+rule, live with the rule (:mod:`dropbp.policy.never_drop_all`). :class:`Once` says a warning at most once per object.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 __all__ = [
@@ -129,3 +130,16 @@ def check_ramp(name: str, value: object) -> float:
     if ramp == 0.0:
         raise ValueError(f"{name} must be a fraction of the run in (0, 1], got 0")
     return ramp
+
+
+class Once:
+    """A warning said at most once per object that holds it (``Once(message)()``: said now, or nothing)."""
+
+    def __init__(self, message: str, category: type[Warning] = UserWarning) -> None:
+        self.message, self.category = message, category
+        self.said = False
+
+    def __call__(self) -> None:
+        if not self.said:
+            self.said = True
+            warnings.warn(self.message, self.category, stacklevel=3)

@@ -1,5 +1,5 @@
-"""The forecast a run gets before it starts, from the measured map (dropbp.integrations.forecast), and the Trainer's
-log of it."""
+"""The forecast a run gets before it starts, from the measured map (dropbp.experimental.where_it_pays), and the
+Trainer's log of it."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dropbp.integrations.forecast import MAP_FILE, forecast, measured_map
+from dropbp.experimental.where_it_pays import MAP_FILE, forecast, measured_map
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,7 +59,7 @@ def test_bad_input_is_refused():
 
 
 def test_the_shipped_map_is_the_one_the_record_makes():
-    """dropbp/integrations/where_it_pays.json is written by ``benchmarks/where_it_pays.py --report`` from map.json."""
+    """dropbp/experimental/where_it_pays.json is written by ``benchmarks/where_it_pays.py --report`` from map.json."""
     spec = importlib.util.spec_from_file_location("where_it_pays", ROOT / "benchmarks" / "where_it_pays.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up

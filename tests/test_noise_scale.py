@@ -132,7 +132,7 @@ def test_the_forecast_per_arm_follows_the_noise_scale():
     """At a noise scale equal to the batch (r = 1): half the samples are worth 2/3 of a step; branch drops at 0.5
     cost 1 - 0.5 * share, full backprop at half the batch 0.5. Far below the noise scale (r -> 0) every arm's step
     is worth a full one."""
-    from dropbp.integrations.forecast import noise_scale_forecast
+    from dropbp.features.noise_scale import noise_scale_forecast
     from dropbp.policy.noise_scale import NoiseScale, forecast_arms
 
     branch, half = forecast_arms(1024, 1024, 0.5, (0.5,))
@@ -166,7 +166,7 @@ def test_the_automatic_rate_drops_only_where_the_forecast_says_it_pays():
 
 
 def test_the_shipped_map_and_the_automatic_rate_assume_one_branch_share():
-    from dropbp.integrations.forecast import measured_map
+    from dropbp.experimental.where_it_pays import measured_map
     from dropbp.policy.noise_scale import DEFAULT_BRANCH_SHARE
 
     assert measured_map()["branch_share"] == DEFAULT_BRANCH_SHARE

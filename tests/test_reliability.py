@@ -350,7 +350,7 @@ def test_a_file_dropbp_writes_is_replaced_whole_or_not_at_all(tmp_path, monkeypa
 
 
 def test_a_damaged_forecast_map_is_refused_naming_the_path(tmp_path):
-    from dropbp.integrations.forecast import measured_map
+    from dropbp.experimental.where_it_pays import measured_map
 
     path = tmp_path / "where_it_pays.json"
     path.write_text('{"conditions": "cut sh')
@@ -373,7 +373,7 @@ def test_a_damaged_forecast_map_is_refused_naming_the_path(tmp_path):
 def test_the_forecast_refuses_what_is_not_a_run(steps, tokens, rate, error):
     """Reliability round 5 (F): NaN, bools, fractional steps, infinite token counts and rates outside [0, 1) were
     accepted (or failed with "math domain error"); each is now refused naming the argument."""
-    from dropbp.integrations.forecast import forecast
+    from dropbp.experimental.where_it_pays import forecast
 
     with pytest.raises(error, match="optimizer_steps|tokens_per_step|drop_rate"):
         forecast(steps, tokens, rate)
@@ -720,7 +720,7 @@ def test_every_number_a_user_gives_is_checked_before_anything_runs():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from dropbp.integrations.forecast import forecast
+    from dropbp.experimental.where_it_pays import forecast
 
     anything = st.one_of(
         st.integers(-3, 10**7), st.floats(allow_nan=True, allow_infinity=True), st.booleans(), st.none(),

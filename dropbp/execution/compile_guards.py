@@ -12,13 +12,14 @@ measured: docs/scaling-out.md ("torch.compile").
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+from dropbp.checks import Once
 
 __all__ = ['EnclosingCompileWarning', 'compile_branches', 'outside_graphs']
 
@@ -66,7 +67,14 @@ class EnclosingCompileWarning:
     """
 
     def __init__(self) -> None:
-        self.warned = False
+        self._once = Once(
+            "dropbp: the branches run inside a larger torch.compile region (torch.compile(model), model.compile() "
+            "or compiled layers). Gradients of kept branches are exact, but a weight in front of a dropped branch "
+            "(the norm before a dropped MLP) gets a zero gradient instead of none, so AdamW or momentum still moves "
+            "it, unlike eager DropBP. For exact DropBP compile the branches instead: "
+            "dropbp.execution.compile_guards.compile_branches(ctl) (docs/scaling-out.md)",
+            RuntimeWarning,
+        )
         #: The modules the hook is on (for clean copies: :mod:`dropbp.execution.patching`).
         self.layers: list[nn.Module] = []
 
@@ -82,15 +90,4 @@ class EnclosingCompileWarning:
 
     @outside_graphs
     def _warn(self) -> None:
-        if self.warned:
-            return
-        self.warned = True
-        warnings.warn(
-            "dropbp: the branches run inside a larger torch.compile region (torch.compile(model), model.compile() "
-            "or compiled layers). Gradients of kept branches are exact, but a weight in front of a dropped branch "
-            "(the norm before a dropped MLP) gets a zero gradient instead of none, so AdamW or momentum still moves "
-            "it, unlike eager DropBP. For exact DropBP compile the branches instead: "
-            "dropbp.execution.compile_guards.compile_branches(ctl) (docs/scaling-out.md)",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+        self._once()

@@ -14,7 +14,6 @@ here. Several forwards before one backward: docs/checkpointing.md.
 from __future__ import annotations
 
 import functools
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -26,6 +25,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from dropbp.backends import Backend
+from dropbp.checks import Once
 from dropbp.execution.bound import MemoryBound, kept_bound
 from dropbp.execution.branch_forward import attach_gradient_scaling, attach_no_grad_hooks
 from dropbp.execution.compile_guards import outside_graphs
@@ -120,8 +120,18 @@ class StepHooks:
         self.forced: frozenset[int] | None = None
         #: The model's forward under way: None (none), False (eval or no-grad: drops nothing) or True (training).
         self._forward: bool | None = None
-        self._warned_outside = False
-        self._warned_region = False
+        self._unknown_region = Once(
+            "dropbp: a re-entrant checkpointed region that no training forward of the model recorded is being "
+            "recomputed (torch.utils.checkpoint(..., use_reentrant=True) around the whole model, whose forward then "
+            "ran without a graph, or a region behind an output dropbp could not search): its branches get full "
+            "backprop, nothing drops there. Use use_reentrant=False, or checkpoint inside the model "
+            "(gradient_checkpointing_enable()). Said once."
+        )
+        self._outside = Once(
+            "dropbp: a branch ran outside a forward of the model dropbp was applied to (a merged model from "
+            "merge_and_unload(), or a submodule such as model.model called directly): nothing drops there. "
+            "Call ctl.remove() when the model is done with DropBP, or dropbp.apply() to the model you now train."
+        )
         self._trainable_key: tuple[tuple[int, bool], ...] | None = None  # what _trainable was worked out for
         self._trainable: list[bool] | None = None
         #: Whatever must live as long as the model's hooks (the controller: the model keeps it, no registry does).
@@ -187,12 +197,12 @@ class StepHooks:
             if region is None:
                 return decision
             if region not in self._regions:  # a region no training forward of the model recorded: drop nothing
-                self._warn_unknown_region()
+                self._unknown_region()  # a re-entrant region no training forward recorded: full backprop there
                 return frozenset(), ()
             return self._regions[region]
         if not self._forward:
-            if self._forward is None:
-                self._warn_outside()
+            if self._forward is None and torch.is_grad_enabled() and self._model.training:
+                self._outside()  # a branch in training mode outside every forward of the model
             return frozenset(), ()
         if self._recompute.recording:
             region = forward_region()
@@ -200,31 +210,6 @@ class StepHooks:
                 self._regions[region] = decision
         return decision
 
-    def _warn_unknown_region(self) -> None:
-        """Once: a re-entrant checkpointed region no training forward recorded is recomputed (full backprop there)."""
-        if self._warned_region:
-            return
-        self._warned_region = True
-        warnings.warn(
-            "dropbp: a re-entrant checkpointed region that no training forward of the model recorded is being "
-            "recomputed (torch.utils.checkpoint(..., use_reentrant=True) around the whole model, whose forward then "
-            "ran without a graph, or a region behind an output dropbp could not search): its branches get full "
-            "backprop, nothing drops there. Use use_reentrant=False, or checkpoint inside the model "
-            "(gradient_checkpointing_enable()). Said once.",
-            stacklevel=2,
-        )
-
-    def _warn_outside(self) -> None:
-        """Once: a branch runs in training mode outside every forward of the model (nothing drops there)."""
-        if self._warned_outside or not torch.is_grad_enabled() or not self._model.training:
-            return
-        self._warned_outside = True
-        warnings.warn(
-            "dropbp: a branch ran outside a forward of the model dropbp was applied to (a merged model from "
-            "merge_and_unload(), or a submodule such as model.model called directly): nothing drops there. "
-            "Call ctl.remove() when the model is done with DropBP, or dropbp.apply() to the model you now train.",
-            stacklevel=2,
-        )
 
     def _dropped_test(self, index: int) -> Callable[[], bool]:
         decision = self.decision_in_force  # bound once: this runs at every branch call

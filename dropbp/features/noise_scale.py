@@ -5,6 +5,7 @@ It reads each micro-batch's gradient from what gradient accumulation computes an
 gives ``B_simple`` in tokens. With ``drop_rate="auto"`` (which adds this feature where none is given) it owns that
 ``"auto"``: after each measured optimizer step it chooses the rate the noise scale forecasts best
 (:func:`dropbp.policy.noise_scale.auto_drop_rate`) and asks the controller to resolve its options again.
+:func:`noise_scale_forecast` says what a measured noise scale forecasts for each way to train.
 """
 
 from __future__ import annotations
@@ -14,13 +15,21 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from dropbp.checks import check_fraction
 from dropbp.features.base import Feature
 from dropbp.features.gradient_noise import MicroBatchGradients, check_reads
 from dropbp.features.host import Host
-from dropbp.policy.noise_scale import AUTO_RATES, NoiseScaleEstimator, auto_drop_rate
+from dropbp.policy.noise_scale import (
+    AUTO_RATES,
+    DEFAULT_BRANCH_SHARE,
+    ArmForecast,
+    NoiseScaleEstimator,
+    auto_drop_rate,
+    forecast_arms,
+)
 from dropbp.policy.noise_scale import NoiseScale as Measured
 
-__all__ = ["NoiseScale"]
+__all__ = ["NoiseScale", "noise_scale_arms", "noise_scale_forecast"]
 
 
 class NoiseScale(Feature):
@@ -101,3 +110,32 @@ class NoiseScale(Feature):
 
     def __repr__(self) -> str:
         return f"NoiseScale(estimate={self.estimate()})"
+
+
+def noise_scale_arms(
+    measured: Measured, drop_rate: float, branch_share: float = DEFAULT_BRANCH_SHARE
+) -> list[ArmForecast]:
+    """The arms :func:`noise_scale_forecast` forecasts: branch drops at ``drop_rate``, 0.5 and 0.75, then full
+    backprop at half the batch. ``branch_share``: the branches' share of a step's time (default: the measured cost
+    record's, :data:`dropbp.policy.noise_scale.DEFAULT_BRANCH_SHARE`; ``dropbp check`` measures the user's own)."""
+    share = branch_share
+    rates = tuple(dict.fromkeys(r for r in (check_fraction("drop_rate", drop_rate), 0.5, 0.75) if r > 0))
+    return forecast_arms(measured.tokens, measured.tokens_per_step, share, rates)
+
+
+def noise_scale_forecast(measured: Measured, drop_rate: float, branch_share: float = DEFAULT_BRANCH_SHARE) -> str:
+    """One message: the noise scale, the tokens per step and, per arm (:func:`noise_scale_arms`), the forecast step
+    worth and speedup at equal quality."""
+    arms = noise_scale_arms(measured, drop_rate, branch_share)
+    best = max(arms, key=lambda a: a.speedup)
+    listed = "; ".join(
+        f"{a.name}: {a.speedup:.2f}x (a step worth {a.worth:.2f} of a full one at {a.step_cost:.2f} of its time)"
+        for a in arms
+    )
+    regime = "mostly noise" if measured.ratio > 1 else "mostly signal"
+    return (
+        f"dropbp: gradient noise scale {measured.tokens:,.0f} tokens over {measured.steps} optimizer steps, at "
+        f"{measured.tokens_per_step:,.0f} tokens per step (ratio {measured.ratio:.2f}: a step's gradient is "
+        f"{regime}). Forecast speedup at equal quality against full backprop at this batch - {listed}. Best "
+        f"forecast: {best.name}. A model of McCandlish et al. 2018 (docs/noise-scale.md), not a measurement."
+    )

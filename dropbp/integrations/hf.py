@@ -23,8 +23,9 @@ from transformers.trainer_callback import CallbackHandler
 from dropbp.api import apply_options
 from dropbp.controller import DropBPController, controller_of
 from dropbp.execution.frameworks import unwrap
+from dropbp.experimental.where_it_pays import forecast
+from dropbp.features.noise_scale import noise_scale_forecast
 from dropbp.files import read_json, write_atomically
-from dropbp.integrations.forecast import forecast, noise_scale_forecast
 from dropbp.internals import prepared_inputs
 from dropbp.options import AUTO_WARMUP, TrainerOptions, takes_options
 
@@ -50,9 +51,9 @@ START_WINDOWS = 4
 
 
 def log_forecast(args: TrainingArguments, state: TrainerState, drop_rate: float) -> None:
-    """Log what the measured map forecasts for this run (:mod:`dropbp.integrations.forecast`): a warning where DropBP is
-    not expected to reach full backprop's quality sooner, else at info level. Tokens per step come from the arguments'
-    sequence length where they name one (TRL's ``max_length``: at most that many)."""
+    """Log what the measured map forecasts for this run (:mod:`dropbp.experimental.where_it_pays`): a warning where
+    DropBP is not expected to reach full backprop's quality sooner, else at info level. Tokens per step come from the
+    arguments' sequence length where they name one (TRL's ``max_length``: at most that many)."""
     if state.max_steps < 1 or drop_rate == 0:
         return
     length = getattr(args, "max_length", None) or getattr(args, "max_seq_length", None)

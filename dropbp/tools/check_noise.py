@@ -4,7 +4,7 @@ what it forecasts for their tokens per step.
 A few optimizer steps' worth of accumulated micro-batches (backward only: no optimizer step, the model's weights are
 not changed) with ``measure_noise_scale=True`` (:mod:`dropbp.features.gradient_noise`), at the model's weights as
 loaded: the noise scale at the start of fine-tuning, which grows as a run learns (docs/noise-scale.md). The forecast
-(:func:`dropbp.integrations.forecast.noise_scale_forecast`) uses the branches' share of a step measured by the
+(:func:`dropbp.features.noise_scale.noise_scale_forecast`) uses the branches' share of a step measured by the
 check's own speed section where it ran, else the map's.
 """
 
@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from dropbp.backends import Backend
-from dropbp.integrations.forecast import measured_map, noise_scale_arms, noise_scale_forecast
+from dropbp.experimental.where_it_pays import measured_map
+from dropbp.features.noise_scale import noise_scale_arms, noise_scale_forecast
 from dropbp.tools.arms import apply_arm as apply
 
 __all__ = ["NOISE_MICRO_BATCHES", "NOISE_STEPS", "branch_share", "check_stream", "noise_section", "token_stream"]

@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
         help="step times, memory and the measured map's verdict, about 1.5 minutes on 2 idle CPU cores (the full "
         "demo, with its convergence runs: about 15 minutes)",
     )
-    demo.add_argument("--out", type=Path, default=Path("dropbp-demo"), help="folder for demo.json and demo.png")
+    _out_folder(demo, "demo", "demo.json and demo.png")
     demo.add_argument("--model", help="a model id or path instead of the bundled SmolLM2-135M-Instruct")
 
     bench = sub.add_parser("bench", help="step time, ideal vs measured, throughput and memory")
@@ -146,7 +146,7 @@ def _parser() -> argparse.ArgumentParser:
     for flag, text in off_on_both.items():
         bench.add_argument(flag, choices=["off", "on", "both"], default="off", help=text)
     bench.add_argument("--no-speed", action="store_true", help="skip the step-time grid (memory runs only)")
-    bench.add_argument("--out", type=Path, default=Path("dropbp-bench"), help="folder for bench.json/.md/.png")
+    _out_folder(bench, "bench", "bench.json/.md/.png")
 
     check = sub.add_parser("check", help="prove dropbp on this device and model: correctness, speed, memory")
     check.add_argument("--backend", help="cpu, cuda, hpu, xpu or auto (default: $DROPBP_BACKEND, else auto)")
@@ -179,7 +179,7 @@ def _parser() -> argparse.ArgumentParser:
         help="check with Hugging Face activation checkpointing on (non-re-entrant, as the Trainer's "
         "gradient_checkpointing=True): exactness, step times and memory as such a run has them",
     )
-    check.add_argument("--out", type=Path, default=Path("dropbp-check"), help="folder for check.json and check.md")
+    _out_folder(check, "check", "check.json and check.md")
 
     factory = sub.add_parser(
         "llamafactory",
@@ -206,6 +206,11 @@ def _backend(name: str | None):
         return get(name)
     except BackendUnavailable as err:
         raise UsageError(str(err)) from None
+
+
+def _out_folder(parser: argparse.ArgumentParser, tool: str, files: str) -> None:
+    """A tool's ``--out``: the folder its records go to (default ``dropbp-<tool>``)."""
+    parser.add_argument("--out", type=Path, default=Path(f"dropbp-{tool}"), help=f"folder for {files}")
 
 
 def _check_choices(values: list[str], allowed: tuple[str, ...] | list[str], what: str) -> None:

@@ -8,8 +8,8 @@ Hugging Face activation checkpointing off and on (:mod:`dropbp.tools.bench`), an
 step in a fresh process each (:mod:`dropbp.tools.memprobe`): full backprop without and with checkpointing, and DropBP
 at 0.875 as shipped in its worst step, with the plain and the chunked loss. ``--quick`` (a few minutes) shows what a
 few minutes can: the step times, the memory table and what the measured map says of the demo's regime
-(:mod:`dropbp.integrations.forecast`), and no convergence race (ten steps say nothing either way). Its recorded output:
-docs/demo.md; the memory rows: docs/memory.md ("Commands").
+(:mod:`dropbp.experimental.where_it_pays`), and no convergence race (ten steps say nothing either way). Its recorded
+output: docs/demo.md; the memory rows: docs/memory.md ("Commands").
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import torch
 
 from dropbp import __version__
 from dropbp.backends import Backend
+from dropbp.experimental.where_it_pays import forecast
 from dropbp.files import write_atomically
 from dropbp.imports import require
-from dropbp.integrations.forecast import forecast
 from dropbp.tools.arms import apply_arm as apply
 from dropbp.tools.bench import Point, measure_model
 from dropbp.tools.compare import Run, compare, run_options, summarise, timing_check

@@ -1,14 +1,12 @@
 """What the measured map says about a run before it starts: the speedup at equal quality of its nearest regime.
+Experimental: superseded by the run's own noise scale (:class:`dropbp.NoiseScale`, whose forecast reads the user's
+model and data); the Trainer callback logs it only where the noise scale is not measured.
 
 The map (``benchmarks/where_it_pays.py``, docs/where-it-pays.md) measured DropBP's shipped default against full
 backprop over run length and tokens per optimizer step; its figures ship as ``where_it_pays.json`` beside this
 file, written by that script's report. :func:`forecast` finds the measured cell nearest to a run (log-distance in
 steps and tokens, at the nearest measured drop rate) and says what it found; the Trainer callback logs it when
 training begins. A forecast, not a measurement: the map's model, data and hardware are not the user's.
-
-Where the run measures its own gradient noise scale (``measure_noise_scale=True``), :func:`noise_scale_forecast` says
-what that predicts instead (:func:`dropbp.policy.noise_scale.forecast_arms`): the worth of a step of each way to train
-and its speedup at equal quality, from the user's own model and data.
 """
 
 from __future__ import annotations
@@ -20,9 +18,8 @@ from pathlib import Path
 
 from dropbp.checks import check_fraction, check_int
 from dropbp.files import read_json
-from dropbp.policy.noise_scale import ArmForecast, NoiseScale, forecast_arms
 
-__all__ = ["Forecast", "forecast", "measured_map", "noise_scale_arms", "noise_scale_forecast"]
+__all__ = ["Forecast", "forecast", "measured_map"]
 
 MAP_FILE = Path(__file__).with_name("where_it_pays.json")
 
@@ -83,32 +80,3 @@ def forecast(
         f"Measured on {table['conditions']} (docs/where-it-pays.md)."
     )
     return Forecast(cell["steps"], cell["tokens"], rate, cell["mean"], cell["low"], cell["high"], pays, message)
-
-
-def noise_scale_arms(
-    measured: NoiseScale, drop_rate: float, branch_share: float | None = None
-) -> list[ArmForecast]:
-    """The arms :func:`noise_scale_forecast` forecasts: branch drops at ``drop_rate`` and at the map's rates, then
-    full backprop at half the batch. ``branch_share``: the branches' share of a step's time (default: the map's
-    cost record's; ``dropbp check`` measures the user's own)."""
-    share = measured_map()["branch_share"] if branch_share is None else branch_share
-    rates = tuple(dict.fromkeys(r for r in (check_fraction("drop_rate", drop_rate), 0.5, 0.75) if r > 0))
-    return forecast_arms(measured.tokens, measured.tokens_per_step, share, rates)
-
-
-def noise_scale_forecast(measured: NoiseScale, drop_rate: float, branch_share: float | None = None) -> str:
-    """One message: the noise scale, the tokens per step and, per arm (:func:`noise_scale_arms`), the forecast step
-    worth and speedup at equal quality."""
-    arms = noise_scale_arms(measured, drop_rate, branch_share)
-    best = max(arms, key=lambda a: a.speedup)
-    listed = "; ".join(
-        f"{a.name}: {a.speedup:.2f}x (a step worth {a.worth:.2f} of a full one at {a.step_cost:.2f} of its time)"
-        for a in arms
-    )
-    regime = "mostly noise" if measured.ratio > 1 else "mostly signal"
-    return (
-        f"dropbp: gradient noise scale {measured.tokens:,.0f} tokens over {measured.steps} optimizer steps, at "
-        f"{measured.tokens_per_step:,.0f} tokens per step (ratio {measured.ratio:.2f}: a step's gradient is "
-        f"{regime}). Forecast speedup at equal quality against full backprop at this batch - {listed}. Best "
-        f"forecast: {best.name}. A model of McCandlish et al. 2018 (docs/noise-scale.md), not a measurement."
-    )
