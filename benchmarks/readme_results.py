@@ -20,6 +20,9 @@ import argparse
 import json
 from pathlib import Path
 
+from dropbp.options import AUTO_BOUND_RATE
+from dropbp.tools.frontier import exact_seeds
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
@@ -35,6 +38,15 @@ EQ_END = "<!-- end of smollm2-equal-quality -->"
 SMOLLM2_EQUAL_QUALITY = RESULTS / "smollm2_equal_quality.json"
 ARMS_BEGIN = "<!-- arms-table: made by benchmarks/readme_results.py -->"
 ARMS_END = "<!-- end of arms-table -->"
+FOUR_BEGIN = "<!-- four-arms-table: made by benchmarks/readme_results.py -->"
+FOUR_END = "<!-- end of four-arms-table -->"
+BUYS_BEGIN = "<!-- what-it-buys: made by benchmarks/readme_results.py -->"
+BUYS_END = "<!-- end of what-it-buys -->"
+RUNS_BEGIN = "<!-- where-it-runs: made by benchmarks/readme_results.py -->"
+RUNS_END = "<!-- end of where-it-runs -->"
+CPU_STEPS = RESULTS / "bench_checkpointing_cpu"  # SmolLM2-135M LoRA, 512 tokens: checkpointing_off/, checkpointing_on/
+H200_STEPS = RESULTS / "gpu_h200_core" / "bench_cuda_1b" / "bench.json"
+PAPER_ALGORITHM = RESULTS / "convergence_rates_lora_pydoc.json"  # uniform patterns, calibrated, 0.875 (2026-11-22)
 TOKEN_DROPS = RESULTS / "token_drops" / "token_drops.json"
 TOKEN_PAGE = ROOT / "docs" / "token-drops.md"
 TOKEN_BENCH = RESULTS / "bench_tokens_cpu"
@@ -267,38 +279,200 @@ def _bounds(entry: dict) -> str:
     return f" (a lower bound: {said})" if kinds == ["at least"] else f" ({said})"
 
 
+def _bench_point(path: Path, method: str, checkpointing: bool) -> dict:
+    for point in json.loads(path.read_text())["points"]:
+        if point["method"] == method and bool(point["checkpointing"]) == checkpointing:
+            return point
+    raise LookupError(f"{path} has no {method} point with checkpointing {checkpointing}")
+
+
+def _bench_row(point: dict, pattern: str, rate: float) -> dict:
+    return next(r for r in point["rows"] if r["pattern"] == pattern and r["drop_rate"] == rate)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def seeds_text(entry: dict, bold: str = "**") -> str:
+    """A speedup over seeds as README gives it: the mean [95% interval] of the seeds whose reading is exact, and the
+    seeds whose reading is a bound listed apart (a bound never enters an interval)."""
+    exact = exact_seeds(entry)
+    parts = []
+    if exact is not None and exact["seeds"] > 1:
+        parts.append(f"{bold}{exact['mean']:.2f}x{bold} [{exact['low']:.2f}, {exact['high']:.2f}]")
+        if exact["seeds"] < entry["seeds"]:
+            parts[-1] += f" ({exact['seeds']} seeds)"
+    elif exact is not None:
+        parts.append(f"{bold}{exact['mean']:.2f}x{bold} (1 seed)")
+    for kind in ("at least", "at most"):
+        values = [s["value"] for s in entry["per_seed"] if s["bound"] == kind]
+        if values:
+            parts.append(f"{len(values)} seed{'s' if len(values) > 1 else ''} {kind} " + ", ".join(
+                f"{v:.2f}x" for v in values))  # fmt: skip
+    return "; ".join(parts)
+
+
+def buys_tables() -> str:
+    """README's first screen: the step speedups (CPU and H200, 0.5 and 0.875, checkpointing off and on) with the
+    H200's peak memory, then what a run gets (equal steps, equal quality at the same batch and at the best batch,
+    the longest sequence), each table's header naming its baseline; markers included."""
+    cpu = {on: _bench_point(CPU_STEPS / f"checkpointing_{'on' if on else 'off'}" / "bench.json", "lora", on)
+           for on in (False, True)}  # fmt: skip
+    gpu = {on: _bench_point(H200_STEPS, "lora", on) for on in (False, True)}
+
+    def cpu_pattern(on: bool, rate: float) -> str:  # the default: the memory bound on from AUTO_BOUND_RATE up
+        return "cut" if on else "cut:bounded" if rate >= AUTO_BOUND_RATE else "cut:unbounded"
+
+    lines = [
+        BUYS_BEGIN,
+        "| step speedup against full backprop at the same batch (both without, or both with, activation "
+        "checkpointing) | CPU, 2 cores: SmolLM2-135M, LoRA, 1 x 512 tokens, fp32, cut patterns (the default) | "
+        "NVIDIA H200: TinyLlama-1.1B's shape, LoRA, 4 x 2048 tokens, bf16, uniform patterns | H200 peak memory "
+        f"(full backprop: {_gib(gpu[False]['baseline']['peak_memory_bytes'])}; with checkpointing: "
+        f"{_gib(gpu[True]['baseline']['peak_memory_bytes'])}) |",
+        "|---|---|---|---|",
+    ]
+    for on in (False, True):
+        for rate in (0.5, 0.875):
+            row = _bench_row(gpu[on], "uniform", rate)
+            lines.append(
+                f"| drop rate {rate}{', checkpointing on' if on else ''} | "
+                f"**{_bench_row(cpu[on], cpu_pattern(on, rate), rate)['speedup']:.2f}x** | **{row['speedup']:.2f}x** | "
+                f"{_gib(row['peak_memory_bytes'])} |"
+            )
+    setting, stems = SETTINGS[0]  # LoRA, Python help text
+    _, saved, gap, seeds = _equal_steps(stems)
+    equal = json.loads(SMOLLM2_EQUAL_QUALITY.read_text())
+    at_time = next(r["speedup"] for r in equal["rows"] if r["run"] == "DropBP 0.5, equal time")
+    best = json.loads(SMOLLM2_TOKENS.read_text())["branch0.5"]["best"]
+    longest, baseline = _longest()
+    lines += [
+        "",
+        "| what a run gets at drop rate 0.5: SmolLM2-135M-Instruct, LoRA r=8, 100 steps of 8 x 128 tokens, 2 CPU "
+        "cores | against | measured |",
+        "|---|---|---|",
+        "| at equal steps: training time, validation loss | full backprop, same steps and batch | "
+        f"**{100 * saved:.0f}% less time**, {100 * gap:+.2f}% loss ({seeds} seeds) |",
+        "| at equal quality: how much sooner it reaches full backprop's validation loss | full backprop at the same "
+        f"batch | {seeds_text(at_time)} |",
+        "| the same | full backprop at its best batch (this one or half of it) | " + seeds_text(best) + " |",
+        f"| longest sequence in 3 GiB, drop rate 0.875 | {baseline} | {longest} |",
+        "",
+        "Step speedups: medians of interleaved rounds ([CPU](benchmarks/results/bench_checkpointing_cpu/README.md), "
+        "[H200](benchmarks/results/gpu_h200_core/README.md)). Runs: Python's help text, lr warm-up and cosine decay, "
+        "each arm at its own best learning rate of one grid, chosen on seed 0 (which is also scored); \"at least\" / "
+        "\"at most\": seeds that ended past full backprop's longest or shortest run. Every arm, cell and record: "
+        "[docs/results.md](docs/results.md).",
+        BUYS_END,
+    ]
+    return "\n".join(lines)
+
+
 def claims_table() -> str:
-    """README's results: the paper's three claims (LLaMA2-70B QLoRA on A100s) beside this library's measured figure
-    for each, with the conditions under the table; markers included."""
+    """README's claims: the paper's five claims (LLaMA2-70B QLoRA on A100s; Gaudi2's throughput) beside this library's
+    figure at the paper's algorithm and rate and at the shipped default; markers included."""
     setting, stems = SETTINGS[0]  # LoRA, Python help text
     speedup, saved, gap, seeds = _equal_steps(stems)
     equal = json.loads(SMOLLM2_EQUAL_QUALITY.read_text())
     at_time = next(r["speedup"] for r in equal["rows"] if r["run"] == "DropBP 0.5, equal time")
-    longest, baseline = _longest()
+    paper = {r["run"]: r for r in json.loads(PAPER_ALGORITHM.read_text())["summary"]}
+    full, calibrated = paper["full backprop"], paper["DropBP 0.875 + calibration"]
+    paper_gap = calibrated["val_loss_at_equal_steps"] / full["val_loss_at_equal_steps"] - 1
+    record = json.loads(PAPER_ALGORITHM.read_text())
+    reached = (
+        f"not reached in {record['dropbp_steps']} steps (full backprop's {record['steps']})"
+        if calibrated["time_to_target_speedup"] is None
+        else f"{calibrated['time_to_target_speedup']:.2f}x (1 seed)"
+    )
+    longest, _ = _longest()
+    gpu = {on: _bench_point(H200_STEPS, "lora", on) for on in (False, True)}
+    cpu = _bench_point(CPU_STEPS / "checkpointing_off" / "bench.json", "lora", False)
+    uniform = [_bench_row(gpu[on], "uniform", 0.875)["speedup"] for on in (False, True)]
+    cut = _bench_row(cpu, "cut:unbounded", 0.5)["speedup"]
+    cut_gpu = _bench_row(gpu[False], "cut", 0.5)["speedup_at_expected"]
     lines = [
         CLAIMS_BEGIN,
-        "| the paper's claim (LLaMA2-70B, QLoRA, A100) | paper | dropbp, measured here | record |",
+        "| the paper's claim, against full backprop (LLaMA2-70B QLoRA, A100) | paper | here: the paper's algorithm "
+        "(uniform, 0.875) | here: the shipped default (cut, 0.5) |",
         "|---|---|---|---|",
-        f"| training time at comparable accuracy (paper: drop rate 0.875; here: 0.5, the shipped default) | 44% less "
-        f"| **{100 * saved:.0f}% less** at {100 * gap:+.2f}% loss, mean of {seeds} seeds (equal steps; each step "
-        f"{speedup:.2f}x faster) | [regime, per seed](benchmarks/results/{stems[0]}_seeds.md) |",
-        f"| time to full backprop's validation loss, drop rate 0.5 | 1.5x faster | **{at_time['mean']:.2f}x** "
-        f"[95%: {at_time['low']:.2f}, {at_time['high']:.2f}]{_bounds(at_time)} | "
-        "[equal quality](benchmarks/results/smollm2_equal_quality.md) |",
-        f"| longest trainable sequence, drop rate 0.875 | 6.2x longer | {longest} | "
-        "[longest sequence](benchmarks/results/longest_sequence_0.875.md) |",
+        f"| training time at comparable accuracy | 44% less | {100 * (1 - 1 / calibrated['step_speedup']):.0f}% less "
+        f"at {100 * paper_gap:+.1f}% loss: not comparable (calibrated; [1 seed, 60 steps]"
+        "(benchmarks/results/convergence_rates_lora_pydoc.md)) | "
+        f"**{100 * saved:.0f}% less** at {100 * gap:+.2f}% loss ({seeds} seeds, above) |",
+        f"| time to full backprop's validation loss | 1.5x faster | {reached} | "
+        f"{seeds_text(at_time)} at the same batch (above) |",
+        f"| longest trainable sequence | 6.2x longer | not measured | at 0.875: {longest} |",
+        f"| throughput, NVIDIA A100, LoRA | +79% | H200: **{100 * (uniform[0] - 1):+.0f}%** "
+        f"({100 * (uniform[1] - 1):+.0f}% both with checkpointing) | CPU {100 * (cut - 1):+.0f}%, "
+        f"H200 {100 * (cut_gpu - 1):+.0f}% (at the expected cut) |",
+        "| throughput, Intel Gaudi2 | +117% | not measured: no Gaudi2 here (a stand-in checks the lazy-mode path) | "
+        "not measured |",
         "",
-        f"Conditions: SmolLM2-135M-Instruct, LoRA r=8 on every linear layer, 2 CPU cores, float32, torch "
-        f"{json.loads((RESULTS / f'{stems[0]}.json').read_text())['torch'].split('+')[0]}; the shipped default "
-        "(cut patterns, rates warmed up over 20% of the run). Rows 1-2: Python's help text, 100 optimizer steps of "
-        f"8 x 128 tokens, lr warm-up and cosine decay over each run's own steps; row 1: {seeds} seeds, at full "
-        f"backprop's best learning rate; row 2: {len(equal['seeds'])} seeds, each arm at its own best learning rate "
-        f"({equal['lr']['full backprop']:g} / {equal['lr']['DropBP 0.5']:g}), DropBP given full backprop's time. "
-        "Row 3: one sequence per step, a budget of 3 GiB of peak resident memory, against "
-        f"{baseline or 'full backprop'}.",
+        "Every row is a SmolLM2-135M or 1.1B-shaped model here, not the paper's 70B; the records: "
+        "[docs/results.md](docs/results.md), [the paper's settings](docs/reproduce-the-paper.md).",
         CLAIMS_END,
     ]
     return "\n".join(lines)
+
+
+#: README's "where it runs": per platform and column, the evidence of each mark as (label, path). A path under
+#: benchmarks/results is a record made on that hardware (measured); a test is run by CI on the CPU; a ``STAND_IN``
+#: test checks a platform on a stand-in of its vendor API or an engine of the same design, never on the hardware.
+RUNS_COLUMNS = ("exact gradients", "step speed", "convergence", "Trainer / TRL", "DDP / FSDP2", "DeepSpeed ZeRO 1-3",
+                "QLoRA")  # fmt: skip
+STAND_IN = "stand-in"
+RUNS: dict[str, dict[str, list[tuple[str, str]]]] = {
+    "CPU": {
+        "exact gradients": [("CI", "tests/test_gradients.py")],
+        "step speed": [("bench", "benchmarks/results/bench_checkpointing_cpu/README.md")],
+        "convergence": [("regime", "docs/regime.md")],
+        "Trainer / TRL": [("CI", "tests/test_hf_integration.py")],
+        "DDP / FSDP2": [("gloo, CI", "tests/test_distributed.py")],
+        "DeepSpeed ZeRO 1-3": [("CPU accelerator, CI", "tests/test_deepspeed.py")],
+        "QLoRA": [("CI", "tests/test_qlora.py"), ("bench", "benchmarks/results/bench_qlora_smollm2_cpu/README.md")],
+    },
+    "CPU + IPEX 2.8": {"exact gradients": [("once", "benchmarks/results/ipex_cpu/README.md")]},
+    "CUDA (H100, H200)": {
+        "exact gradients": [
+            ("H200: dropbp check, GPU tests", "benchmarks/results/gpu_h200_core/check_cuda_final/check.md")
+        ],
+        "step speed": [("H100", "benchmarks/results/gpu_h100/README.md"),
+                       ("H200", "benchmarks/results/gpu_h200_core/README.md"),
+                       ("H200, token drops", "benchmarks/results/gpu_h200_tokens/README.md")],
+        "convergence": [("H100, 60-step study", "benchmarks/results/gpu_h100/README.md")],
+    },
+    "Gaudi2, lazy": {
+        "exact gradients": [(STAND_IN, "`torch._lazy`", "tests/test_lazy_engine.py")],
+        "Trainer / TRL": [(STAND_IN, "GaudiTrainer-like", "tests/test_lazy_engine.py")],
+    },
+    "Gaudi2, eager": {"exact gradients": [(STAND_IN, "mode and graph breaks", "tests/test_hpu_standin.py")]},
+    "Intel GPU (XPU)": {},
+}
+
+
+def where_it_runs_table() -> str:
+    """README's "where it runs" matrix from :data:`RUNS`: ✅ where a record made on that hardware or a CPU test in CI
+    shows it, 🟡 where only a stand-in does, ❔ where nothing does; every mark links its evidence, which must exist."""
+    lines = [
+        RUNS_BEGIN,
+        "| platform (✅ measured on it; 🟡 a stand-in of its API only; ❔ not run) | "
+        + " | ".join(RUNS_COLUMNS)
+        + " |",
+        "|---|" + "---|" * len(RUNS_COLUMNS),
+    ]
+    for platform, columns in RUNS.items():
+        cells = []
+        for column in RUNS_COLUMNS:
+            evidence = columns.get(column, [])
+            for *_, path in evidence:
+                if not (ROOT / path).exists():
+                    raise FileNotFoundError(f"where it runs: {platform} / {column} cites {path}, which is not there")
+            stand_in = any(e[0] == STAND_IN for e in evidence)
+            links = ", ".join(f"[{e[-2]}]({e[-1]})" for e in evidence)
+            cells.append(f"{'🟡' if stand_in else '✅'} {links}" if evidence else "❔")
+        lines.append(f"| {platform} | " + " | ".join(cells) + " |")
+    return "\n".join([*lines, RUNS_END])
 
 
 def _arm_name(arm: str) -> str:
@@ -316,18 +490,15 @@ def _arm_name(arm: str) -> str:
 
 
 def _reading(entry: dict) -> str:
-    """Mean [interval]; where seeds ended outside full backprop's budgets, their readings are bounds: "at most" above
-    the shortest budget's loss, "at least" below the longest's."""
-    text = f"{entry['mean']:.2f}x [{entry['low']:.2f}, {entry['high']:.2f}]"
-    kinds = sorted({s["bound"] for s in entry["per_seed"] if s["bound"] != "exact"})
-    if kinds:
-        text += f" ({entry['bounded']} of {entry['seeds']} seeds {' or '.join(kinds)})"
-    return text
+    """:func:`seeds_text` unbolded: where seeds ended outside full backprop's budgets their readings are bounds ("at
+    most" above the shortest budget's loss, "at least" below the longest's), listed apart from the exact ones'."""
+    return seeds_text(entry, bold="")
 
 
-def arms_table() -> str:
-    """README's first table: every arm of benchmarks/token_drops.py at its equal-time budget against full backprop at
-    its best of two batches, one column per cell, the best arm (mean over the cells) first."""
+def arms_table(few: bool = False) -> str:
+    """Every arm of benchmarks/token_drops.py at its equal-time budget against full backprop at its best of two
+    batches, one column per cell, the best arm (mean over the cells) first (docs/results.md); ``few``: README's four,
+    full backprop, branch drops at 0.5, ``drop_rate="auto"`` and the best token arm."""
     record = json.loads(TOKEN_DROPS.read_text())
     cells = record["cells"]
     arms: dict[str, dict[str, dict]] = {}
@@ -339,8 +510,9 @@ def arms_table() -> str:
     names = [f"6-layer Llama proxy, {c['steps']} steps x {c['tokens'] // 1024}k tokens" for c in cells]
     smollm2 = _smollm2_arms()
     lines = [
-        ARMS_BEGIN,
-        "| what is dropped (speedup at equal quality, 2 CPU cores) | "
+        FOUR_BEGIN if few else ARMS_BEGIN,
+        "| what is dropped: speedup at equal quality against full backprop at its best batch (the cell's or half of "
+        "it), 2 CPU cores, time modelled (proxy) or measured (SmolLM2 branch drops) | "
         + " | ".join(names)
         + " | SmolLM2-135M, LoRA, 100 steps x 1k tokens |",
         "|---|" + "---|" * (len(cells) + 1),
@@ -350,10 +522,14 @@ def arms_table() -> str:
         values = [e["best"]["mean"] for e in arms[arm].values()] + [v for v, _ in smollm2.get(arm, [])]
         return sum(values) / len(values)
 
-    for arm in sorted(arms, key=lambda a: -mean(a)):
+    shown = sorted(arms, key=lambda a: -mean(a))
+    if few:
+        best_token = next(a for a in shown if a.startswith("tokens"))
+        shown = [a for a in shown if a in ("branch0.5", "auto", best_token)]
+    for arm in shown:
         readings = [arms[arm].get(c["cell"]) for c in cells]
         texts = [
-            "" if e is None else f"**{_reading(e['best'])}** (step {e['step_speedup']:.2f}x, lr {e['lr']:g})"
+            "" if e is None else f"{seeds_text(e['best'])} (step {e['step_speedup']:.2f}x, lr {e['lr']:g})"
             for e in readings
         ]
         texts.append(" ".join(text for _, text in smollm2.get(arm, [])))
@@ -364,16 +540,17 @@ def arms_table() -> str:
     best_batch = "best" in tokens["branch0.5"]
     full.append(f"1.00x (lr 0.002; half batch {half['lr']:g})" if best_batch else "1.00x (lr 0.002; this batch only)")
     lines.append("| nothing: full backprop at its best batch | " + " | ".join(full) + " |")
-    cost = record["cost"]
+    cost, docs = record["cost"], "docs/" if few else ""
     lines += [
         "",
         "Speedup at equal quality against full backprop at its best of two batches (the cell's and half of it): mean "
         f"[95% interval] over {len(record['seeds'])} seeds, each arm at its own best learning rate from one grid and "
-        "at its equal-time budget (\"step\": its modelled step speedup in that cell); \"at most\" where seeds ended "
-        "above full backprop's shortest run. Conditions: the "
+        "at its equal-time budget (\"step\": its modelled step speedup in that cell); learning rates chosen on seed 0, "
+        "which is also scored; \"at most\" / \"at least\": seeds that ended above full backprop's shortest run or "
+        "below its longest, listed apart from the exact seeds' interval. Conditions: the "
         "map's proxy (a 6-layer Llama-shaped byte-level model, full fine-tuning on Python's help text); time modelled "
         f"on SmolLM2-135M's measured step on 2 CPU cores (full fine-tuning, {cost['tokens']} tokens: "
-        f"{record['cost_record']}). Worth of a step and every budget: [docs/token-drops.md](docs/token-drops.md). "
+        f"{record['cost_record']}). Worth of a step and every budget: [token-drops.md]({docs}token-drops.md). "
         "The SmolLM2 column is the README's cell on the real model (LoRA r=8, Python's help text, 8 x 128 tokens a "
         "step), against full backprop at "
         + ("its best of the same two batches" if best_batch else "that batch only (half the batch not yet run there)")
@@ -381,7 +558,7 @@ def arms_table() -> str:
         "best learning rate: branch drops from benchmarks/results/smollm2_equal_quality.md (time measured in the "
         "run), token drops from benchmarks/results/smollm2_token_drops/smollm2_token_drops.md (time modelled from "
         "the measured LoRA step).",
-        ARMS_END,
+        FOUR_END if few else ARMS_END,
     ]
     return "\n".join(lines)
 
@@ -397,15 +574,15 @@ def _smollm2_arms() -> dict[str, list[tuple[float, str]]]:
     record = json.loads(SMOLLM2_TOKENS.read_text())
     branch = json.loads(SMOLLM2_EQUAL_QUALITY.read_text())
     reading, _ = _smollm2_best(record["branch0.5"])
-    arms = {"branch0.5": [(reading["mean"], f"**{_reading(reading)}** (lr {branch['lr']['DropBP 0.5']:g})")]}
+    arms = {"branch0.5": [(reading["mean"], f"{seeds_text(reading)} (lr {branch['lr']['DropBP 0.5']:g})")]}
     for row in record["rows"]:
         if row["arm"] == "full-half":
             continue
         entry, _ = _smollm2_best(row)
         [first] = entry["per_seed"][:1]
         bound = "" if first["bound"] == "exact" else f", {first['bound']}"
-        shown = _reading(entry) if entry["seeds"] > 1 else f"{first['value']:.2f}x (one seed{bound})"
-        arms[row["arm"]] = [(entry["mean"], f"**{shown}** (step {row['step_speedup']:.2f}x, lr {row['lr']:g})")]
+        shown = seeds_text(entry) if entry["seeds"] > 1 else f"**{first['value']:.2f}x** (one seed{bound})"
+        arms[row["arm"]] = [(entry["mean"], f"{shown} (step {row['step_speedup']:.2f}x, lr {row['lr']:g})")]
     return arms
 
 
@@ -450,8 +627,8 @@ def smollm2_token_table() -> str:
         "",
         "Full backprop's complete runs at 50, 100 and 200 steps (lr 0.002, its best of "
         f"{', '.join(f'{x:g}' for x in tokens['grid'])}) are the frontier at this batch; with the half batch's "
-        "complete runs (4 x 128 tokens a step, at 100 and 50 steps' time) the lower envelope is full backprop at "
-        "its best batch; "
+        "complete runs (4 x 128 tokens a step, at 100 and 50 steps' time), full backprop at its best batch is the "
+        "least time over the two, each batch read off its own frontier; "
         "[smollm2_token_drops.md](../benchmarks/results/smollm2_token_drops/smollm2_token_drops.md), "
         "[smollm2_equal_quality.md](../benchmarks/results/smollm2_equal_quality.md).",
         TSMOL_END,
@@ -607,7 +784,12 @@ def main() -> None:
     parser.add_argument("--write", action="store_true", help="replace the tables in README.md and docs/results.md")
     args = parser.parse_args()
     made = {
-        README: {(ARMS_BEGIN, ARMS_END): arms_table(), (CLAIMS_BEGIN, CLAIMS_END): claims_table()},
+        README: {
+            (BUYS_BEGIN, BUYS_END): buys_tables(),
+            (CLAIMS_BEGIN, CLAIMS_END): claims_table(),
+            (FOUR_BEGIN, FOUR_END): arms_table(few=True),
+            (RUNS_BEGIN, RUNS_END): where_it_runs_table(),
+        },
         TOKEN_PAGE: {
             (TBENCH_BEGIN, TBENCH_END): token_bench_table(),
             (KEPT_BEGIN, KEPT_END): kept_rows_table(),
@@ -616,7 +798,12 @@ def main() -> None:
             (TCKPT_BEGIN, TCKPT_END): token_frontier_checkpointing_table(),
             (TSMOL_BEGIN, TSMOL_END): smollm2_token_table(),
         },
-        RESULTS_PAGE: {(MAP_BEGIN, MAP_END): map_table(), (EQ_BEGIN, EQ_END): smollm2_table(), (BEGIN, END): table()},
+        RESULTS_PAGE: {
+            (ARMS_BEGIN, ARMS_END): arms_table(),
+            (MAP_BEGIN, MAP_END): map_table(),
+            (EQ_BEGIN, EQ_END): smollm2_table(),
+            (BEGIN, END): table(),
+        },
         NOISE_PAGE: {(NOISE_BEGIN, NOISE_END): noise_tables()},
     }
     for page, tables in made.items():

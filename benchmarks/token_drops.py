@@ -7,7 +7,8 @@ warm-up and cosine decay) on 3 seeds. Arms at each cell (``L`` optimizer steps o
 
 - ``full``: full backprop at ``T`` tokens per step, complete runs at L/2, L and 2L steps (the map's own runs);
 - ``full-half``: full backprop at ``T/2`` tokens per step, runs at L, 2L and 4L steps (the same times): the batch a user
-  who tunes it would also try; **full backprop at its best batch** is the lower envelope of both frontiers;
+  who tunes it would also try; **full backprop at its best batch** is the least time over the two batches, each read
+  off its own frontier (``dropbp.tools.frontier.best_batch_time``);
 - ``tokens<r>``: token drops at ``token_drop_rate=r`` (importance sampling on the gradient's row norms), no branch
   drops, at 0.3, 0.5 and 0.75;
 - ``tokens-random<r>``: the same with random rows (the control), at 0.3 and 0.5;
@@ -376,7 +377,7 @@ def _mean_share(runs: list[dict]) -> float | None:
 def cell_report(cell, done: dict[str, dict], cost: Cost) -> dict | None:
     """Per arm: its learning rate and, per budget, the speedup at equal quality over the seeds against full
     backprop at the cell's batch and at its best batch; None until every complete run is in."""
-    from dropbp.tools.frontier import equal_quality_speedup, over_seeds
+    from dropbp.tools.frontier import Reading, best_batch_speedup, equal_quality_speedup, over_seeds
 
     arms = cell_arms(cell)
     lrs = {arm.name: best_lr(done, cell, arm, cost, settled_arms(done, cell, cost)) for arm in arms}
@@ -393,22 +394,24 @@ def cell_report(cell, done: dict[str, dict], cost: Cost) -> dict | None:
         rows[arm.name] = found
     arms = [arm for arm in arms if arm.name in rows]
     lrs = {name: lr for name, lr in lrs.items() if name in rows}
-    front = {name: {s: [] for s in SEEDS} for name in ("full", "best")}
-    for name in ("full", "full-half"):
+    front = {name: {s: [] for s in SEEDS} for name in ("full", "full-half")}  # each batch's own runs, per seed
+    for name in front:
         for r in rows[name]:
-            point = (_modelled(r, BY_NAME[name], cost), r["final_loss"])
-            front["best"][r["seed"]].append(point)
-            if name == "full":
-                front["full"][r["seed"]].append(point)
+            front[name][r["seed"]].append((_modelled(r, BY_NAME[name], cost), r["final_loss"]))
+
+    def reading(name: str, r: dict, arm: Arm) -> Reading:
+        """The run ``r`` against full backprop at the cell's batch (``full``) or at its best batch (``best``)."""
+        time, loss = _modelled(r, arm, cost), r["final_loss"]
+        if name == "full":
+            return equal_quality_speedup(front["full"][r["seed"]], time, loss)
+        return best_batch_speedup([front["full"][r["seed"]], front["full-half"][r["seed"]]], time, loss)
     report = {"cell": cell.name, "steps": cell.steps, "tokens": cell.tokens, "lr": lrs, "arms": {}}
     if unfinished:
         report["unfinished"] = unfinished
     full_step = cost.step_seconds(BY_NAME["full"], 0.0, cell.tokens)
     half = BY_NAME["full-half"]
     runs = sorted((r for r in rows[half.name] if r["steps"] == budgets(half, cell, cost)[0]), key=lambda r: r["seed"])
-    readings = [
-        equal_quality_speedup(front["full"][r["seed"]], _modelled(r, half, cost), r["final_loss"]) for r in runs
-    ]
+    readings = [reading("full", r, half) for r in runs]
     report["half_batch"] = {"steps": runs[0]["steps"], "full": over_seeds(readings)}  # against the cell's batch
     for arm in arms:
         if arm.drop_rate is None:
@@ -428,8 +431,7 @@ def cell_report(cell, done: dict[str, dict], cost: Cost) -> dict | None:
             if share is not None:  # the token rows its selections kept, over the kept branches (mean of the runs)
                 entry["kept_token_share"] = share
             for name in ("full", "best"):
-                readings = [equal_quality_speedup(front[name][r["seed"]], _modelled(r, arm, cost), r["final_loss"])
-                            for r in runs]  # fmt: skip
+                readings = [reading(name, r, arm) for r in runs]
                 entry[name] = over_seeds(readings)
                 if name == "best":  # full backprop steps (best batch) to the same loss per step of this arm
                     entry["step_worth"] = sum(

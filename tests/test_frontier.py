@@ -11,6 +11,8 @@ from dropbp.tools.frontier import (
     AT_MOST,
     EXACT,
     Reading,
+    best_batch_speedup,
+    best_batch_time,
     equal_quality_speedup,
     frontier,
     frontier_time,
@@ -82,3 +84,42 @@ def test_over_seeds_counts_bounds_and_one_seed_has_no_interval() -> None:
     assert summary["per_seed"][0] == {"value": 2.0, "bound": AT_LEAST}
     single = over_seeds([Reading(1.1)])
     assert single["mean"] == 1.1 and math.isnan(single["low"]) and math.isnan(single["high"])
+
+
+# Two batches' complete runs, budgets ending seconds apart: the cell's batch (FULL) and half of it (HALF). Half the
+# batch is better at the short budget, the cell's batch at the long one.
+FULL = [(100.0, 3.0), (200.0, 2.5), (400.0, 2.2)]
+HALF = [(98.0, 2.9), (198.0, 2.6), (398.0, 2.3)]
+
+
+def test_best_batch_is_the_least_time_over_each_batchs_own_frontier() -> None:
+    # Written out by hand: the cell's batch reaches 2.55 between 100 s (3.0) and 200 s (2.5), the half batch between
+    # 98 s (2.9) and 198 s (2.6); each in log-time.
+    own = 100.0 * 2.0 ** ((3.0 - 2.55) / (3.0 - 2.5))
+    half = 98.0 * (198.0 / 98.0) ** ((2.9 - 2.55) / (2.9 - 2.6))
+    assert best_batch_time([FULL, HALF], 2.55) == Reading(pytest.approx(min(own, half)), EXACT)
+    # One envelope of both batches' runs would join HALF's (198, 2.6) to FULL's (200, 2.5): nearly flat, 2.55 read
+    # at ~199 s, far above what either batch needs on its own frontier.
+    merged = frontier_time(FULL + HALF, 2.55).value
+    assert merged > 198.0 and min(own, half) < 190.0
+    assert best_batch_speedup([FULL, HALF], 50.0, 2.55) == Reading(pytest.approx(min(own, half) / 50.0), EXACT)
+
+
+def test_best_batch_bounds_combine_as_bounds() -> None:
+    # Above both batches' shortest runs: each reaches it in at most its shortest time; the least is at most 98 s.
+    assert best_batch_time([FULL, HALF], 3.1) == Reading(98.0, AT_MOST)
+    # Above HALF's shortest run only: HALF needs at most 98 s, FULL exactly 100 * 2^0.1: at most 98 s.
+    assert best_batch_time([FULL, HALF], 2.95) == Reading(98.0, AT_MOST)
+    # Past HALF's longest run (at least 398 s), exact on FULL at 400 s: HALF's could be less, so at most 400 s.
+    assert best_batch_time([FULL, HALF], 2.2) == Reading(400.0, AT_MOST)
+    # Past one batch's longest run (at least 600 s) and exact below that on the other: exact.
+    assert best_batch_time([[(100.0, 3.0), (200.0, 2.0)], [(300.0, 2.9), (600.0, 2.5)]], 2.2) == Reading(
+        pytest.approx(100.0 * 2.0**0.8), EXACT
+    )
+    # Past both: at least the shorter longest run.
+    assert best_batch_time([FULL, HALF], 2.0) == Reading(398.0, AT_LEAST)
+    assert best_batch_time([FULL], 2.75) == frontier_time(FULL, 2.75)
+    with pytest.raises(ValueError, match="at least one batch"):
+        best_batch_time([], 2.5)
+    with pytest.raises(ValueError, match="positive"):
+        best_batch_speedup([FULL], 0.0, 2.5)

@@ -76,30 +76,59 @@ def _readme_results():
 RESULTS_PAGE = ROOT / "docs" / "results.md"
 
 
-def test_the_readme_opens_with_the_claims_table_made_from_the_records():
-    """The first 40 lines hold the results table (the paper's three claims beside this library's figure for each)
-    with its conditions, generated from benchmarks/results: regenerate with
-    ``python benchmarks/readme_results.py --write`` when a record changes."""
+def _tables(text: str) -> list[list[str]]:
+    """The markdown tables of ``text``, each as its lines (header, separator, rows)."""
+    tables, current = [], []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("|"):
+            current.append(line)
+        elif current:
+            tables.append(current)
+            current = []
+    return tables
+
+
+def test_the_readme_first_screen_is_a_product_page():
+    """README's first 60 lines: what it buys (made from the records), the install lines, one line of use, the command
+    that says whether dropping pays on a user's own model and data, and the paper's claims with the throughput rows;
+    no table there longer than 6 data rows, and every table of figures names its baseline in its header."""
     results = _readme_results()
     text = README.read_text()
-    made = results.claims_table()
-    assert results.between(text, results.CLAIMS_BEGIN, results.CLAIMS_END) == made
     first_60 = "\n".join(text.splitlines()[:60])
-    assert made in first_60 and "Conditions:" in made
-    for claim in ("44% less", "1.5x faster", "6.2x longer"):
-        assert claim in made
+    assert results.between(text, results.BUYS_BEGIN, results.BUYS_END) == results.buys_tables()
+    assert results.between(text, results.CLAIMS_BEGIN, results.CLAIMS_END) == results.claims_table()
+    assert results.buys_tables() in first_60
+    assert re.search(r"^\| .+ \| `pip install [^`]+` \|$", first_60, flags=re.M)  # ci/install-lines.sh runs these
+    assert "dropbp.apply(model, 0.5)" in first_60 and "dropbp check --model" in first_60
+    claims = results.claims_table()
+    for claim in ("| 44% less |", "| 1.5x faster |", "| 6.2x longer |", "| +79% |", "| +117% |"):
+        assert claim in claims and claim in first_60
+    tables = _tables(first_60)
+    assert len(tables) >= 4
+    for table in tables:
+        assert len(table) - 2 <= 6, f"a table of {len(table) - 2} rows on the first screen: {table[0][:80]}"
+        if any(re.search(r"\d\.\d\dx|\d%", row) for row in table[2:]):  # a table of figures
+            assert "against" in table[0], f"a table of figures whose header names no baseline: {table[0][:80]}"
 
 
-def test_the_readme_leads_with_the_arms_table_and_the_token_page_tables_are_the_records():
-    """README's first table: every arm of benchmarks/token_drops.py (token drops, branch drops, both) against full
-    backprop at its best batch, best first, made from the record; docs/token-drops.md's step times and frontier too."""
+def test_a_table_of_figures_that_names_no_baseline_fails_the_first_screen_test():
+    """The header check above sees a table of speedups without a baseline (a check that cannot fail is no check)."""
+    table = _tables("| arm | speedup |\n|---|---|\n| DropBP 0.5 | 1.34x |\n")[0]
+    assert any(re.search(r"\d\.\d\dx", row) for row in table[2:]) and "against" not in table[0]
+
+
+def test_the_readme_shows_four_arms_and_the_results_page_every_arm():
+    """README: full backprop, branch drops at 0.5, drop_rate="auto" and the best token arm against full backprop at
+    its best batch; docs/results.md: every arm of benchmarks/token_drops.py, best first; both made from the records;
+    docs/token-drops.md's step times and frontier too."""
     results = _readme_results()
     text = README.read_text()
+    four = results.arms_table(few=True)
+    assert results.between(text, results.FOUR_BEGIN, results.FOUR_END) == four
+    arms = [line for line in _tables(four)[0][2:]]
+    assert len(arms) == 4 and arms[-1].startswith("| nothing: full backprop at its best batch")
     made = results.arms_table()
-    assert results.between(text, results.ARMS_BEGIN, results.ARMS_END) == made
-    assert text.index(results.ARMS_BEGIN) < text.index(results.CLAIMS_BEGIN) and text.index("|") > text.index(
-        results.ARMS_BEGIN
-    )
+    assert results.between(RESULTS_PAGE.read_text(), results.ARMS_BEGIN, results.ARMS_END) == made
     rows = [line.split("**")[1::2] for line in made.splitlines() if line.startswith("| ") and "**" in line]
     means = [sum(float(cell.split("x")[0]) for cell in row) / len(row) for row in rows]
     assert means == sorted(means, reverse=True) and len(means) >= 8  # the best arm first
@@ -184,3 +213,43 @@ def test_every_speedup_interval_on_the_pages_is_one_a_record_holds():
     assert len(quoted) > 50  # the pattern still finds the pages' intervals
     unrecorded = sorted({q for q in quoted if q[1] not in recorded})
     assert not unrecorded, f"intervals no record holds: {unrecorded}"
+
+
+# One truth: each class of contradiction the pages once held, checked where it could come back.
+
+LAB_NOTEBOOK = (r"\bthe issue('s)?\b", r"previous commit", r"an earlier record", r"No space left", r"GB of disk")
+
+
+@pytest.mark.parametrize("page", [*USER_PAGES, ROOT / "CHANGELOG.md"], ids=lambda p: str(p.relative_to(ROOT)))
+def test_user_pages_hold_no_lab_notebook(page):
+    """User pages say what holds, not how the project got there (docs/history.md keeps that): no issue wording, no
+    "previous commit", no CI incident."""
+    import re
+
+    found = [m.group(0) for pattern in LAB_NOTEBOOK for m in re.finditer(pattern, page.read_text(), flags=re.I)]
+    assert not found, f"{page.name}: {found}"
+
+
+def test_where_it_runs_cites_every_gpu_record():
+    """README's "where it runs" is made from the evidence (readme_results.RUNS), and every record made on a GPU is
+    part of it: a platform cannot read "not run" while a record of it is in the repository."""
+    results = _readme_results()
+    text = README.read_text()
+    assert results.between(text, results.RUNS_BEGIN, results.RUNS_END) == results.where_it_runs_table()
+    cited = {path for columns in results.RUNS.values() for evidence in columns.values() for *_, path in evidence}
+    gpu = [p for p in (ROOT / "benchmarks" / "results").iterdir() if p.name.startswith("gpu_")]
+    assert gpu
+    for folder in gpu:
+        assert any(path.startswith(str(folder.relative_to(ROOT))) for path in cited), f"{folder.name} is cited nowhere"
+
+
+def test_the_litgpt_environments_transformers_is_one_version_everywhere():
+    """The transformers that CI's litgpt environment installs (ci/install-litgpt.sh) is the one pyproject.toml,
+    README and docs name for it."""
+    import re
+
+    pin = re.search(r'"transformers>=([\d.]+),<', (ROOT / "ci" / "install-litgpt.sh").read_text()).group(1)
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.findall(r"beside transformers ([\d.]+)", pyproject) == [pin]
+    said = re.findall(r"(?:second environment does with|litgpt.{0,80}?) transformers (\d\.\d+)\b", README.read_text())
+    assert said and set(said) == {pin}, said

@@ -14,7 +14,16 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Reading", "frontier", "frontier_time", "equal_quality_speedup", "over_seeds"]
+__all__ = [
+    "Reading",
+    "frontier",
+    "frontier_time",
+    "best_batch_time",
+    "equal_quality_speedup",
+    "best_batch_speedup",
+    "over_seeds",
+    "exact_seeds",
+]
 
 EXACT, AT_LEAST, AT_MOST = "exact", "at least", "at most"
 
@@ -64,6 +73,36 @@ def frontier_time(points: Sequence[tuple[float, float]], loss: float) -> Reading
     raise AssertionError("unreachable: the frontier's losses fall strictly")
 
 
+def best_batch_time(batches: Sequence[Sequence[tuple[float, float]]], loss: float) -> Reading:
+    """The least time in which full backprop reaches ``loss`` at its best batch: each batch's complete runs read off
+    **their own** frontier, then the least of those times. (One envelope of every batch's runs would let a worse run
+    of one batch, ending seconds before a better run of the other, flatten the frontier between them: it favours
+    the run being compared.)
+
+    Bounds combine as bounds: an "at most" from any batch (its shortest run already reaches ``loss``) makes the
+    least time "at most" the smallest known upper bound; "at least" readings (``loss`` is past a batch's longest run)
+    make it exact only when an exact reading is no longer than them, else "at most" that exact reading; all "at
+    least", the least of them, "at least"."""
+    if not batches:
+        raise ValueError("best_batch_time needs the complete runs of at least one batch")
+    readings = [frontier_time(points, loss) for points in batches]
+    upper = [r.value for r in readings if r.bound != AT_LEAST]  # the least time is no more than these
+    lower = [0.0 if r.bound == AT_MOST else r.value for r in readings]  # ... and no less than the least of these
+    if not upper:
+        return Reading(min(lower), AT_LEAST)
+    least = min(upper)
+    return Reading(least, EXACT if min(lower) == least else AT_MOST)
+
+
+def best_batch_speedup(batches: Sequence[Sequence[tuple[float, float]]], time: float, loss: float) -> Reading:
+    """:func:`best_batch_time` for ``loss`` over ``time``: how many times sooner than full backprop at its best
+    batch the run reached its loss."""
+    if time <= 0:
+        raise ValueError(f"the run's time must be positive, got {time}")
+    reached = best_batch_time(batches, loss)
+    return Reading(reached.value / time, reached.bound)
+
+
 def equal_quality_speedup(baseline: Sequence[tuple[float, float]], time: float, loss: float) -> Reading:
     """Full backprop's frontier time for ``loss`` over ``time``: how many times sooner the run reached its loss."""
     if time <= 0:
@@ -93,3 +132,11 @@ def over_seeds(readings: Sequence[Reading]) -> dict:
         "per_seed": [{"value": r.value, "bound": r.bound} for r in readings],
         "bounded": sum(r.bound != EXACT for r in readings),
     }
+
+
+def exact_seeds(summary: dict) -> dict | None:
+    """:func:`over_seeds` of the seeds in ``summary`` (one of its results) whose readings are exact, or None where
+    none is: a table can give the interval of the exact seeds and list the bounds apart, so that a bound never
+    widens or moves an interval it is not part of."""
+    exact = [Reading(s["value"]) for s in summary["per_seed"] if s["bound"] == EXACT]
+    return over_seeds(exact) if exact else None
