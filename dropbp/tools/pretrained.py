@@ -17,7 +17,7 @@ from torch import nn
 
 from dropbp.imports import MissingDependency, is_available, require
 
-__all__ = ["DEFAULT_MODEL", "cache_dir", "load_causal_lm"]
+__all__ = ["DEFAULT_MODEL", "cache_dir", "dtype_keyword", "load_causal_lm"]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -30,6 +30,18 @@ def cache_dir() -> Path:
         return Path(os.environ["DROPBP_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "dropbp"
+
+
+def dtype_keyword(version: str) -> str:
+    """The keyword transformers ``version`` takes for a model's dtype in ``from_pretrained`` / ``from_config``:
+    ``dtype`` from 4.56 on, ``torch_dtype`` before (4.55 is optimum-habana 1.20's, the lowest the ``hf`` extra
+    allows). A pre-release or local build reads as its release."""
+    major, minor = (int("".join(c for c in part if c.isdigit()) or 0) for part in version.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
+def _dtype(transformers, dtype: torch.dtype) -> dict:
+    return {dtype_keyword(transformers.__version__): dtype}
 
 
 def _smollm2_gguf_dir() -> Path:
@@ -51,10 +63,10 @@ def _convert_smollm2(target: Path) -> None:
     if not is_available("gguf"):
         raise MissingDependency(f"reading the GGUF file needs the gguf package: {_INSTALL}")
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=_GGUF)
-    quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=_GGUF, dtype=torch.float32)
+    quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=_GGUF, **_dtype(transformers, torch.float32))
     config = quantised.config
     del config.quantization_config  # the weights are de-quantised floats now
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, **_dtype(transformers, torch.float32))
     model.load_state_dict(quantised.state_dict())
     partial = target.with_name(target.name + ".partial")
     model.save_pretrained(partial)
@@ -81,8 +93,9 @@ def not_a_model_folder(model: str) -> str | None:
     )
 
 
-def load_causal_lm(model: str | None = None) -> tuple[nn.Module, object]:
-    """(model, tokenizer) in float32: the cached SmolLM2 by default, else ``model`` (id or path).
+def load_causal_lm(model: str | None = None, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, object]:
+    """(model, tokenizer) in ``dtype`` (float32 unless given: a GPU user of a large model passes bfloat16): the
+    cached SmolLM2 by default, else ``model`` (id or path).
 
     Raises:
         UnusableModel: ``model`` is neither a folder with a model nor an id in the local Hugging Face
@@ -102,7 +115,7 @@ def load_causal_lm(model: str | None = None) -> tuple[nn.Module, object]:
         raise UnusableModel(f"cannot load the model: {problem}")
     try:
         return (
-            AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
+            AutoModelForCausalLM.from_pretrained(model, **_dtype(transformers, dtype)),
             AutoTokenizer.from_pretrained(model),
         )
     except OSError as err:  # transformers' "not a folder, not an id it could fetch", in many words
