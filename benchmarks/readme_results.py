@@ -194,7 +194,8 @@ def table() -> str:
     """The SmolLM2 table, markers included."""
     lines = [
         BEGIN,
-        "| fine-tuning, corpus | step speedup | equal steps: time saved, loss gap (mean) | equal time: loss minus "
+        "| fine-tuning, corpus (against full backprop, same batch) | step speedup | equal steps: time saved, loss gap "
+        "(mean) | equal time: loss minus "
         "full backprop's at the same time, mean (per seed) | seeds |",
         "|---|---|---|---|---|",
     ]
@@ -213,7 +214,8 @@ def map_table() -> str:
     record = json.loads(MAP.read_text())
     lines = [
         MAP_BEGIN,
-        "| run length x tokens per step | DropBP 0.5: speedup at equal quality [95%] | DropBP 0.75 | "
+        "| run length x tokens per step (against full backprop at the same tokens per step; time modelled) | DropBP "
+        "0.5: speedup at equal quality [95%] | DropBP 0.75 | "
         "learning rate full / 0.5 / 0.75 | seeds |",
         "|---|---|---|---|---|",
     ]
@@ -234,7 +236,8 @@ def smollm2_table() -> str:
     lr = record["lr"]
     lines = [
         EQ_BEGIN,
-        "| model, fine-tuning, run length x tokens per step | DropBP 0.5 at equal time: speedup at equal quality "
+        "| model, fine-tuning, run length x tokens per step (against full backprop at the same batch; time measured) "
+        "| DropBP 0.5 at equal time: speedup at equal quality "
         "[95%] | DropBP 0.5 at equal steps | learning rate full / 0.5 | seeds |",
         "|---|---|---|---|---|",
     ]
@@ -610,7 +613,8 @@ def smollm2_token_table() -> str:
 
     lines = [
         TSMOL_BEGIN,
-        "| arm | learning rate (seed 0's final loss over the grid) | step speedup | vs full backprop at this batch "
+        "| arm | learning rate (seed 0's final loss over the grid) | step speedup (modelled) | vs full backprop at "
+        "this batch "
         "[95%] | vs full backprop at its best batch [95%] | seeds |",
         "|---|---|---|---|---|---|",
         row_text("branch drops 0.5 (DropBP)", f"{branch['lr']['DropBP 0.5']:g}", "measured in the run",
@@ -642,7 +646,8 @@ def token_frontier_table() -> str:
     record = json.loads(TOKEN_DROPS.read_text())
     lines = [
         TFRONT_BEGIN,
-        "| cell | arm | lr | steps | step speedup | vs full backprop | vs full backprop at its best batch | "
+        "| cell | arm | lr | steps | step speedup (modelled) | vs full backprop at the cell's batch | vs full backprop "
+        "at its best batch | "
         "worth of a step |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -670,7 +675,8 @@ def token_frontier_checkpointing_table() -> str:
     records = [json.loads(path.read_text()) for path in (TOKEN_DROPS, TOKEN_DROPS_CHECKPOINTING)]
     lines = [
         TCKPT_BEGIN,
-        "| cell | arm | step speedup without / with checkpointing | vs full backprop at its best batch, without "
+        "| cell | arm | step speedup without / with checkpointing (modelled) | vs full backprop at its best batch, "
+        "both without "
         "| with checkpointing |",
         "|---|---|---|---|---|",
     ]
@@ -692,7 +698,8 @@ def token_bench_table() -> str:
     """docs/token-drops.md: token-level step times against their ideal, per ``dropbp bench`` record."""
     lines = [
         TBENCH_BEGIN,
-        "| method | activation checkpointing | token drop rate | step speedup | ideal | efficiency | rounds |",
+        "| method | activation checkpointing | token drop rate | step speedup against full backprop (same "
+        "checkpointing) | ideal | efficiency | rounds |",
         "|---|---|---|---|---|---|---|",
     ]
     for path in sorted(TOKEN_BENCH.glob("*/bench.json")):
@@ -713,7 +720,8 @@ def kept_rows_table() -> str:
     (``old_*``) and on its kept rows (``new_*``), each against the model without the library in its own run."""
     lines = [
         KEPT_BEGIN,
-        "| method | token drop rate | step speedup, recomputed on every row | on the kept rows | their ideals |",
+        "| method | token drop rate | step speedup against full backprop with checkpointing, recomputed on every row "
+        "| on the kept rows | their ideals |",
         "|---|---|---|---|---|",
     ]
     for method in ("lora", "full"):

@@ -1,4 +1,5 @@
-"""dropbp: faster, lighter fine-tuning by dropping the backward pass of random residual branches.
+"""dropbp: cheaper fine-tuning steps (faster, fewer activations) by dropping the backward pass of random residual
+branches.
 
 What users call: ``dropbp.apply(model, drop_rate)`` (attaches DropBP to a Hugging Face or custom model and returns the
 :class:`DropBPController`), its options (:class:`DropBPOptions`; the Trainer's, :class:`TrainerOptions`), the

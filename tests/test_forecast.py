@@ -47,6 +47,15 @@ def test_the_verdict_follows_the_interval():
     assert "0.90x [95%: 0.80, 0.95]" in below.message and "Best measured: 1.40x at 100 steps x 8192 tokens" in (
         below.message
     )
+    assert "against full backprop at the same tokens per step" in below.message  # the figure names its baseline
+
+
+def test_a_run_of_any_size_gets_the_nearest_regime():
+    """Ints past a float's range (10**400 tokens a step or steps) are compared by their logs, never a ratio that
+    overflows to 0 or inf."""
+    huge = forecast(10, 10**400, 0.5, TABLE)
+    assert huge.tokens == max(c["tokens"] for c in TABLE["cells"])
+    assert forecast(10**400, 1024, 0.5, TABLE).steps == max(c["steps"] for c in TABLE["cells"])
 
 
 def test_bad_input_is_refused():

@@ -60,8 +60,9 @@ def forecast(
     rate = min({c["rate"] for c in cells}, key=lambda r: abs(r - drop_rate))
 
     def distance(c: dict) -> float:
-        tokens = 0.0 if tokens_per_step is None else math.log(c["tokens"] / tokens_per_step) ** 2
-        return math.log(c["steps"] / optimizer_steps) ** 2 + tokens
+        # logs of each side, not of their ratio: a ratio of ints past a float's range is 0.0 or inf
+        tokens = 0.0 if tokens_per_step is None else (math.log(c["tokens"]) - math.log(tokens_per_step)) ** 2
+        return (math.log(c["steps"]) - math.log(optimizer_steps)) ** 2 + tokens
 
     cell = min((c for c in cells if c["rate"] == rate), key=distance)
     pays = True if cell["low"] > 1.0 else False if cell["high"] < 1.0 else None
@@ -75,7 +76,9 @@ def forecast(
     message = (
         f"dropbp: your run ({optimizer_steps} optimizer steps, {tokens_text}, drop rate {drop_rate:g}) is nearest "
         f"the measured regime of {cell['steps']} steps x {cell['tokens']} tokens at {rate:g}: speedup at equal "
-        f"quality {cell['mean']:.2f}x [95%: {cell['low']:.2f}, {cell['high']:.2f}]. {verdict}. Best measured: "
+        f"quality against full backprop at the same tokens per step {cell['mean']:.2f}x [95%: {cell['low']:.2f}, "
+        f"{cell['high']:.2f}] (against full backprop at its best batch it is lower: docs/results.md). {verdict}. "
+        "Best measured: "
         f"{best['mean']:.2f}x at {best['steps']} steps x {best['tokens']} tokens, rate {best['rate']:g}. "
         f"Measured on {table['conditions']} (docs/where-it-pays.md)."
     )
