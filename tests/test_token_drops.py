@@ -356,6 +356,37 @@ def test_the_residual_rule_keeps_rows_by_the_size_of_the_branch_output():
         selection_weights(gradient, 2, "residual", torch.arange(6), torch.tensor([0.5]))
 
 
+@pytest.mark.parametrize("zero", ["every row", "some rows"])
+def test_the_residual_rule_can_keep_every_row_that_carries_gradient(zero):
+    """A zero-initialised output projection gives every row a forward norm of 0 (or some rows): each row carrying
+    gradient is still drawn with a positive probability and weighted by it, so the selection stays unbiased (a row
+    never kept would never train)."""
+    gradient = torch.tensor([1.0, 2.0, 0.0, 1.0, 3.0, 1.0])
+    residual = torch.zeros(6) if zero == "every row" else torch.tensor([4.0, 0.0, 1.0, 2.0, 0.0, 1.0])
+    total = torch.zeros(6)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4000):
+        order, offset = torch.randperm(6, generator=g), torch.rand(1, generator=g)
+        w = selection_weights(gradient, 2, "residual", order, offset, residual)
+        assert float(w[2]) == 0.0 and int((w > 0).sum()) == 2
+        total += w
+    assert torch.allclose((total / 4000)[gradient > 0], torch.ones(5), atol=0.12)
+
+
+@pytest.mark.parametrize("rows", [1024, 4096, 8192])
+def test_a_selection_weights_no_more_rows_than_it_gathers_at_real_sizes(rows):
+    """At 8 x 512 rows a float32 running sum of the probabilities could end a rounding error past the count, and a
+    row's start recomputed as its end less its probability could count one point twice: keep + 1 rows weighted, keep
+    gathered, the gradient off. Every draw weights at most ``keep`` rows, whatever the scores' spread."""
+    g = torch.Generator().manual_seed(rows)
+    for draw in range(100):
+        norms = torch.rand(rows, generator=g) ** (1 + draw % 5) * 10.0 ** (draw % 3)
+        keep = keep_count(rows, (0.3, 0.5, 0.75)[draw % 3])
+        order, offset = torch.randperm(rows, generator=g), torch.rand(1, generator=g)
+        w = selection_weights(norms, keep, "gradient", order, offset)
+        assert keep - 1 <= int((w > 0).sum()) <= keep
+
+
 def test_selection_weights_have_expectation_one_on_rows_that_carry_gradient():
     norms = torch.tensor([5.0, 0.0, 1.0, 1.0, 0.5, 3.0, 0.0, 2.0])
     total = torch.zeros(8)
@@ -377,7 +408,7 @@ def test_inclusion_probabilities_sum_to_the_count_capped_at_one():
     assert torch.equal(p, torch.tensor([1.0, 0.0, 1.0, 0.0]))
     p = inclusion_probabilities(torch.rand(50, generator=torch.Generator().manual_seed(1)), 20)
     assert math.isclose(float(p.sum()), 20.0, rel_tol=1e-5) and float(p.max()) <= 1.0
-    mask = systematic_sample(p, torch.randperm(50), torch.tensor([0.3]))
+    mask = systematic_sample(p, torch.randperm(50), torch.tensor([0.3]), 20)
     assert int(mask.sum()) == 20
 
 

@@ -413,7 +413,7 @@ class TokenDrops:
                 probabilities = table[keeps.index(keep)] if keep in keeps else ranked.probabilities((keep,))[0]
             else:
                 probabilities = ranked.probabilities((keep,))[0]
-            weights = sampled_weights(probabilities, order, offset)
+            weights = sampled_weights(probabilities, order, offset, keep)
             gathered = self._backend.kept_row_count(keep, count)
             slot.weights = weights
             everything = gathered >= count  # every row (a share of 1): the linear maps' own full-row backward

@@ -108,23 +108,29 @@ class RankedScores:
         return torch.clamp((scale * first).sum(1, keepdim=True) * self.scores, max=1.0)
 
 
-def sampled_weights(probabilities: torch.Tensor, order: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+def sampled_weights(probabilities: torch.Tensor, order: torch.Tensor, offset: torch.Tensor, keep: int) -> torch.Tensor:
     """Per row, ``1 / p_t`` where the row is kept (drawn by :func:`systematic_sample`) and 0 elsewhere."""
-    taken = systematic_sample(probabilities, order, offset)
+    taken = systematic_sample(probabilities, order, offset, keep)
     return taken / probabilities.clamp_min(_TINY)  # taken is 0 or 1, and 1 only where p > 0
 
 
-def systematic_sample(probabilities: torch.Tensor, order: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """A 0/1 mask with ``P(row t) = probabilities[t]`` and ``floor``/``ceil`` of ``sum p`` rows in all.
+def systematic_sample(
+    probabilities: torch.Tensor, order: torch.Tensor, offset: torch.Tensor, keep: int
+) -> torch.Tensor:
+    """A 0/1 mask with ``P(row t) = probabilities[t]`` and at most ``keep`` rows (``sum p``, their count) in all.
 
-    Walks the rows in ``order`` (a permutation) and takes row ``t`` where the running sum of probabilities crosses
-    ``offset + m`` for an integer ``m`` (``offset`` uniform in ``[0, 1)``): systematic sampling. Each row is taken at
-    most once (``p_t <= 1``).
+    Walks the rows in ``order`` (a permutation) and takes row ``t`` where the running sum of probabilities passes
+    ``offset + m`` for ``m = 0, ..., keep - 1`` (``offset`` uniform in ``[0, 1)``): systematic sampling. Each row is
+    taken at most once (``p_t <= 1``). Each row's start is the previous row's end, the same float (recomputed as
+    ``end - p_t`` it can round to the other side of a point, and the point is counted twice), and the points stop at
+    ``keep - 1`` (a float32 running sum of thousands of rows can end a rounding error past ``keep``): a ``keep + 1``-th
+    row weighted but not gathered would bias the gradient; a row missed by a rounding error below ``keep`` is
+    gathered with weight 0, which is exact.
     """
     walked = probabilities.index_select(0, order)
     after = torch.cumsum(walked, 0) - offset
-    before = after - walked
-    taken = (torch.floor(after) > torch.floor(before)).to(probabilities.dtype)
+    before = torch.cat([-offset.reshape(1).to(after.dtype), after[:-1]])
+    taken = (torch.ceil(after).clamp(max=keep) > torch.ceil(before).clamp(max=keep)).to(probabilities.dtype)
     return taken.index_select(0, torch.argsort(order))  # back to row order
 
 
@@ -134,7 +140,13 @@ def selection_scores(row_norms: torch.Tensor, rule: str, residual_norms: torch.T
     if rule == "residual":
         if residual_norms is None:
             raise ValueError("token_selection='residual' needs the branch output's row norms from the forward")
-        return residual_norms.to(row_norms.dtype) * carries
+        residual = residual_norms.to(row_norms.dtype) * carries
+        # a row carrying gradient whose forward output is 0 (a zero-initialised output projection: every row) must
+        # still be drawable, or its gradient is never kept (biased): every carrying row's score is raised by a tenth
+        # of their mean (a defensive mixture: the weights stay bounded), and where all are 0 they are alike
+        mean = residual.sum() / carries.sum().clamp_min(1.0)
+        floor = torch.where(mean > 0, 0.1 * mean, torch.ones_like(mean))
+        return residual + floor * carries
     return row_norms if rule in ("gradient", "cumulative") else carries
 
 
@@ -181,7 +193,7 @@ def selection_weights(
         residual_norms: for ``"residual"``, the norm of each row of the branch's output in the forward.
     """
     probabilities = RankedScores(selection_scores(row_norms, rule, residual_norms)).probabilities((keep,))[0]
-    return sampled_weights(probabilities, order, offset)
+    return sampled_weights(probabilities, order, offset, keep)
 
 
 def token_shares(shares: list[float], chosen: dict[int, float], one_share: bool) -> list[float]:
