@@ -105,3 +105,38 @@ def test_whole_encoder_layers_are_refused_at_apply_with_the_modules_to_name():
     expected = r"a BertLayer\) that adds the residual itself.*'bert.encoder.layer.N.intermediate'"
     with pytest.raises(ValueError, match=expected):
         dropbp.apply(_bert("full"), 0.5, branches=wrong, pattern="uniform")
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_bert_token_drops_class_attention_as_attention_and_equal_the_reference(method):
+    """README's BERT branches (``attention.self``, ``intermediate``) under token drops: ``attention.self`` is an
+    attention branch (its class says so; the leaf name ``self`` says nothing), so its keys and values run full rows,
+    and every gradient equals a reference that weights each branch output's rows by the recorded selection."""
+    from dropbp.experimental import TokenDrops
+
+    model = _bert(method)
+    ctl = dropbp.apply(model, 0.0, seed=3, branches=_branches(model), features=[TokenDrops(0.5)])
+    assert {b.name.rsplit(".", 1)[-1]: b.kind for b in ctl.branches} == {"self": "attn", "intermediate": "mlp"}
+    for step in range(3):
+        loss, got = _loss_and_grads(model, step)
+        weights = ctl.features["token_drops"].weights()
+        assert len(weights) == 2 * LAYERS
+        ctl.remove()
+        handles = []
+        modules = dict(model.named_modules())
+        for name, w in weights.items():
+
+            def weighted(module, args, output, w=w):
+                y = output[0] if isinstance(output, tuple) else output
+                w = w.to(y.dtype).view(*y.shape[:-1], 1)
+                y = y.detach() + (w * y - (w * y).detach())
+                return (y, *output[1:]) if isinstance(output, tuple) else y
+
+            handles.append(modules[name].register_forward_hook(weighted))
+        want_loss, want = _loss_and_grads(model, step)
+        for h in handles:
+            h.remove()
+        assert torch.equal(loss, want_loss)
+        assert_same_grads(got, want, atol=1e-5)
+        ctl = dropbp.apply(model, 0.0, seed=3, branches=_branches(model), features=[TokenDrops(0.5)])
+        ctl.load_state_dict(ctl.state_dict() | {"step": step + 1})

@@ -211,9 +211,14 @@ def branch_flops(
     return flops
 
 
-def _kind_from_name(name: str) -> str:
-    leaf = name.rsplit(".", 1)[-1].lower()
-    return "attn" if any(h in leaf for h in ATTENTION_HINTS) else "mlp"
+def _branch_kind(name: str, module: nn.Module) -> str:
+    """A named branch's kind: "attn" where its class says attention (``BertSelfAttention``), else where a part of its
+    path does (``...attention.self``: the leaf alone, ``self``, says nothing); "mlp" otherwise. The kind decides which
+    of its linear maps token drops may run on kept rows: an attention branch's keys and values never are."""
+    classes = [c.__name__.lower() for c in type(module).__mro__]
+    if any(h in c for c in classes for h in ATTENTION_HINTS):
+        return "attn"
+    return "attn" if any(h in part.lower() for part in name.split(".") for h in ATTENTION_HINTS) else "mlp"
 
 
 Found = tuple[str, str, tuple[str, ...]]  # (branch name, kind, names of its tail modules)
@@ -294,7 +299,7 @@ def _explicit(names: list[str], modules: dict[str, nn.Module]) -> list[tuple[str
         )
     _check_not_whole_layers(names, modules)
     order = {n: i for i, n in enumerate(modules)}
-    return [(n, _kind_from_name(n)) for n in sorted(names, key=order.__getitem__)]
+    return [(n, _branch_kind(n, modules[n])) for n in sorted(names, key=order.__getitem__)]
 
 
 def _is_whole_layer(module: nn.Module) -> bool:
