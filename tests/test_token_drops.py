@@ -690,3 +690,112 @@ def test_cuda_gradients_equal_the_reference_for_the_recorded_selection(method, c
     assert any(
         int((w > 0).sum()) < 24 for w in ctl.features["token_drops"].weights().values()
     )  # rows were dropped by then
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (torch.nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(x.shape[-1])
+        causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).triu(1)
+        return self.o_proj(scores.masked_fill(causal, float("-inf")).softmax(-1) @ v)
+
+
+class _MLP(torch.nn.Module):
+    """An MLP branch written as users write them: ``"tuple"`` returns ``(output, None)``; ``"inplace"`` applies
+    ``ReLU(inplace=True)`` to its first linear map's output."""
+
+    def __init__(self, width: int, kind: str) -> None:
+        super().__init__()
+        self.kind, self.up, self.down = kind, torch.nn.Linear(width, 2 * width), torch.nn.Linear(2 * width, width)
+        self.act = torch.nn.ReLU(inplace=kind == "inplace")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, None]:
+        y = self.down(self.act(self.up(x)))
+        return (y, None) if self.kind == "tuple" else y
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, width: int, kind: str, inplace_add: bool) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+        self.attn, self.mlp, self.inplace_add = _Attention(width), _MLP(width, kind), inplace_add
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        out = self.mlp(self.norm2(x))
+        out = out[0] if isinstance(out, tuple) else out
+        if self.inplace_add:  # Falcon's ``mlp_output += attention_output``: the branch output modified in place
+            out += x
+            return out
+        return x + out
+
+
+class _Custom(torch.nn.Module):
+    """A small causal LM of _Layer, each layer under non-re-entrant activation checkpointing when asked."""
+
+    def __init__(self, kind: str, inplace_add: bool, checkpointing: bool, width: int = 16, vocab: int = 64) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = torch.nn.Embedding(vocab, width), torch.nn.Linear(width, vocab)
+        self.layers = torch.nn.ModuleList(_Layer(width, kind, inplace_add) for _ in range(2))
+        self.checkpointing = checkpointing
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor):
+        from types import SimpleNamespace
+
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = checkpoint(layer, x, use_reentrant=False) if self.checkpointing else layer(x)
+        logits = self.head(x)[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        return SimpleNamespace(loss=loss)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "ckpt"])
+@pytest.mark.parametrize(("kind", "inplace_add"), [("tuple", False), ("inplace", False), ("plain", True)])
+def test_branches_written_as_users_write_them_train_exactly_under_token_drops(kind, inplace_add, checkpointing):
+    """An MLP branch returning a tuple (checkpointed: it is recomputed on its kept rows, and every parameter still gets
+    its gradient), ``ReLU(inplace=True)`` after a row-gathered linear map, and the branch output modified in place
+    after it (Falcon's add): each trains with token drops as without, equal to the reference."""
+    model = _Custom(kind, inplace_add, checkpointing)
+    reference = copy.deepcopy(model)
+    names = [f"layers.{i}.{part}" for i in range(2) for part in ("attn", "mlp")]
+    ctl = dropbp.apply(model, 0.0, branches=names, features=[dropbp.experimental.TokenDrops(0.5)])
+    for step in range(3):
+        ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(step))
+        _matches_reference(model, ctl, reference, ids)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all(g is not None and bool(g.abs().sum() > 0) for n, g in grads.items() if "mlp" in n)
+
+
+def test_a_checkpointed_branch_returning_other_float_tensors_is_refused_saying_what_to_do():
+    """A tuple whose other entries are floating-point tensors cannot be recomputed on the kept rows of its first: said,
+    with what to do, instead of those entries losing their gradient silently."""
+    model = _Custom("tuple", False, checkpointing=True)
+    for layer in model.layers:
+        layer.mlp.forward = lambda x, m=layer.mlp: (m.down(m.act(m.up(x))), m.up(x).sum())
+    names = [f"layers.{i}.mlp" for i in range(2)]
+    dropbp.apply(model, 0.0, branches=names, features=[dropbp.experimental.TokenDrops(0.5)])
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="other floating-point tensors.*branches=.*without activation checkpointing"):
+        model(input_ids=ids, labels=ids)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "ckpt"])
+def test_falcon_whose_layer_adds_in_place_to_the_mlp_output_trains_exactly(checkpointing):
+    """Falcon (a recognised architecture) adds the attention output to the MLP's output in place: with token drops it
+    trains, equal to the reference, as with branch drops alone."""
+    model = tiny_model("falcon", layers=2, hidden_size=32, num_attention_heads=4)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    reference = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="full rows"):  # Falcon's own linear class: its backward is not gathered
+        ctl = dropbp.apply(model, 0.0, features=[dropbp.experimental.TokenDrops(0.5)])
+        for step in range(2):
+            _matches_reference(model, ctl, reference, batch(step))

@@ -96,7 +96,9 @@ class _SelectRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y: torch.Tensor, slot: RowSlot, select: Callable[[torch.Tensor, RowSlot], None]) -> torch.Tensor:
         ctx.slot, ctx.select = slot, select
-        return y.view_as(y)
+        # a copy, not a view: code after the branch may modify its output in place (Falcon's ``mlp_output +=
+        # attention_output``), which autograd refuses on a custom Function's view
+        return y.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
@@ -120,14 +122,18 @@ class _RowGatheredLinear(torch.autograd.Function):
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        output: torch.Tensor,
+        computed: list[torch.Tensor],
         slot: RowSlot,
         transposed: bool,
     ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.slot, ctx.transposed = slot, transposed
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return output.view_as(output)
+        # the module's output, computed without autograd, handed over in a list: not an input of this Function, so
+        # it is returned as this node's own output, not a view (a view of a custom Function's input cannot be
+        # modified in place: ``ReLU(inplace=True)`` after the linear map); detached, because a linear map's output
+        # on 3-D input is itself a view of its 2-D product, which autograd would count as one
+        return computed.pop().detach()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -182,7 +188,7 @@ class _KeptRowsBranch(torch.autograd.Function):
     def forward(
         ctx,
         x: torch.Tensor,
-        output: torch.Tensor,
+        computed: list[torch.Tensor],
         module: nn.Module,
         slot: RowSlot,
         select: Callable[[torch.Tensor, RowSlot], None],
@@ -194,7 +200,7 @@ class _KeptRowsBranch(torch.autograd.Function):
         if torch.amp.is_autocast_available(device):
             enabled, dtype = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
             ctx.autocast = {"device_type": device, "enabled": enabled, "dtype": dtype}
-        return output.view_as(output)
+        return computed.pop().detach()  # not a view: it may be modified in place (_RowGatheredLinear)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -210,6 +216,7 @@ class _KeptRowsBranch(torch.autograd.Function):
         replay = contextlib.nullcontext() if ctx.autocast is None else torch.autocast(**ctx.autocast)
         with torch.enable_grad(), replay:
             output = ctx.module.forward(kept)
+        output = output[0] if isinstance(output, tuple) else output  # the branch's output tensor (its first)
         wanted = [kept, *params] if ctx.needs_input_grad[0] else params
         gradient = _as(rows * weights[:, None], output.dtype).view_as(output)
         found = list(torch.autograd.grad(output, wanted, gradient, allow_unused=True))
@@ -330,13 +337,23 @@ class TokenDrops:
                 return None
             self._slots[index] = None
             torch.set_grad_enabled(True)
-            if not torch.is_tensor(output):  # the call raised (always_call)
+            if output is None:  # the call raised (always_call)
                 return None
-            slot.rows = output.numel() // output.shape[-1]
-            self._note_residual(slot, output)
+            first, rest = (output[0], output[1:]) if isinstance(output, tuple) else (output, None)
+            carried = [r for r in rest or () if torch.is_tensor(r) and r.is_floating_point()]
+            if not torch.is_tensor(first) or carried:
+                raise RuntimeError(
+                    f"token drops: branch {index} ({type(module).__name__}) returned {type(output).__name__} "
+                    f"{'with other floating-point tensors' if carried else 'and not a tensor'} in a checkpointed "
+                    "region, where its backward is recomputed on the kept rows of its one output tensor; name a "
+                    "module that returns that tensor with branches=, or train it without activation checkpointing"
+                )
+            slot.rows = first.numel() // first.shape[-1]
+            self._note_residual(slot, first)
             branch = self._parts[index][0]
             params = [p for p in branch.parameters() if p.requires_grad]
-            return _KeptRowsBranch.apply(args[0], output, branch, slot, self._selector(index), *params)
+            kept = _KeptRowsBranch.apply(args[0], [first], branch, slot, self._selector(index), *params)
+            return kept if rest is None else (kept, *rest)
 
         return end
 
@@ -387,7 +404,7 @@ class TokenDrops:
             torch.set_grad_enabled(True)
             if not torch.is_tensor(output):  # the call raised (always_call), or an output that is not one tensor
                 return None
-            return _RowGatheredLinear.apply(args[0], module.weight, module.bias, output, slot, transposed)
+            return _RowGatheredLinear.apply(args[0], module.weight, module.bias, [output], slot, transposed)
 
         return [linear.register_forward_pre_hook(before), linear.register_forward_hook(after, always_call=True)]
 
