@@ -605,9 +605,11 @@ def test_leaving_auto_forgets_its_readings():
     loss_and_grads(model, batch(3, size=2, length=16))
     assert set(ctl.features["token_drops"].keep_shares().values()) == {0.5}
     ctl.features["token_drops"].rate = "auto"
-    assert set(ctl.features["token_drops"].keep_shares().values()) == {1.0}
+    assert ctl.features["token_drops"].rate == "auto"  # given: in force from the next training forward
+    assert set(ctl.features["token_drops"].keep_shares().values()) == {0.5}
     ids = batch(4, size=2, length=16)
     loss_and_grads(model, ids)
+    assert set(ctl.features["token_drops"].keep_shares().values()) == {1.0}
     for name, w in (
         ctl.features["token_drops"].weights().items()
     ):  # every row but each sequence's last (no gradient), weight 1
@@ -799,3 +801,35 @@ def test_falcon_whose_layer_adds_in_place_to_the_mlp_output_trains_exactly(check
         ctl = dropbp.apply(model, 0.0, features=[dropbp.experimental.TokenDrops(0.5)])
         for step in range(2):
             _matches_reference(model, ctl, reference, batch(step))
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("change", [("rate", 0.0), ("rate", "auto"), ("rate", 0.75), ("selection", "random")])
+def test_settings_changed_between_a_forward_and_its_backward_take_effect_at_the_next_step(reentrant, change):
+    """A backward under way (and checkpointing's recomputation in it) keeps its forward's settings: no CheckpointError,
+    the gradients of the forward's own selection; the change is in force from the next training forward."""
+    model = _model("llama", "full", checkpointing=False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    reference = copy.deepcopy(model)
+    ctl = dropbp.apply(model, 0.0, seed=1, features=[dropbp.experimental.TokenDrops(0.5)])
+    tokens = ctl.features["token_drops"]
+    ids = batch(0, size=2, length=12)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(123)
+    loss = model(input_ids=ids, labels=ids).loss
+    setattr(tokens, *change)  # between the forward and its backward
+    loss.backward()
+    got = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    weights = tokens.weights()
+    assert weights and all(int((w > 0).sum()) == keep_count(24, 0.5) for w in weights.values())
+    handles = _weighted_outputs(reference, weights)
+    _, want = loss_and_grads(reference, ids)
+    for h in handles:
+        h.remove()
+    assert_same_grads(got, want, atol=1e-5)
+    assert getattr(tokens, change[0]) == change[1]
+    loss_and_grads(model, batch(1, size=2, length=12))  # the next step: the change in force
+    if change == ("rate", 0.75):
+        assert all(int((w > 0).sum()) == keep_count(24, 0.75) for w in tokens.weights().values())
+    if change == ("rate", "auto"):
+        assert set(tokens.keep_shares().values()) == {1.0}

@@ -274,6 +274,8 @@ class TokenDrops:
         #: of AUTO_KEEP_SHARES (on the device; read on the host once per training forward, to choose the share)
         self.auto_shares: list[float] = [1.0] * len(self._parts)
         self._readings: list[torch.Tensor | None] = [None] * len(self._parts)
+        #: called at every training forward's start, before anything else here (the feature's settings come into force)
+        self.before_forward: Callable[[], None] = lambda: None
 
     @property
     def installed(self) -> bool:
@@ -459,6 +461,7 @@ class TokenDrops:
     def on_training_forward(self, pattern: frozenset[int]) -> None:
         """token_drop_rate="auto": each branch's share from its readings so far (one host read for all branches, at
         the forward's start); otherwise nothing: each kept branch call asks for its selection when it runs."""
+        self.before_forward()
         read = [index for index, reading in enumerate(self._readings) if reading is not None]
         if not read:
             return

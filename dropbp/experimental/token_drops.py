@@ -85,26 +85,44 @@ class TokenDrops(Feature):
         super().__init__()
         self._fixed = _fixed_rate(rate)
         self._selection = check_choice("selection", selection, TOKEN_SELECTIONS)
+        #: settings given while attached, (fixed rate or None for "auto", selection): in force from the next training
+        #: forward, so that a backward under way (and checkpointing's recomputation in it) keeps its forward's
+        self._given: tuple[float | None, str] | None = None
 
     @property
     def rate(self) -> float | str:
-        """The share of token rows skipped (or ``"auto"``); settable."""
-        return AUTO if self._fixed is None else self._fixed
+        """The share of token rows skipped (or ``"auto"``): the latest given; settable (in force from the next
+        training forward)."""
+        fixed = self._fixed if self._given is None else self._given[0]
+        return AUTO if fixed is None else fixed
 
     @rate.setter
     def rate(self, value: float | str) -> None:
-        self._fixed = _fixed_rate(value)
-        if self._part is not None and self._fixed is not None:
-            self._part.clear_auto()
+        self._give(_fixed_rate(value), self.selection)
 
     @property
     def selection(self) -> str:
-        """The selection rule; settable."""
-        return self._selection
+        """The selection rule: the latest given; settable (in force from the next training forward)."""
+        return self._selection if self._given is None else self._given[1]
 
     @selection.setter
     def selection(self, value: str) -> None:
-        self._selection = check_choice("selection", value, TOKEN_SELECTIONS)
+        fixed = self._fixed if self._given is None else self._given[0]
+        self._give(fixed, check_choice("selection", value, TOKEN_SELECTIONS))
+
+    def _give(self, fixed: float | None, selection: str) -> None:
+        if self._part is None:  # not attached: nothing under way
+            self._fixed, self._selection = fixed, selection
+        else:
+            self._given = (fixed, selection)
+
+    def _settle(self) -> None:
+        """At a training forward's start: the settings given since the last one come into force."""
+        if self._given is None:
+            return
+        (self._fixed, self._selection), self._given = self._given, None
+        if self._fixed is not None:
+            self._part.clear_auto()
 
     def attach(self, host: Host) -> None:
         super().attach(host)
@@ -118,6 +136,7 @@ class TokenDrops(Feature):
         )
         self._part.install()
         self._part.warn_full_rows([name for _, names in found for name in names])
+        self._part.before_forward = self._settle
         host.hooks.listen(self._part)
 
     def _slot(self, index: int) -> RowSlot | None:
