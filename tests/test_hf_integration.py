@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import pydoc_data.topics
 
@@ -456,7 +457,7 @@ def test_the_callback_logs_the_noise_scale_it_measures(tmp_path, caplog):
     logged = [h for h in trainer.state.log_history if "dropbp/noise_scale" in h]
     assert [h["step"] for h in logged] == [2, 4, 6, 8, 10]
     final = callback.controller.features["noise_scale"].estimate()
-    assert final.tokens_per_step == 2 * 2 * SEQ and final.steps == 9  # the 10th closes at a next forward
+    assert final.tokens_per_step == 2 * 2 * SEQ and final.steps == 10  # each step closes at its on_step_end
     assert logged[-1]["dropbp/noise_scale"] == final.tokens
     assert logged[-1]["dropbp/noise_ratio"] == pytest.approx(final.tokens / final.tokens_per_step)
 
@@ -484,3 +485,35 @@ def test_the_start_forecast_reads_the_runs_data_and_leaves_the_run_as_it_was(tmp
     assert [h.get("loss") for h in read.state.log_history] == [h.get("loss") for h in plain.state.log_history]
     for (name, a), (_, b) in zip(read.model.named_parameters(), plain.model.named_parameters(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_a_checkpoint_holds_the_noise_scale_of_every_step_before_it(tmp_path):
+    """Each optimizer step's window closes at its end (on_step_end), so the state a checkpoint saves holds every
+    step so far, and a run resumed under drop_rate="auto" continues as the uninterrupted one (it dropped nothing where
+    the uninterrupted run dropped: the checkpoint was a step short)."""
+    kw = dict(save_strategy="steps", save_steps=6, output_dir=str(tmp_path / "run"), gradient_accumulation_steps=2,
+              max_steps=10)  # fmt: skip
+    full = _trainer(tmp_path, **kw)
+    full_cb = attach(full, drop_rate="auto", seed=1)
+    full.train()
+    saved = json.loads((tmp_path / "run" / "checkpoint-6" / STATE_FILE).read_text())["controller"]
+    assert saved["noise_scale"]["steps"] == 6
+    resumed = _trainer(tmp_path, **kw)
+    resumed_cb = attach(resumed, drop_rate="auto", seed=1)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-6"))
+    want = full_cb.controller.features["noise_scale"].estimate()
+    got = resumed_cb.controller.features["noise_scale"].estimate()
+    assert got.steps == want.steps == 10 and got.tokens == pytest.approx(want.tokens, rel=1e-4)
+    assert resumed_cb.controller.rates == full_cb.controller.rates
+
+
+@pytest.mark.parametrize("rate", [0.5, "auto"])
+def test_one_micro_batch_per_step_says_the_noise_scale_measures_nothing(tmp_path, caplog, rate):
+    trainer = _trainer(tmp_path, max_steps=2)
+    with caplog.at_level(logging.WARNING, logger="dropbp"):
+        callback = attach(trainer, drop_rate=rate, features=[dropbp.NoiseScale()])
+        trainer.train()
+    said = [r.getMessage() for r in caplog.records if "gradient_accumulation_steps=1" in r.getMessage()]
+    assert len(said) == 1 and "nothing will be measured" in said[0]
+    assert ('"auto" stays at full backprop' in said[0]) == (rate == "auto")
+    assert callback.controller.features["noise_scale"].estimate() is None

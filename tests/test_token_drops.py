@@ -833,3 +833,9 @@ def test_settings_changed_between_a_forward_and_its_backward_take_effect_at_the_
         assert all(int((w > 0).sum()) == keep_count(24, 0.75) for w in tokens.weights().values())
     if change == ("rate", "auto"):
         assert set(tokens.keep_shares().values()) == {1.0}
+
+
+def test_the_noise_scale_beside_token_drops_is_said_to_count_their_variance():
+    features = [dropbp.NoiseScale(), dropbp.experimental.TokenDrops(0.5)]
+    with pytest.warns(UserWarning, match=r"counts their row sampling's variance as data noise.*TokenDrops\(0.0\)"):
+        dropbp.apply(tiny_model("llama", layers=2), 0.5, features=features)

@@ -9,6 +9,7 @@ its state (the automatic shares' readings) and its Trainer log; exact on every b
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -138,6 +139,13 @@ class TokenDrops(Feature):
         self._part.warn_full_rows([name for _, names in found for name in names])
         self._part.before_forward = self._settle
         host.hooks.listen(self._part)
+        if any(f.key == "noise_scale" for f in host.given().features):
+            warnings.warn(
+                "dropbp: the noise scale read while token drops are on counts their row sampling's variance as data "
+                "noise (it reads above B_simple), and drop_rate=\"auto\" reads it: measure the noise "
+                "scale with token drops off (TokenDrops(0.0), or dropbp check --model PATH --data FILE)",
+                stacklevel=2,
+            )
 
     def _slot(self, index: int) -> RowSlot | None:
         """The selection a call of branch ``index`` makes now; None where it makes none (rate 0, the branch dropped,

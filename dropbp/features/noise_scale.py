@@ -53,7 +53,12 @@ class NoiseScale(Feature):
         super().attach(host)
         self._was_attached = True
         self._part = MicroBatchGradients(
-            host.model, self._estimator, lambda: host.hooks.forced is None, on_step=self._follow
+            host.model,
+            self._estimator,
+            lambda: host.hooks.forced is None,
+            on_step=self._follow,
+            groups=[b.parts for b in host.branches],
+            dropped=lambda: host.hooks.dropped,
         )
         self._part.install()
 

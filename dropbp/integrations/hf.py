@@ -268,6 +268,16 @@ class DropBPCallback(TrainerCallback):
             self._move_to(kw["model"], args)
         elif state.global_step == 0 and self.controller.step > 0:
             self._restart()
+        if "noise_scale" in self.controller.features and args.gradient_accumulation_steps < 2:
+            log.warning(
+                "dropbp: the gradient noise scale is measured from two or more micro-batches per optimizer step, and "
+                "gradient_accumulation_steps=1 gives one: nothing will be measured%s. Set gradient_accumulation_steps "
+                ">= 2 (e.g. halve per_device_train_batch_size and double it) or measure it apart: dropbp check "
+                "--model PATH --data FILE.",
+                ', and drop_rate="auto" stays at full backprop for the whole run'
+                if self.controller.options.follows_noise_scale
+                else "",
+            )
         loader = kw.get("train_dataloader")
         self._forwards = training_forwards(state.max_steps, args.gradient_accumulation_steps, loader)
         self._windows = epoch_windows(args.gradient_accumulation_steps, loader)
@@ -462,6 +472,9 @@ class DropBPCallback(TrainerCallback):
         )
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any):
+        noise = self.controller.features.get("noise_scale") if self._active() else None
+        if noise is not None:  # the step's micro-batches are all read: it closes now, before a checkpoint saves it
+            noise.flush()
         if self._active() and control.should_log:
             stats = self.controller.schedule.drop_stats(reset=True)
             logs = {
@@ -473,7 +486,7 @@ class DropBPCallback(TrainerCallback):
             noise = self.controller.features.get("noise_scale")
             measured = None if noise is None else noise.estimate()
             if measured is not None and not self._noise_forecast_said and measured.steps >= NOISE_FORECAST_STEPS:
-                self._noise_forecast_said = True  # tokens; the step that just ran closes at the next one's forward
+                self._noise_forecast_said = True
                 log.info("%s", noise_scale_forecast(measured, self.controller.drop_rate))
             self._log(args, state, control, logs)
             control.should_log = True  # the log cleared it: the Trainer still logs its loss at this step

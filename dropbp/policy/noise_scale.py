@@ -70,9 +70,13 @@ class NoiseScale:
         return self.tokens / self.tokens_per_step
 
 
-def window_terms(micro_sq_norms: Sequence[float], batch_sq_norm: float, micro_tokens: float) -> tuple[float, float]:
-    """One optimizer step's unbiased ``(|G|^2, tr(Sigma))`` from its micro-batches' squared gradient norms, the squared
-    norm of their mean and the tokens of one micro-batch (the module docstring's formulas).
+def window_terms(
+    micro_sq_norms: Sequence[float], batch_sq_norm: float, micro_tokens: float | Sequence[float]
+) -> tuple[float, float]:
+    """One optimizer step's unbiased ``(|G|^2, tr(Sigma))`` from its micro-batches' squared gradient norms (each the
+    gradient of its own mean loss), the squared norm of their mean and the tokens of a micro-batch: one number for
+    all, or one per micro-batch (the module docstring's formulas, with ``1/b`` the mean of the micro-batches' ``1/b_i``
+    where they differ: ``E|G_i|^2 = |G|^2 + tr/b_i`` and ``E|mean G_i|^2 = |G|^2 + mean(tr/b_i)/m``).
 
     Raises:
         ValueError: with fewer than two micro-batches (one gives no spread) or no tokens.
@@ -80,12 +84,13 @@ def window_terms(micro_sq_norms: Sequence[float], batch_sq_norm: float, micro_to
     m = len(micro_sq_norms)
     if m < 2:
         raise ValueError(f"the noise scale needs at least 2 micro-batches per optimizer step, got {m}")
-    if micro_tokens <= 0:
-        raise ValueError(f"micro-batches must hold tokens, got {micro_tokens}")
-    b, big = float(micro_tokens), float(micro_tokens) * m
+    sizes = [float(micro_tokens)] * m if isinstance(micro_tokens, int | float) else [float(t) for t in micro_tokens]
+    if len(sizes) != m or min(sizes) <= 0:
+        raise ValueError(f"micro-batches must hold tokens, one count for all or one each, got {micro_tokens}")
+    inverse = sum(1.0 / b for b in sizes) / m  # 1/b for equal micro-batches
     mean_small = sum(micro_sq_norms) / m
-    gradient = (big * batch_sq_norm - b * mean_small) / (big - b)
-    trace = (mean_small - batch_sq_norm) / (1.0 / b - 1.0 / big)
+    trace = (mean_small - batch_sq_norm) / (inverse * (1.0 - 1.0 / m))
+    gradient = batch_sq_norm - trace * inverse / m
     return gradient, trace
 
 
