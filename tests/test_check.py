@@ -329,3 +329,38 @@ def test_qlora_checks_the_4bit_model(model_dir):
     assert all(statuses[name] == "PASS" for name in CORRECTNESS)
     assert result.model["method"] == "qlora" and result.model["trainable_parameters"] < result.model["parameters"]
     assert result.model["four_bit_layers"] == 4 * 7  # every linear of the 4 decoder layers
+
+
+def test_a_truncated_weights_file_is_a_one_line_setup_error(tmp_path, capsys):
+    """A model folder whose safetensors file was cut short (a download or copy interrupted): exit 2, one line that
+    names the error and what to check, no traceback (it was exit 1, "a check failed", with a traceback)."""
+    tiny_model("llama", layers=2).save_pretrained(tmp_path / "model")
+    weights = tmp_path / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    capsys.readouterr()  # save_pretrained's own progress
+    code = cli.main(["check", "--backend", "cpu", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "out")])
+    _, err = capsys.readouterr()
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "cannot load the model" in err and "truncated" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        (None, "is a folder"),
+        (b"\x1f\x8b\x08\x00" + bytes(range(200)), "is a gzip file: decompress it first"),
+        (b"PK\x03\x04" + bytes(50), "is a zip archive"),
+        (b"text\xff\xfe more", "is not UTF-8 text"),
+        (b"text\x00\x00 more", "NUL bytes"),
+    ],
+    ids=["folder", "gzip", "zip", "latin-1", "binary"],
+)
+def test_data_that_is_not_utf8_text_is_refused_before_the_model_loads(tmp_path, capsys, content, said):
+    """--data must be a UTF-8 text file: a folder, a compressed or binary file is named as such, exit 2, one line
+    (a gzip file was measured as text; a folder was reported as not existing)."""
+    data = tmp_path / "data"
+    data.mkdir() if content is None else data.write_bytes(content)
+    code = cli.main(["check", "--backend", "cpu", "--data", str(data), "--out", str(tmp_path / "out")])
+    _, err = capsys.readouterr()
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert said in err and "pass a UTF-8 text file" in err

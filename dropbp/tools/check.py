@@ -27,10 +27,10 @@ from dropbp.tools.bench import PRESETS, Point, build_model, measure_model
 from dropbp.tools.check_env import environment
 from dropbp.tools.check_grads import Probe, correctness_checks, graph_saved_bytes
 from dropbp.tools.check_graphs import graph_checks
-from dropbp.tools.check_noise import branch_share, check_stream, noise_section, token_stream
+from dropbp.tools.check_noise import branch_share, check_stream, noise_section, read_text_file, token_stream
 from dropbp.tools.check_report import FAIL, CheckResult, Outcome, render, write
 from dropbp.tools.device_tools import tools_for
-from dropbp.tools.pretrained import DEFAULT_MODEL, load_causal_lm, not_a_model_folder
+from dropbp.tools.pretrained import DEFAULT_MODEL, dtype_keyword, load_causal_lm, not_a_model_folder
 from dropbp.tools.qlora import count_4bit_layers, quantize_4bit, with_lora
 
 __all__ = ["CheckResult", "CheckSettings", "CheckSetupError", "render", "run_check", "write"]
@@ -85,10 +85,15 @@ def _load(
     else:
         transformers = require("transformers", "dropbp check --model")
         try:  # the model alone: the check feeds random token ids and needs no tokenizer
-            net = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-        except (OSError, ValueError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise CheckSetupError(f"cannot load the model {model!r}: {first}") from None
+            net = transformers.AutoModelForCausalLM.from_pretrained(
+                model, **{dtype_keyword(transformers.__version__): torch.float32}
+            )
+        except Exception as exc:  # any failure to load (a truncated safetensors file: SafetensorError) is set-up's
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise CheckSetupError(
+                f"cannot load the model {model!r} ({type(exc).__name__}: {first}); check that its files are complete "
+                "(a download or copy cut short leaves a truncated weights file)"
+            ) from None
         name = model
         tokenizer = _tokenizer(transformers, model)
     if method == "qlora":  # nf4 4-bit base weights, quantised on the device they will train on
@@ -231,6 +236,11 @@ def run_check(
         raise CheckSetupError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     settings = settings or (CheckSettings.quick() if quick else CheckSettings())
     require("transformers", "dropbp check")
+    if data is not None:  # before the model loads: a bad file is said at once
+        try:
+            read_text_file(data)
+        except ValueError as exc:
+            raise CheckSetupError(str(exc)) from None
     # before any output: a setup error is one line
     net, name, tokenizer = _load(model, method, resolved, settings, gradient_checkpointing)
     if getattr(getattr(net, "config", None), "vocab_size", None) is None:

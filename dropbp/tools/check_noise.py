@@ -22,11 +22,49 @@ from dropbp.experimental.where_it_pays import measured_map
 from dropbp.features.noise_scale import noise_scale_arms, noise_scale_forecast
 from dropbp.tools.arms import apply_arm as apply
 
-__all__ = ["NOISE_MICRO_BATCHES", "NOISE_STEPS", "branch_share", "check_stream", "noise_section", "token_stream"]
+__all__ = [
+    "NOISE_MICRO_BATCHES",
+    "NOISE_STEPS",
+    "branch_share",
+    "check_stream",
+    "noise_section",
+    "read_text_file",
+    "token_stream",
+]
 
 #: Optimizer steps measured, and micro-batches (1 sequence each) per step.
 NOISE_STEPS = 8
 NOISE_MICRO_BATCHES = 4
+
+
+#: File signatures of common compressed or binary formats a user may pass as --data, and what to do with each.
+_BINARY = {b"\x1f\x8b": "a gzip file: decompress it first (gunzip)", b"PK\x03\x04": "a zip archive: extract the "
+           "text first", b"BZh": "a bzip2 file: decompress it first (bunzip2)", b"\xfd7zXZ": "an xz file: decompress "
+           "it first (unxz)", b"PAR1": "a Parquet file: write its text column to a .txt file first"}  # fmt: skip
+
+
+def read_text_file(text_file: str | Path) -> str:
+    """The text of ``text_file``, which must be a UTF-8 text file.
+
+    Raises:
+        ValueError: it does not exist, is a folder, is a compressed or binary file (named, with what to do), or is
+            not UTF-8 text; one line each."""
+    path = Path(text_file)
+    if path.is_dir():
+        raise ValueError(f"the data file {path} is a folder; pass a UTF-8 text file")
+    if not path.is_file():
+        raise ValueError(f"the data file {path} does not exist; pass a UTF-8 text file")
+    raw = path.read_bytes()
+    kind = next((what for magic, what in _BINARY.items() if raw.startswith(magic)), None)
+    if kind is not None:
+        raise ValueError(f"the data file {path} is {kind}; pass a UTF-8 text file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"the data file {path} is not UTF-8 text (byte {err.start}); pass a UTF-8 text file") from None
+    if "\x00" in text:
+        raise ValueError(f"the data file {path} holds NUL bytes, as binary files do; pass a UTF-8 text file")
+    return text
 
 
 def token_stream(text_file: str | Path | None, tokenizer: object | None, vocab_size: int) -> torch.Tensor:
@@ -35,10 +73,7 @@ def token_stream(text_file: str | Path | None, tokenizer: object | None, vocab_s
     if text_file is None:
         text = "\n\n".join(pydoc_data.topics.topics[name] for name in sorted(pydoc_data.topics.topics))
     else:
-        path = Path(text_file)
-        if not path.is_file():
-            raise ValueError(f"the data file {path} does not exist; pass a UTF-8 text file")
-        text = path.read_text(encoding="utf-8", errors="replace")
+        text = read_text_file(text_file)
     if tokenizer is not None:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
