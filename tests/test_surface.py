@@ -220,3 +220,34 @@ def test_the_controller_a_researcher_builds_is_the_same_class():
     assert type(ctl) is DropBPController and ctl.options.stratify == 2 and ctl.options.unbiased
     ctl.replace_options(stratify=1)  # the experimental settings change as the core's
     assert ctl.options.stratify == 1
+
+
+def _hooks(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules())
+
+
+def test_a_refused_feature_changes_nothing(monkeypatch):
+    """A feature that refuses the model (the noise scale on a DeepSpeed engine or FSDP shards) does so before
+    anything is attached or changed: in apply, in a setter (drop_rate="auto" adds it), in replace_options. The model
+    keeps no hook and no patched forward; the controller keeps its options and features."""
+    model = tiny_model("llama", layers=2)
+
+    def refuse(self, model, framework):
+        raise RuntimeError("the noise scale is refused here")
+
+    monkeypatch.setattr(dropbp.NoiseScale, "check", refuse)
+    before = _hooks(model)
+    attempts = (lambda: dropbp.apply(model, 0.5, features=[dropbp.NoiseScale()]), lambda: dropbp.apply(model, "auto"))
+    for attempt in attempts:
+        with pytest.raises(RuntimeError, match="refused here"):
+            attempt()
+        assert _hooks(model) == before and "forward" not in vars(model)
+    ctl = dropbp.apply(model, 0.5)
+    attached = _hooks(model)
+    with pytest.raises(RuntimeError, match="refused here"):
+        ctl.drop_rate = "auto"
+    with pytest.raises(RuntimeError, match="refused here"):
+        ctl.replace_options(features=[dropbp.NoiseScale()], drop_rate=0.25)
+    assert ctl.options.drop_rate == 0.5 and ctl.drop_rate == 0.5 and not ctl.features and _hooks(model) == attached
+    ctl.remove()
+    assert _hooks(model) == before and "forward" not in vars(model)
