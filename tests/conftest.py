@@ -110,6 +110,23 @@ def loss_and_grads(model: nn.Module, ids: torch.Tensor, rng_seed: int = 123) -> 
     return loss.detach(), {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
 
 
+def weighted_outputs(model: nn.Module, weights: dict[str, torch.Tensor]) -> list:
+    """The token-drop reference: each named module's output (its first tensor, for a tuple) with its gradient multiplied
+    row by row by ``weights[name]`` (the same values forward); returns the hooks' handles. It never imports dropbp."""
+
+    def hook(w: torch.Tensor):
+        def weighted(module, args, output):
+            y = output[0] if isinstance(output, tuple) else output
+            scale = w.to(y.dtype).view(*y.shape[:-1], 1)
+            y = y.detach() + (scale * y - (scale * y).detach())
+            return (y, *output[1:]) if isinstance(output, tuple) else y
+
+        return weighted
+
+    modules = dict(model.named_modules())
+    return [modules[name].register_forward_hook(hook(w)) for name, w in weights.items()]
+
+
 def detach_outputs(model: nn.Module, names: tuple[str, ...]) -> list:
     """The hand-written reference: detach the output of each named module after it runs."""
 

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_same_grads, detach_outputs
+from conftest import assert_same_grads, detach_outputs, weighted_outputs
 from transformers import BertConfig, BertForMaskedLM
 
 import dropbp
@@ -122,17 +122,7 @@ def test_bert_token_drops_class_attention_as_attention_and_equal_the_reference(m
         weights = ctl.features["token_drops"].weights()
         assert len(weights) == 2 * LAYERS
         ctl.remove()
-        handles = []
-        modules = dict(model.named_modules())
-        for name, w in weights.items():
-
-            def weighted(module, args, output, w=w):
-                y = output[0] if isinstance(output, tuple) else output
-                w = w.to(y.dtype).view(*y.shape[:-1], 1)
-                y = y.detach() + (w * y - (w * y).detach())
-                return (y, *output[1:]) if isinstance(output, tuple) else y
-
-            handles.append(modules[name].register_forward_hook(weighted))
+        handles = weighted_outputs(model, weights)
         want_loss, want = _loss_and_grads(model, step)
         for h in handles:
             h.remove()

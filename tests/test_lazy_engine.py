@@ -28,6 +28,7 @@ from conftest import (
     detach_outputs,
     loss_and_grads,
     tiny_model,
+    weighted_outputs,
     with_lora,
 )
 from dropbp.backends.lazy import LazyEngineBackend, compiled_graphs, graph_runs, start
@@ -376,17 +377,7 @@ def test_token_drops_on_the_engine_are_exact_and_compile_no_graph_per_selection(
         weights = {
             name: w.cpu() for name, w in ctl.features["token_drops"].weights().items() if name not in ctl.last_dropped
         }
-        handles = detach_outputs(reference, ctl.last_dropped)
-        modules = dict(reference.named_modules())
-        for name, w in weights.items():
-
-            def weighted(module, args, output, w=w):
-                y = output[0] if isinstance(output, tuple) else output
-                scale = w.view(*y.shape[:-1], 1)
-                y = y.detach() + (scale * y - (scale * y).detach())
-                return (y, *output[1:]) if isinstance(output, tuple) else y
-
-            handles.append(modules[name].register_forward_hook(weighted))
+        handles = [*detach_outputs(reference, ctl.last_dropped), *weighted_outputs(reference, weights)]
         _, want = loss_and_grads(reference, ids)
         for h in handles:
             h.remove()

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from conftest import assert_same_grads, batch, loss_and_grads, tiny_model, with_lora
+from conftest import assert_same_grads, batch, loss_and_grads, tiny_model, weighted_outputs, with_lora
 from dropbp.backends.base import LazyGraphBackend
 
 import dropbp
@@ -41,22 +41,6 @@ def _model(arch: str, method: str, checkpointing: bool, layers: int = 3) -> torc
     return with_lora(model) if method == "lora" else model
 
 
-def _weighted_outputs(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> list:
-    """The reference: each named branch's output with its gradient multiplied row by row by ``weights``."""
-
-    def hook(name: str):
-        def weighted(module, args, output):
-            y = output[0] if isinstance(output, tuple) else output
-            w = weights[name].to(y.dtype).view(*y.shape[:-1], 1)
-            y = y.detach() + (w * y - (w * y).detach())
-            return (y, *output[1:]) if isinstance(output, tuple) else y
-
-        return weighted
-
-    modules = dict(model.named_modules())
-    return [modules[name].register_forward_hook(hook(name)) for name in weights]
-
-
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "ckpt"])
 @pytest.mark.parametrize("method", ["full", "lora"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "gpt_neox", "qwen3_moe", "phi3"])
@@ -72,7 +56,7 @@ def test_gradients_equal_the_reference_for_the_recorded_selection(arch, method, 
         for w in weights.values():
             assert int((w > 0).sum()) == keep_count(24, 0.5)
         ctl.remove()
-        handles = _weighted_outputs(model, weights)
+        handles = weighted_outputs(model, weights)
         from conftest import detach_outputs
 
         handles += detach_outputs(model, tuple(dropped))
@@ -193,7 +177,7 @@ def test_importance_weights_and_kept_rows_recomputation_equal_the_reference(arch
         weights = {k: v for k, v in ctl.features["token_drops"].weights().items() if k not in dropped}
         from conftest import detach_outputs
 
-        handles = [*_weighted_outputs(reference, weights), *detach_outputs(reference, tuple(dropped))]
+        handles = [*weighted_outputs(reference, weights), *detach_outputs(reference, tuple(dropped))]
         plain_loss, want = loss_and_grads(reference, ids)
         for h in handles:
             h.remove()
@@ -316,7 +300,7 @@ def test_the_forward_and_cumulative_rules_match_the_reference_for_their_selectio
     loss, got = loss_and_grads(model, ids)
     weights = ctl.features["token_drops"].weights()
     ctl.remove()
-    handles = _weighted_outputs(model, weights)
+    handles = weighted_outputs(model, weights)
     plain_loss, want = loss_and_grads(model, ids)
     for h in handles:
         h.remove()
@@ -457,7 +441,7 @@ def _matches_reference(model: torch.nn.Module, ctl, reference: torch.nn.Module, 
 
     loss, got = loss_and_grads(model, ids)
     weights = {k: v for k, v in ctl.features["token_drops"].weights().items() if k not in ctl.last_dropped}
-    handles = [*_weighted_outputs(reference, weights), *detach_outputs(reference, ctl.last_dropped)]
+    handles = [*weighted_outputs(reference, weights), *detach_outputs(reference, ctl.last_dropped)]
     plain_loss, want = loss_and_grads(reference, ids)
     for h in handles:
         h.remove()
@@ -626,7 +610,7 @@ def test_auto_gradients_equal_the_reference_for_the_recorded_selection(method):
         _, got = loss_and_grads(model, ids)
         from conftest import detach_outputs
 
-        handles = _weighted_outputs(reference, ctl.features["token_drops"].weights()) + detach_outputs(
+        handles = weighted_outputs(reference, ctl.features["token_drops"].weights()) + detach_outputs(
             reference, tuple(ctl.last_dropped)
         )
         _, want = loss_and_grads(reference, ids)
@@ -684,7 +668,7 @@ def test_cuda_gradients_equal_the_reference_for_the_recorded_selection(method, c
         _, got = loss_and_grads(model, ids)
         weights = ctl.features["token_drops"].weights()
         assert all(w.device.type == "cuda" for w in weights.values())
-        handles = _weighted_outputs(reference, weights) + detach_outputs(reference, tuple(ctl.last_dropped))
+        handles = weighted_outputs(reference, weights) + detach_outputs(reference, tuple(ctl.last_dropped))
         _, want = loss_and_grads(reference, ids)
         for h in handles:
             h.remove()
@@ -822,7 +806,7 @@ def test_settings_changed_between_a_forward_and_its_backward_take_effect_at_the_
     got = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
     weights = tokens.weights()
     assert weights and all(int((w > 0).sum()) == keep_count(24, 0.5) for w in weights.values())
-    handles = _weighted_outputs(reference, weights)
+    handles = weighted_outputs(reference, weights)
     _, want = loss_and_grads(reference, ids)
     for h in handles:
         h.remove()
