@@ -457,3 +457,29 @@ def test_gaudis_hpu_graphs_for_training_are_refused_with_the_reason(tmp_path):
 def _hpu_graphs_trainer(tmp_path) -> transformers.Trainer:
     args = _LazyArguments(str(tmp_path), max_steps=1, report_to=[], use_cpu=True, use_hpu_graphs_for_training=True)
     return transformers.Trainer(model=own_model(), args=args)
+
+
+def test_token_drops_with_sdpa_compile_the_step_graphs_of_branch_drops_alone():
+    """transformers' default attention (SDPA) on the engine: the TorchScript backend runs SDPA eagerly, reading its
+    inputs, so a step also compiles small graphs outside its breaks (more with token drops: their gathered query rows
+    are other inputs). The graphs a step compiles at its breaks, the ones a lazy-graph device runs, are the same with
+    and without token drops, and no graph is new once every pattern has run."""
+    import transformers
+    from conftest import _COMMON, TINY_CONFIGS
+
+    def graphs(**options) -> tuple[int, list[int]]:
+        config = transformers.AutoConfig.for_model(
+            "llama", **{**_COMMON, **TINY_CONFIGS["llama"], "num_hidden_layers": 4, "vocab_size": next(_vocab_sizes)}
+        )
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train().to("lazy")
+        backend = LazyEngineBackend()
+        ctl = apply_arm(model, 0.5, seed=0, backend=backend, **options)
+        torch._lazy.mark_step()
+        breaks = Breaks(backend)
+        totals = train(model, ctl, breaks, steps=40, micro_batches=1)
+        return sum(compiled for _, compiled, _ in breaks.events), totals
+
+    (at_breaks, alone), (with_tokens_at_breaks, with_tokens) = graphs(), graphs(token_drop_rate=0.5)
+    assert with_tokens_at_breaks == at_breaks
+    assert alone[-8:] == [alone[-1]] * 8 and with_tokens[-8:] == [with_tokens[-1]] * 8, (alone, with_tokens)
