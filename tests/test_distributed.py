@@ -14,7 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import assert_same_grads, batch, detach_outputs, ranks_done, run_ranks, tiny_model, with_lora
+from conftest import (
+    assert_same_grads,
+    batch,
+    detach_outputs,
+    ranks_done,
+    run_ranks,
+    tiny_model,
+    weighted_outputs,
+    with_lora,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 import dropbp
@@ -328,8 +337,6 @@ def test_token_drops_on_two_ranks_average_each_ranks_own_selection(mode):
     reduced gradient is the mean over ranks of the reference (no dropbp) for each rank's batch and recorded weights.
     With token_drop_rate="auto" each rank's shares follow its own readings (every row at the first step); with
     checkpointing the MLP branches are recomputed on their kept rows."""
-    from test_token_drops import _weighted_outputs
-
     with tempfile.TemporaryDirectory() as tmp:
         _run_ranks(_tokens_rank_main, os.path.join(tmp, "init"), tmp, mode)
         ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
@@ -343,7 +350,7 @@ def test_token_drops_on_two_ranks_average_each_ranks_own_selection(mode):
         for rank, rec in enumerate((a, b)):
             reference.load_state_dict(rec["before"])
             reference.zero_grad(set_to_none=True)
-            handles = detach_outputs(reference, rec["dropped"]) + _weighted_outputs(reference, rec["weights"])
+            handles = detach_outputs(reference, rec["dropped"]) + weighted_outputs(reference, rec["weights"])
             ids = _ids(step, rank)
             reference(input_ids=ids, labels=ids).loss.backward()
             for h in handles:
