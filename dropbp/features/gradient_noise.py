@@ -176,7 +176,9 @@ class MicroBatchGradients:
         self._groups = [list(modules) for modules in groups]
         self._dropped_now = dropped
         self._params = [p for p in model.parameters() if p.requires_grad]
-        self._group_of = torch.zeros(0, dtype=torch.long)  # per parameter, its group (the last: no branch's)
+        self._group_of: list[int] = []  # per parameter, its group (the last: no branch's)
+        #: the groups read as an index tensor, per set of parameters with a gradient and device: made once, not per read
+        self._where: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
         self._snapshot: list[torch.Tensor | None] = []
         self._micro: list[torch.Tensor] = []  # per micro-batch, its gradient's squared norm per group
         self._batch: torch.Tensor | None = None  # the window's accumulated gradient's squared norm per group so far
@@ -202,7 +204,8 @@ class MicroBatchGradients:
         self._params = [p for p in self._model.parameters() if p.requires_grad]
         owner = {id(p): g for g, modules in enumerate(self._groups) for m in modules for p in m.parameters()}
         rest = len(self._groups)
-        self._group_of = torch.tensor([owner.get(id(p), rest) for p in self._params], dtype=torch.long)
+        self._group_of = [owner.get(id(p), rest) for p in self._params]
+        self._where = {}
         self._handles = [
             self._model.register_forward_pre_hook(self._begin, with_kwargs=True, prepend=True),
             self._model.register_forward_hook(self._end),
@@ -263,7 +266,7 @@ class MicroBatchGradients:
             return  # the window closed in between (a backward after the next zero_grad)
         owns, totals, groups = [], [], []  # summed per group on the gradients' device: read on the host once a window
         norm = torch.linalg.vector_norm
-        for p, before, group in zip(self._params, self._snapshot, self._group_of.tolist(), strict=True):
+        for p, before, group in zip(self._params, self._snapshot, self._group_of, strict=True):
             if p.grad is None:
                 continue
             g = p.grad.detach()
@@ -273,7 +276,10 @@ class MicroBatchGradients:
             groups.append(group)
         self._versions = [None if p.grad is None else tensor_version(p.grad) for p in self._params]
         if owns:
-            where = torch.tensor(groups, device=owns[0].device)
+            key = (tuple(groups), owns[0].device)
+            where = self._where.get(key)
+            if where is None:
+                where = self._where[key] = torch.tensor(groups, device=owns[0].device)
             sums = torch.zeros(2, len(self._groups) + 1, device=owns[0].device)
             sums[0].index_add_(0, where, torch.stack(owns))
             sums[1].index_add_(0, where, torch.stack(totals))
