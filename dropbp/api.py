@@ -58,7 +58,7 @@ def apply_options(model: nn.Module, options: DropBPOptions) -> DropBPController:
     branches = None if options.branches is None else list(options.branches)
     found = find_branches(inner, branches, options.seq_len)
     given = dataclasses.replace(options, backend=backend)
-    policy = DropPolicy([b.flops for b in found], given.resolved(backend, len(found)))
+    policy = DropPolicy([b.flops for b in found], given.resolved(backend, [b.flops for b in found]))
     return DropBPController(model, found, policy, backend, given)
 
 

@@ -357,8 +357,9 @@ def calibrate(
     Nothing drops during calibration, the step counter does not move, ``.grad`` and train/eval modes are left as they
     were, and with ``torch.distributed`` initialised every rank ends with identical rates (the sensitivities are
     averaged). Where the allocation would drop every branch in some steps (few branches), the highest rates are
-    lowered into the bound. Only for ``pattern="uniform"``: allocated rates do not fall with depth, so no cut realises
-    them. Under a time schedule the rates are allocated for its peak and scaled back by the policy.
+    lowered into the bound. Only for a shape that calibrates (``pattern="uniform"``): allocated rates do not fall
+    with depth, so no cut realises them. Under a time schedule the rates are allocated for its peak and scaled back by
+    the policy.
 
     Args:
         closure: runs a forward on one fixed batch and returns the scalar loss (no backward).
@@ -373,12 +374,11 @@ def calibrate(
         raise TypeError(f"closure must be callable and return the loss, got {type(closure).__name__}")
     method = METHOD.get()  # "one-pass"; the research code's N + 1 passes inside dropbp.experimental.exact_recompute()
     check_bool("gradnorm", gradnorm)
-    pattern = policy.options.pattern
-    if pattern != "uniform":
+    if not policy.shape.calibrates:
         raise ValueError(
-            f"calibrate allocates rates by each branch's sensitivity, which pattern={pattern!r} cannot "
+            f"calibrate allocates rates by each branch's sensitivity, which pattern={policy.shape.name!r} cannot "
             "realise (a cut's rates must fall with depth); set ctl.pattern = 'uniform' (the paper's patterns) "
-            "before calibrating, or keep the cut's rates"
+            "before calibrating, or keep the shape's own rates"
         )
     closure = calibration_closure(closure)  # e.g. a DeepSpeed engine cannot take calibration passes
     method = calibration_method(model.parameters(), method)  # e.g. ZeRO-3: exact-recompute

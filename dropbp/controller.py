@@ -108,7 +108,7 @@ class DropBPController:
         self.backend = backend
         self._model = model
         self._found = list(branches)
-        settings = ExecutionSettings.of(options)
+        settings = ExecutionSettings.of(options, policy.most_kept())
         self._hooks = StepHooks(model, self._found, policy=policy, backend=backend, settings=settings)
         self._hooks.owner = self
         self._fill = DroppedGrads(options.dropped_grads, self._hooks.holders)
@@ -129,7 +129,7 @@ class DropBPController:
         self._clean_copies()
         #: What the policy will do over a run, and what it dropped (:class:`dropbp.run_schedule.RunSchedule`).
         self.schedule = RunSchedule(
-            policy, [b.flops for b in branches], tally, self._hooks.pattern, self._hooks.kept_bound
+            policy, [b.flops for b in branches], tally, self._hooks.pattern, lambda: self._hooks.settings.most_kept
         )
         for module in (model, *(b.module for b in branches)):
             _ATTACHED[module] = weakref.ref(self)
@@ -169,10 +169,10 @@ class DropBPController:
         device's bound), handed to the policy by ``policy_takes`` (all or nothing: it raises before anything
         changes), then to the hooks and the features."""
         self._features.check_new(given.features)
-        resolved = given.resolved(self.backend, len(self._found))
+        resolved = given.resolved(self.backend, [b.flops for b in self._found])
         policy_takes(resolved)
         self._given = given
-        self._hooks.settings = ExecutionSettings.of(resolved)
+        self._hooks.settings = ExecutionSettings.of(resolved, self._policy.most_kept())
         self._features.follow(given.features, self._host, self._clean_copies)
 
     def _resolve_again(self) -> None:

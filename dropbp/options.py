@@ -29,8 +29,8 @@ from dropbp.checks import check_bool, check_choice, check_fraction, check_int, c
 from dropbp.execution.dropped_grads import DEFAULT_DROPPED_GRADS, DROPPED_GRADS
 from dropbp.features.base import Feature
 from dropbp.features.noise_scale import NoiseScale
-from dropbp.policy.sampler import SAMPLERS
 from dropbp.policy.schedule import DEFAULT_RAMP, DROP_SCHEDULES
+from dropbp.policy.shapes import CutShape, get_shape, shape_names
 
 #: ``memory_bound="auto"`` turns the bound on from this drop rate (or with a feature that buys memory).
 AUTO_BOUND_RATE = 0.75
@@ -82,7 +82,7 @@ _PREFIX: ContextVar[str] = ContextVar("dropbp_option_prefix", default="")
 
 def is_auto(value: object) -> bool:
     """Whether an option that takes ``"auto"`` was given it (each option resolves its own ``"auto"`` in one property:
-    :attr:`DropBPOptions.follows_noise_scale`, :attr:`DropBPOptions.bounded`, :attr:`TrainerOptions.calibration_point`,
+    :attr:`DropBPOptions.follows_noise_scale`, :meth:`DropBPOptions.resolved`, :attr:`TrainerOptions.calibration_point`,
     :attr:`TrainerOptions.warmup_fraction`)."""
     return isinstance(value, str) and value == AUTO
 
@@ -281,7 +281,7 @@ class DropBPOptions:
         check_bool(key("unbiased"), self.unbiased)
         check_choice(key("dropped_grads"), self.dropped_grads, DROPPED_GRADS)
         check_int(key("warmup_steps"), self.warmup_steps, 0)
-        check_choice(key("pattern"), self.pattern, tuple(SAMPLERS))
+        check_choice(key("pattern"), self.pattern, shape_names())
         if not is_auto(self.memory_bound):
             check_bool(key("memory_bound"), self.memory_bound)
         if self.total_steps is not None:
@@ -303,7 +303,7 @@ class DropBPOptions:
         self._set("features", tuple(features))
         if self.follows_noise_scale and self.feature(NoiseScale.key) is None:  # "auto" reads the measured noise scale
             self._set("features", (*self.features, NoiseScale()))
-        if self.stratify > 1 and (self.pattern != "cut" or self.max_patterns is not None):
+        if self.stratify > 1 and (not isinstance(get_shape(self.pattern), CutShape) or self.max_patterns is not None):
             raise ValueError(
                 f"{key('stratify')}={self.stratify} stratifies cut patterns drawn afresh each step: it needs "
                 f"pattern='cut' (got {self.pattern!r}) and max_patterns=None (got {self.max_patterns!r}; a pattern "
@@ -334,24 +334,17 @@ class DropBPOptions:
         """``drop_rate="auto"``: the rate in force is the one the noise scale feature chooses (:meth:`resolved`)."""
         return is_auto(self.drop_rate)
 
-    @property
-    def bounded(self) -> bool:
-        """``memory_bound`` with ``"auto"`` resolved."""
-        if is_auto(self.memory_bound):
-            return any(f.bounds_memory for f in self.features) or self.drop_rate >= AUTO_BOUND_RATE
-        return bool(self.memory_bound)
-
-    def resolved(self, backend: Backend, branches: int) -> DropBPOptions:
-        """These options on ``backend``, for a model of ``branches`` branches, with one meaning each:
+    def resolved(self, backend: Backend, flops: Sequence[float]) -> DropBPOptions:
+        """These options on ``backend``, for a model whose branches cost ``flops``, with one meaning each:
         ``max_patterns=None`` is the backend's default bound, ``memory_bound="auto"`` is on or off for this drop rate
         and these features, and ``drop_rate="auto"`` is the rate the noise scale feature now chooses
         (:meth:`dropbp.NoiseScale.rate`), with no warm-up or time schedule. Every entry (``apply``, a setter, a
         loaded state, a measured step under ``"auto"``) resolves the options as given, so no setter or state can lift
         a device's bound, and ``"auto"`` follows a later drop rate."""
         if self.follows_noise_scale:
-            rate = self.feature(NoiseScale.key).rate(self.pattern, branches)
+            rate = self.feature(NoiseScale.key).rate(get_shape(self.pattern), flops)
             auto = {"drop_rate": rate, "warmup_steps": 0, "drop_schedule": "constant", "total_steps": None}
-            return dataclasses.replace(self, **auto).resolved(backend, branches)
+            return dataclasses.replace(self, **auto).resolved(backend, flops)
         bound = backend.default_max_patterns if self.max_patterns is None else self.max_patterns
         if self.stratify > 1 and self.max_patterns is None and bound is not None:
             raise ValueError(
@@ -359,7 +352,10 @@ class DropBPOptions:
                 f"pattern, so a run draws from a pool of at most {bound} patterns (its default max_patterns), whose "
                 "cycle is already stratified; leave stratify=1 there"
             )
-        return dataclasses.replace(self, backend=backend, max_patterns=bound, memory_bound=self.bounded)
+        memory_bound = self.memory_bound
+        if is_auto(memory_bound):
+            memory_bound = any(f.bounds_memory for f in self.features) or self.drop_rate >= AUTO_BOUND_RATE
+        return dataclasses.replace(self, backend=backend, max_patterns=bound, memory_bound=bool(memory_bound))
 
     def feature(self, key: str) -> Feature | None:
         """The feature of ``features`` with this key, or None."""
@@ -452,12 +448,13 @@ class TrainerOptions(DropBPOptions):
             point = check_fraction(
                 key("calibrate_at"), self.calibrate_at, what="a fraction of the training steps (or None)"
             )
-            if self.pattern != "uniform":
+            if not get_shape(self.pattern).calibrates:
                 calibrate_at, pattern = key("calibrate_at"), key("pattern")
+                takes = [name for name in shape_names() if get_shape(name).calibrates]
                 raise ValueError(
-                    f"{calibrate_at}={point} needs {pattern}='uniform': calibrated rates do not fall with depth, "
-                    f"so {pattern}={self.pattern!r} cannot realise them; pass {pattern}='uniform' to calibrate, "
-                    f"or {calibrate_at}=None"
+                    f"{calibrate_at}={point} needs {pattern}={' or '.join(map(repr, takes))} (a shape calibration "
+                    f"allocates for): {pattern}={self.pattern!r} cannot realise calibrated rates (a cut's must fall "
+                    f"with depth); pass {pattern}={takes[0]!r} to calibrate, or {calibrate_at}=None"
                 )
             self._set("calibrate_at", point)
         if not is_auto(self.warmup):
@@ -468,7 +465,7 @@ class TrainerOptions(DropBPOptions):
     def calibration_point(self) -> float | None:
         """``calibrate_at`` with ``"auto"`` resolved: the fraction of the run at which to calibrate, or None."""
         if is_auto(self.calibrate_at):
-            return 0.1 if self.pattern == "uniform" else None
+            return 0.1 if get_shape(self.pattern).calibrates else None
         return self.calibrate_at  # type: ignore[return-value]
 
     @property

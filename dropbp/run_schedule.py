@@ -28,13 +28,13 @@ class RunSchedule:
         flops: Sequence[float],
         tally: DropTally,
         pattern: Callable[[int], frozenset[int]],
-        kept_bound: Callable[[], int | None],
+        most_kept: Callable[[], int | None],
     ) -> None:
         self._policy = policy
         self._tally = tally
         self._flops = list(flops)
         self._pattern = pattern
-        self._kept_bound = kept_bound
+        self._most_kept = most_kept
 
     @property
     def options(self) -> DropBPOptions:
@@ -44,9 +44,9 @@ class RunSchedule:
 
     @property
     def max_kept_branches(self) -> int:
-        """The most branches that store activations in one step: with the memory bound, what the uniform shape keeps
-        at most at ``drop_rate``; without it, every branch (a step may drop none)."""
-        return self._kept_bound() or len(self._flops)
+        """The most branches that store activations in one step: with the memory bound, the drop shape's
+        ``most_kept`` at ``drop_rate``; without it, every branch (a step may drop none)."""
+        return self._most_kept() or len(self._flops)
 
     def drop_rate_at(self, step: int) -> float:
         """The expected FLOP-weighted drop rate at training forward ``step``: the rates under the warm-up and time

@@ -12,9 +12,10 @@ import difflib
 from typing import Any
 
 from dropbp.checks import check_bool, check_choice, check_fraction, check_int, check_number, check_ramp, check_sequence
+from dropbp.features.base import feature_classes
 from dropbp.options import is_auto
-from dropbp.policy.sampler import SAMPLERS
 from dropbp.policy.schedule import DROP_SCHEDULES
+from dropbp.policy.shapes import shape_names
 
 __all__ = ["STATE_VERSION", "check_state", "policy_settings"]
 
@@ -41,11 +42,12 @@ MOVED_STATE = {
 
 #: The keys of a state (every one required: no release wrote states with fewer).
 REQUIRED = ("version", "branches", "rates", "step", *POLICY_STATE, "rates_follow_drop_rate")
-#: Keys only some states have: ``windows`` where the run's optimizer-step windows are set, and each attached feature's
-#: own key where it has a state (``noise_scale``: the estimator's, checked here as ``drop_rate="auto"`` needs it; any
-#: other feature checks its own, :meth:`dropbp.features.base.Feature.check_state`).
-OPTIONAL = ("windows", "noise_scale")
-NOISE_SCALE_KEYS = ("steps", "gradient", "trace", "tokens_per_step")
+#: Keys only some states have: ``windows`` where the run's optimizer-step windows are set. Each registered feature's
+#: key may hold its state too (:func:`dropbp.features.base.feature_classes`), which the feature checks itself
+#: (:meth:`dropbp.features.base.Feature.check_state`) where it is attached.
+OPTIONAL = ("windows",)
+#: The key of the state ``drop_rate="auto"`` resumes from (the noise scale feature's).
+AUTO_STATE = "noise_scale"
 
 
 def _field(name: str) -> str:
@@ -58,7 +60,7 @@ def _optional_int(name: str, value: object, minimum: int) -> None:
 
 
 def _with_hint(key: object) -> str:
-    close = difflib.get_close_matches(str(key), REQUIRED + OPTIONAL, 1)
+    close = difflib.get_close_matches(str(key), REQUIRED + OPTIONAL + tuple(feature_classes()), 1)
     return f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
 
 
@@ -73,7 +75,7 @@ def check_state(state: object, feature_keys: tuple[str, ...] = (), names: list[s
         raise ValueError(f"state is missing keys {sorted(missing)}; pass the dict from state_dict()")
     for key in set(state) & set(MOVED_STATE):
         raise ValueError(f"state[{key!r}] is {MOVED_STATE[key]}")
-    unknown = sorted(set(state) - set(REQUIRED) - set(OPTIONAL) - set(feature_keys), key=str)
+    unknown = sorted(set(state) - set(REQUIRED) - set(OPTIONAL) - set(feature_keys) - set(feature_classes()), key=str)
     if unknown:
         hints = [_with_hint(key) for key in unknown]
         raise ValueError(
@@ -97,22 +99,13 @@ def check_state(state: object, feature_keys: tuple[str, ...] = (), names: list[s
         check_number(f"state['rates'][{i}]", rate)
     if not is_auto(state["drop_rate"]):
         check_fraction(_field("drop_rate"), state["drop_rate"])
-    elif "noise_scale" not in state:
-        raise ValueError(f"{_field('drop_rate')} is 'auto' but the state has no 'noise_scale'; pass state_dict()'s")
-
-    if "noise_scale" in state:
-        noise = state["noise_scale"]
-        if not isinstance(noise, dict) or sorted(noise) != sorted(NOISE_SCALE_KEYS):
-            keys = ", ".join(NOISE_SCALE_KEYS)
-            raise ValueError(f"{_field('noise_scale')} must be a dict of {keys}, got {noise!r:.80}")
-        check_int(_field("noise_scale") + "['steps']", noise["steps"], 0)
-        for name in NOISE_SCALE_KEYS[1:]:
-            check_number(f"{_field('noise_scale')}[{name!r}]", noise[name])
+    elif AUTO_STATE not in state:
+        raise ValueError(f"{_field('drop_rate')} is 'auto' but the state has no {AUTO_STATE!r}; pass state_dict()'s")
     check_int(_field("seed"), state["seed"], 0)
     check_int(_field("step"), state["step"], 0)
     _optional_int("max_patterns", state["max_patterns"], 1)
     check_int(_field("warmup_steps"), state["warmup_steps"], 0)
-    check_choice(_field("pattern"), state["pattern"], tuple(SAMPLERS))
+    check_choice(_field("pattern"), state["pattern"], shape_names())
     _optional_int("total_steps", state["total_steps"], 1)
     check_choice(_field("drop_schedule"), state["drop_schedule"], DROP_SCHEDULES)
     check_ramp(_field("ramp"), state["ramp"])

@@ -314,10 +314,10 @@ def test_an_option_is_declared_once_and_reaches_apply_attach_the_callback_and_ax
     assert list(inspect.signature(build_callback).parameters) == ["trainer", *run]
     assert list(inspect.signature(DropBPCallback).parameters) == run
     pytest.importorskip("pydantic")
+    from dropbp.features.base import feature_classes
     from dropbp.integrations.axolotl import DropBPArgs
-    from dropbp.integrations.config_keys import FEATURE_KEYS
 
-    keys = [f"dropbp_{n}" for n in run if n != "features"] + [f"dropbp_{n}" for n in FEATURE_KEYS]
+    keys = [f"dropbp_{n}" for n in run if n != "features"] + [f"dropbp_{key}" for key in feature_classes()]
     assert list(DropBPArgs.model_fields) == keys
 
 

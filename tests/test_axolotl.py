@@ -14,6 +14,7 @@ import importlib
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -110,7 +111,7 @@ def test_plugin_from_config_trains_with_dropped_branches(tmp_path):
 
 def test_plugin_settings_reach_the_controller(tmp_path):
     plugin = _load_plugin()
-    raw = {"dropbp_drop_rate": 0.25, "dropbp_seed": 3, "dropbp_warmup": 0.5, "dropbp_measure_noise_scale": True}
+    raw = {"dropbp_drop_rate": 0.25, "dropbp_seed": 3, "dropbp_warmup": 0.5, "dropbp_noise_scale": True}
     trainer = _trainer(tmp_path, max_steps=4)
     (callback,) = plugin.add_callbacks_post_trainer(_stored_config(raw), trainer)
     ctl = callback.controller
@@ -253,10 +254,24 @@ def test_drop_rate_auto_is_a_config_value():
     assert DropBPArgs.model_validate({"dropbp_drop_rate": "auto"}).attach_kwargs()["drop_rate"] == "auto"
 
 
-def test_token_drop_rate_auto_is_a_config_value():
-    args = DropBPArgs.model_validate({"dropbp_token_drop_rate": "auto", "dropbp_token_selection": "random"})
+def test_token_drops_auto_is_a_config_value():
+    args = DropBPArgs.model_validate({"dropbp_token_drops": {"rate": "auto", "selection": "random"}})
     (drops,) = args.options().features
     assert (drops.key, drops.rate, drops.selection) == ("token_drops", "auto", "random")
-    assert DropBPArgs.model_validate({"dropbp_token_drop_rate": 0.0}).options().features == ()
-    with pytest.raises(pydantic.ValidationError, match=r"dropbp_token_drop_rate.*\n.*'auto'"):
-        DropBPArgs.model_validate({"dropbp_token_drop_rate": "most"})
+    assert DropBPArgs.model_validate({"dropbp_token_drops": 0.0}).options().features == ()
+    assert DropBPArgs.model_validate({"dropbp_token_drops": "auto"}).options().features[0].rate == "auto"
+    with pytest.raises(pydantic.ValidationError, match=r"dropbp_token_drops: .*rate must be .*'auto'"):
+        DropBPArgs.model_validate({"dropbp_token_drops": "most"})
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ({"dropbp_measure_noise_scale": True}, "dropbp_noise_scale: true"),
+        ({"dropbp_token_drop_rate": 0.3}, "dropbp_token_drops: 0.3"),
+        ({"dropbp_token_selection": "random"}, "dropbp_token_drops: {rate: 0.3, selection: random}"),
+    ],
+)
+def test_a_0_3_feature_key_is_refused_naming_the_0_4_key(old, new):
+    with pytest.raises(pydantic.ValidationError, match=f"one key per feature since dropbp 0.4: write {re.escape(new)}"):
+        DropBPArgs.model_validate(old)

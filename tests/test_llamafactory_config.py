@@ -24,7 +24,7 @@ model_name_or_path: some/model
 finetuning_type: lora
 output_dir: out
 dropbp_drop_rate: 0.5
-dropbp_token_drop_rate: 0.3
+dropbp_token_drops: 0.3
 dropbp_calibrate_at: null
 """
 
@@ -54,7 +54,7 @@ def test_the_yamls_dropbp_keys_become_the_callback_and_the_rest_goes_to_run_exp(
     [callback] = callbacks
     assert isinstance(callback, DropBPCallback)
     options = callback.options
-    (drops,) = options.features  # dropbp_token_drop_rate builds the experimental feature
+    (drops,) = options.features  # dropbp_token_drops builds the experimental feature
     assert (options.drop_rate, drops.rate, options.calibrate_at) == (0.5, 0.3, None)
 
 

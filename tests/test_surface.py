@@ -189,7 +189,7 @@ def test_a_feature_added_or_left_out_by_replace_options_is_attached_or_removed()
     ctl.replace_options(features=[chunked])
     ids = batch(1)
     assert model(input_ids=ids, labels=ids).logits is None  # the chunked loss computes no logits
-    assert ctl.options.bounded  # a feature that buys memory turns memory_bound="auto" on
+    assert ctl.schedule.options.memory_bound is True  # a feature that buys memory turns memory_bound="auto" on
     ctl.replace_options(features=[])
     assert model(input_ids=ids, labels=ids).logits is not None and not chunked.attached
 

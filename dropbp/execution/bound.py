@@ -1,8 +1,8 @@
 """Stored activations bounded at every step (``memory_bound``): at most ``keep`` kept branches store theirs.
 
-A step whose pattern keeps more than ``keep = N - floor(drop_rate x N)`` branches (what the uniform shape keeps at
-most) runs the layers of its lowest kept branches checkpointed (the backend's ``checkpoint``: non-re-entrant
-``torch.utils.checkpoint`` where the device has a generator module) until no
+A step whose pattern keeps more than ``keep`` branches (the drop shape's ``most_kept``: by default what the uniform
+shape keeps at most, ``N - floor(drop_rate x N)``) runs the layers of its lowest kept branches checkpointed (the
+backend's ``checkpoint``: non-re-entrant ``torch.utils.checkpoint`` where the device has a generator module) until no
 more than ``keep`` store activations, counting the inputs the checkpointed layers keep (:data:`INPUTS_PER_BRANCH`).
 Gradients are the pattern's exactly, and a dropped branch inside such a layer is still not recomputed
 (:mod:`dropbp.execution.recompute`). Layers already inside a checkpointed region (Hugging Face
@@ -30,7 +30,7 @@ from dropbp.backends import Backend
 from dropbp.execution.patching import ForwardPatch
 from dropbp.internals import checkpoint_hook
 
-__all__ = ["INPUTS_PER_BRANCH", "MemoryBound", "kept_bound"]
+__all__ = ["INPUTS_PER_BRANCH", "MemoryBound"]
 
 #: A checkpointed unit still stores its input (one hidden state); the bound counts this many of them as one
 #: branch's activations (a branch stores about 8 hidden states with LoRA, more in full fine-tuning: docs/memory.md).
@@ -63,11 +63,6 @@ def _tokens_held(cache: object, layer: int | None) -> int:
     if isinstance(cache, (tuple, list)) and cache and isinstance(cache[0], torch.Tensor):
         return int(cache[0].shape[-2])
     return 1
-
-
-def kept_bound(drop_rate: float, num_branches: int) -> int:
-    """The most branches the uniform shape keeps in a step at ``drop_rate``: ``N - floor(drop_rate x N)``."""
-    return num_branches - math.floor(drop_rate * num_branches + 1e-9)
 
 
 def _units(model: nn.Module, names: Sequence[str], modules: Sequence[nn.Module]) -> tuple[list[nn.Module], list[int]]:

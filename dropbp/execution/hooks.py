@@ -26,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from dropbp.backends import Backend
 from dropbp.checks import Once
-from dropbp.execution.bound import MemoryBound, kept_bound
+from dropbp.execution.bound import MemoryBound
 from dropbp.execution.branch_forward import attach_gradient_scaling, attach_no_grad_hooks
 from dropbp.execution.compile_guards import outside_graphs
 from dropbp.execution.discovery import BRANCH_ADVICE, Branch, ResidualProbe, holder
@@ -52,18 +52,18 @@ class StepListener(Protocol):
 
 @dataclass(frozen=True)
 class ExecutionSettings:
-    """The share of the options the hooks read, resolved by the controller whenever the options change: the drop
-    rate (the memory bound's size), importance weights, and whether the memory bound is on."""
+    """The share of the options the hooks read, resolved by the controller whenever the options change: importance
+    weights, and how many kept branches may store activations in a training forward (None: the memory bound is off)."""
 
-    drop_rate: float = 0.0
     unbiased: bool = False
-    bounded: bool = False
+    most_kept: int | None = None
     seed: int = 0
 
     @classmethod
-    def of(cls, options: object) -> ExecutionSettings:
-        """The share of resolved options (a :class:`dropbp.options.DropBPOptions` after ``resolved``)."""
-        return cls(options.drop_rate, options.unbiased, bool(options.memory_bound), options.seed)
+    def of(cls, options: object, most_kept: int) -> ExecutionSettings:
+        """The share of resolved options (a :class:`dropbp.options.DropBPOptions` after ``resolved``), with the most
+        branches the drop shape keeps at their drop rate (:meth:`dropbp.policy.shapes.DropShape.most_kept`)."""
+        return cls(options.unbiased, most_kept if options.memory_bound else None, options.seed)
 
 
 #: A forward's decision: the dropped branches, and every branch's drop rate then (empty: nothing drops).
@@ -261,11 +261,6 @@ class StepHooks:
             return None
         return max(0, self.step - 1)  # the forward under way has counted its step
 
-    def kept_bound(self) -> int | None:
-        """How many kept branches may store activations in a training forward now (None: the bound is off)."""
-        settings = self.settings
-        return kept_bound(settings.drop_rate, len(self._names)) if settings.bounded else None
-
     @outside_graphs
     def _on_model_forward(self, model: nn.Module, args: tuple) -> None:
         if in_backward():
@@ -291,7 +286,7 @@ class StepHooks:
         for listener in self._listeners:  # one may refuse the step (raise): before anything moves on
             listener.on_training_forward(self.dropped)
         self._recompute.begin_forward()
-        keep = self.kept_bound()
+        keep = self.settings.most_kept
         if keep is not None:
             self.bound.begin(self.dropped, keep)
         self.step += 1

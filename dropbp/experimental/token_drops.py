@@ -21,7 +21,7 @@ from dropbp.execution.discovery import recomputes_on_kept_rows, row_local_linear
 from dropbp.experimental.token_backward import RowSlot
 from dropbp.experimental.token_backward import TokenDrops as RowDrops
 from dropbp.experimental.token_selection import AUTO_KEEP_SHARES, TOKEN_SELECTIONS
-from dropbp.features.base import Feature
+from dropbp.features.base import Feature, register_feature
 from dropbp.features.host import Host
 
 __all__ = ["TokenDrops"]
@@ -64,6 +64,7 @@ def check_token_shares(shares: object, branches: int) -> None:
             check_number(f"{name}['readings'][{i}][{j}]", value)
 
 
+@register_feature
 class TokenDrops(Feature):
     """Token drops on every kept branch; both settings may change after ``apply``, from the next training forward.
 
@@ -89,6 +90,19 @@ class TokenDrops(Feature):
         #: settings given while attached, (fixed rate or None for "auto", selection): in force from the next training
         #: forward, so that a backward under way (and checkpointing's recomputation in it) keeps its forward's
         self._given: tuple[float | None, str] | None = None
+
+    @classmethod
+    def from_config(cls, value: object) -> TokenDrops | None:
+        """As :meth:`Feature.from_config` (a mapping: ``rate`` and ``selection``), and a number or ``"auto"`` is the
+        rate; a rate of 0 is no feature."""
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            value = {"rate": value}
+        if isinstance(value, dict) and value.get("rate") == 0:
+            return None
+        return super().from_config(value)  # type: ignore[return-value]
+
+    def config(self) -> dict[str, Any]:
+        return {"rate": self.rate, "selection": self.selection}
 
     @property
     def rate(self) -> float | str:

@@ -11,6 +11,7 @@ reaches the core through :class:`dropbp.features.host.Host` only), its state and
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import nn
@@ -19,7 +20,7 @@ from torch.utils.hooks import RemovableHandle
 if TYPE_CHECKING:
     from dropbp.features.host import Host
 
-__all__ = ["Feature"]
+__all__ = ["Feature", "feature_class", "feature_classes", "register_feature"]
 
 
 class Feature:
@@ -48,6 +49,22 @@ class Feature:
     @property
     def attached(self) -> bool:
         return self._host is not None
+
+    @classmethod
+    def from_config(cls, value: object) -> Feature | None:
+        """The feature a config value stands for (a config file's key, a tool's arm): ``True`` its defaults, a mapping
+        its constructor's arguments (:meth:`config`'s form), ``False`` or ``None`` none. Its own checks run."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, Mapping):
+            return cls(**value)
+        raise TypeError(f"{cls.key} takes true, false or a mapping of its arguments, got {value!r:.80}")
+
+    def config(self) -> dict[str, Any]:
+        """Its settings as plain values (a mapping :meth:`from_config` takes back to an equal feature)."""
+        return {}
 
     def check(self, model: nn.Module, framework: bool) -> None:
         """Raise if this feature cannot run on ``model`` (``framework``: a DeepSpeed engine holds its gradients),
@@ -87,3 +104,34 @@ class Feature:
             self._part.remove()
             self._part = None
         self._host = None
+
+
+_REGISTRY: dict[str, type[Feature]] = {}
+
+
+def register_feature(cls: type[Feature]) -> type[Feature]:
+    """Make ``cls`` a feature config files and the Trainer integration can name by its :attr:`Feature.key` (the key
+    ``dropbp_<key>`` of an axolotl or LLaMA-Factory config); returns it, so it can decorate the class. A key already
+    registered to another class is refused."""
+    if not (isinstance(cls, type) and issubclass(cls, Feature)):
+        raise TypeError(f"register_feature takes a dropbp.Feature subclass, got {cls!r:.80}")
+    if not cls.key or not cls.key.isidentifier():
+        raise ValueError(f"{cls.__name__}.key must be a name (letters, digits, _), got {cls.key!r}")
+    known = _REGISTRY.get(cls.key)
+    if known is not None and known is not cls and known.__qualname__ != cls.__qualname__:
+        raise ValueError(f"the feature key {cls.key!r} is taken by {known.__name__}; give {cls.__name__} another key")
+    _REGISTRY[cls.key] = cls
+    return cls
+
+
+def feature_classes() -> dict[str, type[Feature]]:
+    """The registered features by key, in registration order."""
+    return dict(_REGISTRY)
+
+
+def feature_class(key: str) -> type[Feature]:
+    """The registered feature of this key (a KeyError naming those registered where none is)."""
+    try:
+        return _REGISTRY[key]
+    except KeyError:
+        raise KeyError(f"no dropbp feature has the key {key!r}; registered: {', '.join(_REGISTRY)}") from None

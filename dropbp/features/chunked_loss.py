@@ -24,7 +24,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from dropbp.execution.patching import ForwardPatch
-from dropbp.features.base import Feature
+from dropbp.features.base import Feature, register_feature
 from dropbp.features.host import Host
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ChunkedHead", "ChunkedLoss", "UnsupportedModel", "linear_cross_entropy"]
@@ -272,6 +272,7 @@ def _check_chunk_tokens(chunk_tokens: object) -> None:
         raise ValueError(f"chunk_tokens must be a positive int (tokens per chunk) or None, got {chunk_tokens!r}")
 
 
+@register_feature
 class ChunkedLoss(Feature):
     """The feature: for a Hugging Face causal LM called with ``labels`` in training, the LM head and cross-entropy in
     chunks recomputed in backward (:class:`ChunkedHead`): same loss and gradients, but the full logits and their
@@ -290,6 +291,16 @@ class ChunkedLoss(Feature):
         if chunk_tokens is not None:
             _check_chunk_tokens(chunk_tokens)
         self._asked = chunk_tokens
+
+    @classmethod
+    def from_config(cls, value: object) -> ChunkedLoss | None:
+        """As :meth:`Feature.from_config`, and a number is the tokens per chunk (``dropbp_chunked_loss: 256``)."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            return cls(value)
+        return super().from_config(value)  # type: ignore[return-value]
+
+    def config(self) -> dict[str, Any]:
+        return {"chunk_tokens": self._asked}
 
     def check(self, model: nn.Module, framework: bool) -> None:
         _check_head(_find_causal_lm(model))

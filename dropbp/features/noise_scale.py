@@ -10,13 +10,14 @@ gives ``B_simple`` in tokens. With ``drop_rate="auto"`` (which adds this feature
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from dropbp.checks import check_fraction
-from dropbp.features.base import Feature
+from dropbp.checks import check_fraction, check_int, check_number
+from dropbp.features.base import Feature, register_feature
 from dropbp.features.gradient_noise import MicroBatchGradients, check_reads
 from dropbp.features.host import Host
 from dropbp.policy.noise_scale import (
@@ -28,10 +29,15 @@ from dropbp.policy.noise_scale import (
     forecast_arms,
 )
 from dropbp.policy.noise_scale import NoiseScale as Measured
+from dropbp.policy.shapes import DropShape, get_shape
 
 __all__ = ["NoiseScale", "noise_scale_arms", "noise_scale_forecast"]
 
+#: The keys of the feature's state (the estimator's, :meth:`dropbp.policy.noise_scale.NoiseScaleEstimator.state_dict`).
+STATE_KEYS = ("steps", "gradient", "trace", "tokens_per_step")
 
+
+@register_feature
 class NoiseScale(Feature):
     """Measure the gradient noise scale of this run from the micro-batch gradients gradient accumulation computes
     anyway: needs at least 2 micro-batches per optimizer step, costs one copy of the trainable parameters'
@@ -73,25 +79,25 @@ class NoiseScale(Feature):
             )
         return self._estimator.estimate()
 
-    def rate(self, pattern: str, branches: int) -> float:
+    def rate(self, shape: DropShape, flops: Sequence[float]) -> float:
         """``drop_rate="auto"`` resolved: the rate the noise scale measured so far forecasts best
-        (:func:`dropbp.policy.noise_scale.auto_drop_rate`: 0 until measured) among those a model of ``branches``
-        branches and this ``pattern`` can take (the uniform shape never drops every branch); worked out once per
-        measured step."""
+        (:func:`dropbp.policy.noise_scale.auto_drop_rate`: 0 until measured) among those the drop ``shape`` reaches
+        over branches of these costs (:meth:`~dropbp.policy.shapes.DropShape.reaches`); worked out once per measured
+        step."""
         measured = self._estimator.estimate()
         if measured is None:
             return 0.0
-        key = (measured.steps, pattern, branches)
+        key = (measured.steps, shape.name, tuple(flops))
         if self._chosen is None or self._chosen[0] != key:
-            rates = tuple(p for p in AUTO_RATES if pattern != "uniform" or p * branches <= branches - 1)
+            rates = tuple(p for p in AUTO_RATES if shape.reaches(flops, p))
             self._chosen = key, auto_drop_rate(measured, rates=rates)
         return self._chosen[1]
 
     def _follow(self) -> None:
         """After each measured optimizer step: under ``drop_rate="auto"``, where the noise scale now forecasts another
         rate, the controller resolves its options again (that rate from the next pattern on)."""
-        given, branches = self.host.given(), len(self.host.branches)
-        if given.follows_noise_scale and self.rate(given.pattern, branches) != self.host.options().drop_rate:
+        given, flops = self.host.given(), [b.flops for b in self.host.branches]
+        if given.follows_noise_scale and self.rate(get_shape(given.pattern), flops) != self.host.options().drop_rate:
             self.host.resolve_again()
 
     def handles(self) -> list[RemovableHandle]:
@@ -105,6 +111,13 @@ class NoiseScale(Feature):
     def state_dict(self) -> dict[str, Any]:
         return self._estimator.state_dict()
 
+    def check_state(self, state: Any) -> None:
+        if not isinstance(state, dict) or sorted(state) != sorted(STATE_KEYS):
+            raise ValueError(f"state['noise_scale'] must be a dict of {', '.join(STATE_KEYS)}, got {state!r:.80}")
+        check_int("state['noise_scale']['steps']", state["steps"], 0)
+        for name in STATE_KEYS[1:]:
+            check_number(f"state['noise_scale'][{name!r}]", state[name])
+
     def load_state_dict(self, state: Any) -> None:  # attached or not: the controller loads it before it resolves
         self._estimator.load_state_dict(state)
         self._chosen = None
@@ -114,7 +127,8 @@ class NoiseScale(Feature):
         return {} if measured is None else {"noise_scale": measured.tokens, "noise_ratio": measured.ratio}
 
     def __repr__(self) -> str:
-        return f"NoiseScale(estimate={self.estimate()})"
+        measured = self._estimator.estimate() if (self._part or self._estimator.steps or self._was_attached) else None
+        return f"NoiseScale(estimate={measured})"
 
 
 def noise_scale_arms(

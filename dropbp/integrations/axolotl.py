@@ -18,7 +18,7 @@ from typing import Any
 
 from transformers import Trainer, TrainerCallback
 
-from dropbp.integrations.config_keys import DropBPArgs
+from dropbp.integrations.config_keys import dropbp_args
 from dropbp.integrations.hf import callback_for
 
 try:
@@ -28,7 +28,15 @@ except ModuleNotFoundError as missing:
         raise
     BasePlugin = object  # type: ignore[assignment,misc]
 
-__all__ = ["DropBPArgs", "DropBPPlugin"]
+__all__ = ["DropBPPlugin"]
+
+
+def __getattr__(name: str) -> Any:
+    """``DropBPArgs``, the config keys axolotl imports by name (:func:`~dropbp.integrations.config_keys.dropbp_args`:
+    one key per registered feature included)."""
+    if name == "DropBPArgs":
+        return dropbp_args()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 class DropBPPlugin(BasePlugin):
     """The axolotl plugin: its config keys, and DropBP applied to the trainer's model with its callback."""
@@ -52,4 +60,4 @@ class DropBPPlugin(BasePlugin):
 
         The seed defaults to ``trainer.args.seed``, which axolotl sets from the config's ``seed``.
         """
-        return [callback_for(trainer, DropBPArgs.from_config(cfg).options())]
+        return [callback_for(trainer, dropbp_args().from_config(cfg).options())]

@@ -16,11 +16,11 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, create_model, model_validator
 
-from dropbp.experimental import TokenDrops
-from dropbp.features import ChunkedLoss, Feature, NoiseScale
+import dropbp.experimental  # noqa: F401  (registers its features: TokenDrops)
+from dropbp.features.base import Feature, feature_classes
 from dropbp.options import EXPERIMENTAL, TrainerOptions, named_as, option_fields
 
-__all__ = ["FEATURE_KEYS", "PREFIX", "DropBPArgs"]
+__all__ = ["MOVED_KEYS", "PREFIX", "dropbp_args", "feature_key"]
 
 #: What goes before each option's name to make its config key.
 PREFIX = "dropbp_"
@@ -54,28 +54,23 @@ _YAML_OVERRIDES: dict[str, Any] = {
 }
 
 
-def _token_drops(value: Any, keys: Mapping[str, Any]) -> Feature | None:
-    return TokenDrops(value, keys["token_selection"]) if value != 0 else None
+#: 0.3's keys for features, each now one key per feature (:func:`feature_key`), and how to write it.
+MOVED_KEYS = {
+    "dropbp_measure_noise_scale": "dropbp_noise_scale: true",
+    "dropbp_token_drop_rate": "dropbp_token_drops: 0.3 (or a mapping: {rate: 0.3, selection: gradient})",
+    "dropbp_token_selection": "dropbp_token_drops: {rate: 0.3, selection: random}",
+}
 
 
-#: The config keys that stand for ``features``: per key, its type, default, help and the feature it builds from its
-#: value (None: none); ``token_selection`` goes with ``token_drop_rate``.
-FEATURE_KEYS: dict[str, tuple[Any, Any, str, Any]] = {
-    "measure_noise_scale": (
-        StrictBool, False, "Measure the gradient noise scale (the dropbp.NoiseScale feature).",
-        lambda value, keys: NoiseScale() if value else None,
-    ),
-    "chunked_loss": (
-        StrictBool | StrictInt, False, "The LM head and loss in chunks (dropbp.ChunkedLoss): true, or tokens per chunk",
-        lambda value, keys: None if value is False else ChunkedLoss(None if value is True else value),
-    ),
-    "token_drop_rate": (
-        StrictFloat | Literal["auto"], 0.0,
-        "Experimental token drops (dropbp.experimental.TokenDrops): the share of token rows skipped, or 'auto'.",
-        _token_drops,
-    ),
-    "token_selection": (str, "gradient", "Token drops' selection rule (with dropbp_token_drop_rate).", None),
-}  # fmt: skip
+def feature_key(cls: type[Feature]) -> str:
+    """The config key of a registered feature: ``dropbp_`` and its :attr:`~dropbp.features.base.Feature.key`. Its value
+    is what :meth:`~dropbp.features.base.Feature.from_config` takes: ``true`` (its defaults), a mapping of its
+    arguments, ``false`` or null (none), or what the feature's own ``from_config`` adds (a number)."""
+    return PREFIX + cls.key
+
+
+#: The YAML type of a feature's key: the feature's ``from_config`` checks the value itself.
+_FEATURE_VALUE = StrictBool | StrictInt | StrictFloat | str | dict[str, Any] | None
 
 
 class _DropBPArgsBase(BaseModel):
@@ -97,6 +92,9 @@ class _DropBPArgsBase(BaseModel):
     @classmethod
     def _dropbp_experimental_keys_moved(cls, data: Any) -> Any:
         """An experimental option's key (``dropbp_stratify``) is refused, saying where it went, not ignored."""
+        if isinstance(data, Mapping):
+            for key in sorted(set(data) & set(MOVED_KEYS)):
+                raise ValueError(f"{key} is one key per feature since dropbp 0.4: write {MOVED_KEYS[key]}")
         moved = (
             sorted(key for key in data if key.removeprefix(PREFIX) in EXPERIMENTAL) if isinstance(data, Mapping) else []
         )
@@ -122,7 +120,7 @@ class _DropBPArgsBase(BaseModel):
         return self
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> DropBPArgs:
+    def from_config(cls, cfg: Mapping[str, Any]) -> _DropBPArgsBase:
         """The keys of an axolotl config (a ``DictDefault``, or any mapping) that belong to DropBP."""
         return cls.model_validate({key: cfg[key] for key in cls.model_fields if key in cfg})
 
@@ -131,13 +129,15 @@ class _DropBPArgsBase(BaseModel):
         kwargs = {f.name: getattr(self, PREFIX + f.name) for f in option_fields(TrainerOptions) if f.name != "features"}
         if kwargs["calibrate_at"] is False:
             kwargs["calibrate_at"] = None
-        keys = {name: getattr(self, PREFIX + name) for name in FEATURE_KEYS}
         features = []
-        for name, (_, _, _, make) in FEATURE_KEYS.items():
+        for cls in feature_classes().values():
+            key = feature_key(cls)
+            if key not in type(self).model_fields:
+                continue  # registered after these keys were read
             try:
-                features.append(None if make is None else make(keys[name], keys))
+                features.append(cls.from_config(getattr(self, key)))
             except (ValueError, TypeError) as error:  # the feature's own check, named by its key
-                raise type(error)(f"{PREFIX}{name}: {error}") from None
+                raise type(error)(f"{key}: {error}") from None
         kwargs["features"] = tuple(f for f in features if f is not None)
         return kwargs
 
@@ -153,19 +153,38 @@ def _key(option: dataclasses.Field, annotation: Any) -> tuple[Any, Any]:
     return kind, Field(default=option.default, description=option.metadata["help"])
 
 
-#: The plugin's config keys: ``dropbp_`` and the name of every option of :class:`dropbp.options.TrainerOptions`,
-#: with its default and help, checked by its own checks when axolotl checks the config.
-DropBPArgs = create_model(
-    "DropBPArgs",
-    __base__=_DropBPArgsBase,
-    __module__=__name__,
-    **{
-        PREFIX + f.name: _key(f, hint)
-        for f, hint in ((f, get_type_hints(TrainerOptions)[f.name]) for f in option_fields(TrainerOptions))
-        if f.name != "features"
-    },
-    **{
-        PREFIX + name: (kind, Field(default=default, description=text))
-        for name, (kind, default, text, _) in FEATURE_KEYS.items()
-    },
-)
+def _build() -> type[_DropBPArgsBase]:
+    return create_model(
+        "DropBPArgs",
+        __base__=_DropBPArgsBase,
+        __module__=__name__,
+        **{
+            PREFIX + f.name: _key(f, hint)
+            for f, hint in ((f, get_type_hints(TrainerOptions)[f.name]) for f in option_fields(TrainerOptions))
+            if f.name != "features"
+        },
+        **{
+            feature_key(cls): (_FEATURE_VALUE, Field(default=False, description=(cls.__doc__ or "").split("\n")[0]))
+            for cls in feature_classes().values()
+        },
+    )
+
+
+_BUILT: dict[tuple[type[Feature], ...], type[_DropBPArgsBase]] = {}
+
+
+def dropbp_args() -> type[_DropBPArgsBase]:
+    """The config keys as a pydantic model (axolotl merges it into its config model): ``dropbp_`` and the name of
+    every option of :class:`dropbp.options.TrainerOptions`, with its default and help, checked by its own checks, and
+    one key per registered feature (:func:`feature_key`); made again when a feature is registered."""
+    registered = tuple(feature_classes().values())
+    if registered not in _BUILT:
+        _BUILT[registered] = _build()
+    return _BUILT[registered]
+
+
+def __getattr__(name: str) -> Any:
+    """``DropBPArgs``: :func:`dropbp_args` now (the registered features' keys included)."""
+    if name == "DropBPArgs":
+        return dropbp_args()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

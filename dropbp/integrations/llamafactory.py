@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dropbp.imports import require
-from dropbp.integrations.config_keys import PREFIX, DropBPArgs
+from dropbp.integrations.config_keys import MOVED_KEYS, PREFIX, dropbp_args
 
 __all__ = ["load_config", "run", "split_config", "train"]
 
@@ -31,20 +31,25 @@ def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     return config
 
 
-def split_config(config: Mapping[str, Any]) -> tuple[dict[str, Any], DropBPArgs]:
-    """LLaMA-Factory's keys (with ``ddp_find_unused_parameters`` true unless set) and dropbp's, checked: an unknown
+def split_config(config: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
+    """LLaMA-Factory's keys (with ``ddp_find_unused_parameters`` true unless set) and dropbp's (a
+    :func:`~dropbp.integrations.config_keys.dropbp_args` model), checked: an unknown
     ``dropbp_*`` key or a bad value fails here, naming the key, before LLaMA-Factory loads anything."""
-    unknown = sorted(key for key in config if key.startswith(PREFIX) and key not in DropBPArgs.model_fields)
+    args = dropbp_args()
+    unknown = sorted(key for key in config if key.startswith(PREFIX) and key not in args.model_fields)
+    moved = [key for key in unknown if key in MOVED_KEYS]
+    if moved:
+        raise ValueError(f"{moved[0]} is one key per feature since dropbp 0.4: write {MOVED_KEYS[moved[0]]}")
     if unknown:
-        raise ValueError(f"unknown dropbp keys {unknown}; dropbp's keys are: {', '.join(DropBPArgs.model_fields)}")
-    keys = DropBPArgs.from_config(config)
+        raise ValueError(f"unknown dropbp keys {unknown}; dropbp's keys are: {', '.join(args.model_fields)}")
+    keys = args.from_config(config)
     rest = {key: value for key, value in config.items() if not key.startswith(PREFIX)}
     if rest.get("ddp_find_unused_parameters") is None:
         rest["ddp_find_unused_parameters"] = True
     return rest, keys
 
 
-def train(args: dict[str, Any], keys: DropBPArgs) -> None:
+def train(args: dict[str, Any], keys: Any) -> None:
     """``run_exp(args, callbacks=[DropBPCallback(...)])`` for a config :func:`split_config` split."""
     tuner = require("llamafactory.train.tuner", "dropbp llamafactory")
     from dropbp.integrations.hf import DropBPCallback

@@ -17,17 +17,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from dropbp.checks import check_int
-from dropbp.policy.allocation import cut_rates, cut_reaches
-from dropbp.policy.never_drop_all import (
-    RATE_CHECKS,
-    SUM_TOLERANCE,
-    check_drop_rate,
-    fit_rates,
-    keep_a_trainable_branch,
-    max_total_rate,
-)
-from dropbp.policy.sampler import SAMPLERS, CutSampler, PatternSampler
+from dropbp.policy.never_drop_all import fit_rates, keep_a_trainable_branch
+from dropbp.policy.sampler import CutSampler, PatternSampler
 from dropbp.policy.schedule import BOUNDED_WARMUP_LEVELS, SCHEDULE_LEVELS, TimeSchedule, warmup_factor
+from dropbp.policy.shapes import DropShape, get_shape
 from dropbp.policy.windows import Windows
 
 #: Pattern samplers kept at once (one per factor on the rates). A warm-up without a time schedule has a
@@ -111,8 +104,6 @@ class DropPolicy:
         the drop rate, as ``apply`` does; rates given by :meth:`set_rates` are otherwise kept, and checked at the new
         schedule's peak."""
         own = self._own_rates or reset_rates
-        if options.pattern == "uniform":
-            check_drop_rate(options.drop_rate, self._num_branches)
         time = _time_schedule(options)
         if options.max_patterns == 1 and (options.warmup_steps > 0 or (time is not None and time.peak != 1.0)):
             raise ValueError(
@@ -134,9 +125,7 @@ class DropPolicy:
         divided by the peak, so that they are the shape's at the peak and average ``drop_rate`` over the run."""
         p, peak = options.drop_rate, 1.0 if time is None else time.peak
         try:
-            if options.pattern == "uniform":
-                return [check_drop_rate(p * peak, self._num_branches) / peak] * self._num_branches
-            return [r / peak for r in cut_rates(self._flops, p * peak)]
+            return [r / peak for r in get_shape(options.pattern).rates(self._flops, p * peak)]
         except ValueError as error:
             if peak == 1.0:
                 raise
@@ -153,7 +142,7 @@ class DropPolicy:
             return
         peak = [min(1.0, r * time.peak) if r * time.peak <= 1.0 + _ROUNDING else r * time.peak for r in rates]
         try:
-            RATE_CHECKS[pattern](peak, self._num_branches)
+            get_shape(pattern).check_rates(peak, self._num_branches)
         except ValueError as error:
             raise _peak_error(time, pattern, str(error)) from None
 
@@ -161,19 +150,14 @@ class DropPolicy:
         """Whether the rates can take the peak of the time schedule of ``options``: :meth:`use`'s checks as a
         predicate (``tests/test_time_schedule.py`` holds the two equal)."""
         time = _time_schedule(options)
-        peak = 1.0 if time is None else time.peak
         if self._own_rates:
-            q = options.drop_rate * peak
-            if options.pattern == "uniform":
-                return q < 1.0 and q * self._num_branches <= max_total_rate(self._num_branches) + SUM_TOLERANCE
-            return q < 1.0 and cut_reaches(self._flops, q)
-        if peak <= 1.0:
-            return True
-        top = [r * peak for r in self._rates]
-        if options.pattern == "uniform":
-            clipped = [min(1.0, r) if r <= 1.0 + _ROUNDING else r for r in top]
-            return max(clipped) < 1.0 and sum(clipped) <= max_total_rate(self._num_branches) + SUM_TOLERANCE
-        return max(top) <= 1.0 + _ROUNDING
+            peak = 1.0 if time is None else time.peak
+            return get_shape(options.pattern).reaches(self._flops, options.drop_rate * peak)
+        try:
+            self._check_peak(self._rates, options.pattern, time)
+        except ValueError:
+            return False
+        return True
 
     def longest_warmup(self, total_steps: int, up_to: int) -> int:
         """The longest warm-up, at most ``up_to`` forwards, whose time schedule over a run of ``total_steps``
@@ -198,6 +182,15 @@ class DropPolicy:
         return self._options.drop_rate
 
     @property
+    def shape(self) -> DropShape:
+        """The drop shape in force (:mod:`dropbp.policy.shapes`)."""
+        return get_shape(self._options.pattern)
+
+    def most_kept(self) -> int:
+        """The most branches that store activations in a step under the memory bound, at the target drop rate."""
+        return self.shape.most_kept(self._num_branches, self._options.drop_rate)
+
+    @property
     def total_steps(self) -> int | None:
         """The run's length in training forwards (``None``: unknown, no time schedule)."""
         return self._options.total_steps
@@ -216,7 +209,7 @@ class DropPolicy:
         """Set one rate per branch: for the uniform shape each in [0, 1), summing to at most N - 1; for
         the cut shape each in [0, 1], not rising with depth, the last 0 (:mod:`dropbp.checks`)."""
         pattern = self._options.pattern
-        checked = RATE_CHECKS[pattern](rates, self._num_branches)
+        checked = get_shape(pattern).check_rates(rates, self._num_branches)
         self._check_peak(checked, pattern, self._time)
         self._rates = checked
         self._own_rates = False  # given rates are kept as they are when the time schedule changes
@@ -280,7 +273,7 @@ class DropPolicy:
         if bound is None or self._options.stratify > 1:
             factor = self.factor(step)
             rates = [min(1.0, r * factor) for r in self._rates]
-            if self._options.pattern == "cut" or self._options.stratify > 1:
+            if self.shape.nested or self._options.stratify > 1:
                 rescued = keep_a_trainable_branch(frozenset(range(len(rates))), self._rates, trainable)
                 rates = [0.0 if i not in rescued else r for i, r in enumerate(rates)]
             return tuple(rates)
@@ -325,7 +318,7 @@ class DropPolicy:
             if options.stratify > 1:  # the options allow it with cut patterns and no pool only
                 sampler = CutSampler(rates, options.seed, stratify=options.stratify, windows=self._windows)
             else:
-                sampler = SAMPLERS[options.pattern](rates, options.seed, self._pool_size())
+                sampler = self.shape.sampler(rates, options.seed, self._pool_size())
             if len(self._samplers) >= MAX_SAMPLERS:
                 del self._samplers[next(iter(self._samplers))]
             self._samplers[factor] = sampler

@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 from dropbp.checks import check_fraction, check_sequence
 
 __all__ = [
-    "RATE_CHECKS",
     "SUM_TOLERANCE",
     "check_cut_rates",
     "check_drop_rate",
@@ -165,6 +164,3 @@ def check_drop_rate(drop_rate: object, num_branches: int) -> float:
         )
     return p
 
-
-#: Per pattern shape, the check of its per-branch rates.
-RATE_CHECKS = {"uniform": check_rates, "cut": check_cut_rates}

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from dropbp.policy.windows import Windows
 
-__all__ = ["CutSampler", "PatternSampler", "SAMPLERS", "stratified_depth"]
+__all__ = ["CutSampler", "PatternSampler", "stratified_depth"]
 
 # Swap attempts per pool cell: enough for the pool to look random (the chain mixes in O(cells) swaps).
 _SWAPS_PER_CELL = 8
@@ -164,7 +164,3 @@ def stratified_depth(seed: int, group: int, step: int, size: int | None = None) 
     rng.shuffle(order)
     return (order[step % group] + rng.random()) / size
 
-
-#: Pattern shapes by name: cuts that drop every branch below a random depth (``dropbp.apply``'s
-#: default), and the paper's uniform patterns.
-SAMPLERS: dict[str, type[PatternSampler]] = {"cut": CutSampler, "uniform": PatternSampler}
