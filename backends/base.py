@@ -3,8 +3,8 @@
 A dropped branch runs under ``torch.no_grad()`` on every device (``dropbp/execution/branch_forward.py``); what differs
 per device is listed here: where tensors live, how to wait for queued work, memory figures, autocast, the collective
 library, the step boundaries and pattern bound of a lazily compiled device (:class:`LazyGraphBackend`), how the memory
-bound recomputes kept branches (:meth:`Backend.checkpoint`) and restores random state, and how a token-dropped backward
-gathers its rows (:meth:`Backend.kept_row_count`, :meth:`Backend.place_rows`). What only the measurement tools ask
+bound recomputes kept branches (:meth:`Backend.checkpoint`) and restores random state (how experimental token drops
+gather rows on each device is theirs: :mod:`dropbp.experimental.token_rows`). What only the measurement tools ask
 (timers, environment reports, the dtype benchmarks train in, graph counts) is in :mod:`dropbp.tools.device_tools`.
 Adding a device (its steps, built in or as a plugin): docs/backends.md, "Adding a device".
 """
@@ -25,8 +25,6 @@ __all__ = ["Backend", "BackendUnavailable", "LazyGraphBackend", "UnknownBackend"
 
 #: Distinct drop patterns a lazy-graph device compiles at most over a run (docs/backends.md says why 16).
 LAZY_MAX_PATTERNS = 16
-#: Fixed token-row counts a lazy-graph device runs a token-dropped branch's backward on (equal steps of the rows).
-ROW_BUCKETS = 8
 
 
 def describe(exc: BaseException) -> str:
@@ -51,9 +49,6 @@ class Backend(ABC):
     distributed_backend: str = "gloo"
     #: bound on distinct drop patterns where graphs are compiled per pattern; None: unbounded.
     default_max_patterns: int | None = None
-    #: whether every distinct graph is compiled (lazy-graph devices): token drops then keep one share for every
-    #: branch (:func:`dropbp.experimental.token_selection.token_shares`).
-    compiles_graphs: bool = False
     #: the device's module in torch (``"cuda"`` for ``torch.cuda``, ``"xpu"``, ``"hpu"``), which answers
     #: :meth:`synchronize` and, with :attr:`has_allocator_stats`, the memory figures under the same names on
     #: every device; None: nothing to wait for (the CPU).
@@ -171,17 +166,6 @@ class Backend(ABC):
         else ``device``."""
         return torch.device("cpu") if torch.distributed.get_backend() == "gloo" else device
 
-    def kept_row_count(self, kept: int, rows: int) -> int:
-        """How many token rows a branch's backward runs on when the selection keeps ``kept`` of its ``rows``
-        (token drops): exactly ``kept`` on eager devices, which gather any number of rows; a lazy-graph device
-        rounds it up to a few fixed counts (:class:`LazyGraphBackend`), so that selections share compiled graphs."""
-        return kept
-
-    def place_rows(self, part: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
-        """A ``(rows, width)`` tensor of zeros with ``part``'s rows at ``index`` (distinct): the input gradient of a
-        token-dropped linear map. Eager devices copy the rows in, in place (``index_copy_``: no second full copy)."""
-        return part.new_zeros(rows, part.shape[1]).index_copy_(0, index, part)
-
     def __repr__(self) -> str:
         return f"<dropbp backend {self.name!r} on {self.device}>"
 
@@ -189,8 +173,8 @@ class Backend(ABC):
 class LazyGraphBackend(Backend):
     """A device that records operations into graphs and compiles each distinct graph (Gaudi's lazy mode, the lazy
     engine): a graph break after backward and after the optimizer step, a bound of :data:`LAZY_MAX_PATTERNS` distinct
-    drop patterns held over the whole run, and token drops on one of :data:`ROW_BUCKETS` fixed row counts. Subclasses
-    say how to cut a graph (:meth:`mark_step`) and whether the device runs lazily now (:attr:`lazy`)."""
+    drop patterns held over the whole run (token drops' fixed row counts: :mod:`dropbp.experimental.token_rows`).
+    Subclasses say how to cut a graph (:meth:`mark_step`) and whether the device runs lazily now (:attr:`lazy`)."""
 
     #: True where graphs are recorded and cut by :meth:`mark_step`; False (an eager mode): nothing of the above.
     lazy: bool = True
@@ -205,22 +189,3 @@ class LazyGraphBackend(Backend):
     def graph_break(self) -> None:
         if self.lazy:
             self.mark_step()
-
-    def kept_row_count(self, kept: int, rows: int) -> int:
-        """``kept`` rounded up to the next of :data:`ROW_BUCKETS` equal steps of ``rows``: at most that many
-        backward graphs per branch shape, whatever the selection (in lazy mode)."""
-        if not self.lazy or kept <= 0 or kept >= rows:
-            return kept
-        bucket = -(-rows // ROW_BUCKETS)
-        return min(rows, -(-kept // bucket) * bucket)
-
-    @property
-    def compiles_graphs(self) -> bool:
-        """In lazy mode, yes: every distinct graph is compiled."""
-        return self.lazy
-
-    def place_rows(self, part: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
-        """``scatter_add`` into zeros (the indices are distinct, so it places each row once): an operation lazy graphs
-        compile (``index_copy`` falls back to the host on the lazy engine, cutting the graph)."""
-        spread = index.view(-1, 1).expand(-1, part.shape[1])
-        return part.new_zeros(rows, part.shape[1]).scatter_add_(0, spread, part)

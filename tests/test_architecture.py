@@ -249,7 +249,7 @@ def test_each_device_file_overrides_an_execution_member_or_says_why_not():
 
     from dropbp import backends
 
-    execution = {"checkpoint", "rng_state", "set_rng_state", "collective_device", "graph_break", "kept_row_count",
+    execution = {"checkpoint", "rng_state", "set_rng_state", "collective_device", "graph_break",
                  "mark_step", "prepare", "default_max_patterns"}  # fmt: skip
     for name, cls in backends.BUILTIN.items():
         own = execution & set(vars(cls)) or execution & set(vars(cls).get("__init__", lambda: 0).__code__.co_names)

@@ -17,6 +17,7 @@ from test_hpu_standin import LAZY_MAX_PATTERNS, HabanaStandIn
 
 import dropbp.execution.hooks
 from dropbp import backends
+from dropbp.experimental.token_rows import GatheredRows
 from dropbp.tools import cli
 from dropbp.tools.check import CheckSettings, CheckSetupError, run_check
 from dropbp.tools.check_report import render
@@ -183,7 +184,7 @@ def test_a_drop_that_does_nothing_fails_the_gradient_check(model_dir, monkeypatc
 def test_linear_maps_that_skip_kept_rows_fail_the_token_check(model_dir, monkeypatch):
     """A token path whose linear maps run on fewer rows than the selection kept (a device's row count gone wrong)
     must be caught: their gradients then miss the rows the reference keeps."""
-    monkeypatch.setattr(backends.CPUBackend, "kept_row_count", lambda self, kept, rows: max(1, kept // 2))
+    monkeypatch.setattr(GatheredRows, "kept_row_count", lambda self, kept, rows: max(1, kept // 2))
     result = run_check("cpu", model=model_dir, settings=TINY)
     check = result.check("gradients-equal-reference-tokens")
     assert check.status == "FAIL" and "relative error" in check.detail, check.detail

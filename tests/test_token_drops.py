@@ -17,6 +17,7 @@ from conftest import assert_same_grads, batch, loss_and_grads, tiny_model, weigh
 from dropbp.backends.base import LazyGraphBackend
 
 import dropbp
+from dropbp.experimental.token_rows import row_ops
 from dropbp.experimental.token_selection import (
     AUTO_KEEP_SHARES,
     AUTO_VARIANCE_BUDGET,
@@ -408,10 +409,10 @@ class _Lazy(LazyGraphBackend):
 
 
 def test_a_lazy_graph_device_gathers_fixed_row_counts():
-    lazy = _Lazy()
+    lazy = row_ops(_Lazy())
     counts = {lazy.kept_row_count(k, 512) for k in range(1, 513)}
     assert counts == {64 * i for i in range(1, 9)} and lazy.kept_row_count(65, 512) == 128
-    assert dropbp.backends.get("cpu").kept_row_count(65, 512) == 65
+    assert row_ops(dropbp.backends.get("cpu")).kept_row_count(65, 512) == 65
 
 
 @pytest.mark.parametrize(
@@ -645,7 +646,7 @@ def test_a_bad_auto_state_is_refused_naming_the_field(edit, match):
 def test_a_lazy_graph_device_gives_every_branch_one_share():
     in_force = [1.0, 0.5, 0.5, 1.0]
     chosen = {1: 0.25, 2: 0.75}  # branches 0 and 3 not read yet
-    assert _Lazy().compiles_graphs and not dropbp.backends.get("cpu").compiles_graphs  # the device states the fact
+    assert row_ops(_Lazy()).compiles_graphs and not row_ops(dropbp.backends.get("cpu")).compiles_graphs
     assert token_shares(in_force, chosen, one_share=True) == [0.75] * 4  # the policy decides
     assert token_shares(in_force, {}, one_share=True) == in_force
     assert token_shares(in_force, chosen, one_share=False) == [1.0, 0.25, 0.75, 1.0]

@@ -18,7 +18,7 @@ zeros elsewhere - so its cost scales with the kept share. Keys and values reach 
 keep full rows (a dropped token's key still gets gradient from the kept queries that read it). A linear map whose rows
 are not the branch's (a mixture-of-experts expert) or whose backward cannot be gathered (a 4-bit layer) runs full
 rows; the result is the same, only not cheaper. How many rows are gathered is the backend's part
-(:meth:`dropbp.backends.Backend.kept_row_count`: lazy-graph devices round up to a few fixed counts, so selections share
+(:mod:`dropbp.experimental.token_rows`: lazy-graph devices round up to a few fixed counts, so selections share
 compiled graphs).
 
 Under non-re-entrant activation checkpointing, a row-local branch as a whole (an MLP branch without tail, experts or
@@ -42,9 +42,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from dropbp.backends import Backend
 from dropbp.execution.compile_guards import outside_graphs
 from dropbp.execution.discovery import RowLocalLinear
+from dropbp.experimental.token_rows import GatheredRows
 from dropbp.experimental.token_selection import (
     AUTO_KEEP_SHARES,
     RankedScores,
@@ -78,7 +78,7 @@ class RowSlot:
     ) -> None:
         self.key, self.rule = key, rule
         self.rate = rate  # the share of rows dropped; None: token_drop_rate="auto", the branch's share in force
-        #: the backend's way to put gathered rows back in place (:meth:`dropbp.backends.Backend.place_rows`)
+        #: the device's way to put gathered rows back in place (:mod:`dropbp.experimental.token_rows`)
         self.place_rows = place_rows
         self.rows: int | None = None  # rows of the branch output (set when the branch returns)
         self.residual_norms: torch.Tensor | None = None  # its row norms, for token_selection="residual"
@@ -240,7 +240,7 @@ class TokenDrops:
     Args:
         parts: per branch, its module then its tail (the last part's output is what the residual add receives).
         linears: per branch, its row-local linear maps (:func:`dropbp.execution.discovery.row_local_linears`).
-        backend: answers how many rows a device gathers.
+        rows: the device's row operations (:func:`dropbp.experimental.token_rows.row_ops`): how many rows it gathers.
         call: per branch, ``call(index)`` gives ``(seed, step, settings)`` for a call of it now, or None where it
             selects nothing (dropped, calibration, eval or no grad).
         on_kept_rows: per branch, whether a checkpointed region recomputes it on its kept rows alone
@@ -251,7 +251,7 @@ class TokenDrops:
         self,
         parts: Sequence[Sequence[nn.Module]],
         linears: Sequence[Sequence[RowLocalLinear]],
-        backend: Backend,
+        rows: GatheredRows,
         call: Callable[[int], RowSlot | None],
         on_kept_rows: Sequence[bool],
     ) -> None:
@@ -261,7 +261,7 @@ class TokenDrops:
             [m for m in p[0].modules() if isinstance(m, nn.Dropout)] if whole else None
             for p, whole in zip(self._parts, on_kept_rows, strict=True)
         ]
-        self._backend = backend
+        self._rows = rows
         self._call = call
         self._slots: list[RowSlot | None] = [None] * len(self._parts)
         self._handles: list[RemovableHandle] = []
@@ -433,7 +433,7 @@ class TokenDrops:
             else:
                 probabilities = ranked.probabilities((keep,))[0]
             weights = sampled_weights(probabilities, order, offset, keep)
-            gathered = self._backend.kept_row_count(keep, count)
+            gathered = self._rows.kept_row_count(keep, count)
             slot.weights = weights
             everything = gathered >= count  # every row (a share of 1): the linear maps' own full-row backward
             slot.index = None if everything else torch.topk(weights, gathered, sorted=False).indices.sort().values
@@ -468,7 +468,7 @@ class TokenDrops:
         device = self._readings[read[0]].device
         readings = torch.stack([self._readings[index].to(device) for index in read]).tolist()
         chosen = {index: auto_keep_share(values) for index, values in zip(read, readings, strict=True)}
-        self.auto_shares = token_shares(self.auto_shares, chosen, one_share=self._backend.compiles_graphs)
+        self.auto_shares = token_shares(self.auto_shares, chosen, one_share=self._rows.compiles_graphs)
 
     def auto_state(self) -> dict[str, list]:
         """token_drop_rate="auto"'s state: each branch's share in force and readings (None before its first)."""

@@ -20,6 +20,7 @@ from dropbp.checks import check_choice, check_fraction, check_number, check_sequ
 from dropbp.execution.discovery import recomputes_on_kept_rows, row_local_linears
 from dropbp.experimental.token_backward import RowSlot
 from dropbp.experimental.token_backward import TokenDrops as RowDrops
+from dropbp.experimental.token_rows import row_ops
 from dropbp.experimental.token_selection import AUTO_KEEP_SHARES, TOKEN_SELECTIONS
 from dropbp.features.base import Feature, register_feature
 from dropbp.features.host import Host
@@ -142,10 +143,11 @@ class TokenDrops(Feature):
     def attach(self, host: Host) -> None:
         super().attach(host)
         found = [row_local_linears(b) for b in host.branches]
+        self._rows = row_ops(host.backend)
         self._part = RowDrops(
             [b.parts for b in host.branches],
             [linears for linears, _ in found],
-            host.backend,
+            self._rows,
             self._slot,
             [recomputes_on_kept_rows(b) for b in host.branches],
         )
@@ -171,7 +173,7 @@ class TokenDrops(Feature):
         if step is None:
             return None
         key = (self.host.hooks.settings.seed, step, index)
-        return RowSlot(key, rate, self._selection, self.host.backend.place_rows)
+        return RowSlot(key, rate, self._selection, self._rows.place_rows)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """Per branch name, the weights of its most recent selection (one per token row of its output: ``1 / p``
