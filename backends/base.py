@@ -114,11 +114,6 @@ class Backend(ABC):
     def _allocator(self) -> ModuleType | None:
         return self._module() if self.has_allocator_stats else None
 
-    def memory_allocated(self) -> int:
-        """Bytes held by tensors now; 0 where the device has no allocator statistics."""
-        allocator = self._allocator()
-        return 0 if allocator is None else allocator.memory_allocated()
-
     def max_memory_allocated(self) -> int:
         """Peak bytes held by tensors since the last reset; 0 where unknown."""
         allocator = self._allocator()

@@ -26,6 +26,7 @@ import transformers
 from torch import nn
 
 import dropbp
+from dropbp.execution.discovery import flops_at_length
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ("one-pass", "exact-recompute")
@@ -69,7 +70,8 @@ def build_model(shape: str, method: str) -> nn.Module:
 
 def run(shape: str, method: str, repeats: int, batch: int, seq: int) -> dict:
     model = build_model(shape, method)
-    ctl = dropbp.experimental.apply(model, 0.5, seq_len=seq)
+    with flops_at_length(seq):
+        ctl = dropbp.apply(model, 0.5)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
 

@@ -33,8 +33,8 @@ def main() -> None:
             ids = batch(0)
             _, full = loss_and_grads(copy.deepcopy(model), ids)
             options = {"max_patterns": pool} if pool else {}
-            options |= {"unbiased": True, "warmup_steps": 0, "seed": 0, "pattern": pattern}
-            ctl = dropbp.experimental.apply(model, 0.5, **options)
+            options |= {"warmup_steps": 0, "seed": 0, "pattern": pattern}
+            ctl = dropbp.apply(model, 0.5, features=[dropbp.experimental.ImportanceWeights()], **options)
             steps = 400 if pool is None else 8 * pool
             mean = {k: torch.zeros_like(v) for k, v in full.items() if v is not None}
             for _ in range(steps):

@@ -26,7 +26,7 @@ from dropbp.features import ChunkedLoss, Feature, NoiseScale
 from dropbp.options import DropBPOptions, TrainerOptions
 from dropbp.policy.allocation import allocate_rates
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",

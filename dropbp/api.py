@@ -1,25 +1,19 @@
 """``dropbp.apply``: the public entry point, which turns names and numbers into the controller's parts.
 
 Its keyword options, their defaults, help and checks are :class:`dropbp.options.DropBPOptions`'s
-(declared once there; ``help(dropbp.apply)`` lists them; ``dropbp.experimental.apply`` takes the experimental ones
-too). It resolves the backend, finds the branches
-(:mod:`dropbp.execution.discovery`), builds the drop policy (:mod:`dropbp.policy.drop_policy`, which checks the rates
-against the model's branches) and hands them to :class:`~dropbp.controller.DropBPController`.
+(declared once there; ``help(dropbp.apply)`` lists them). The controller (:class:`~dropbp.controller.DropBPController`)
+unwraps the model, resolves the backend, finds the branches (:mod:`dropbp.execution.discovery`) and builds the drop
+policy (:mod:`dropbp.policy.drop_policy`, which checks the rates against the model's branches), each once.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from torch import nn
 
-from dropbp.backends import get as get_backend
 from dropbp.controller import DropBPController
-from dropbp.execution.discovery import find_branches
-from dropbp.execution.frameworks import unwrap
 from dropbp.options import DropBPOptions, takes_options
-from dropbp.policy.drop_policy import DropPolicy
 
 __all__ = ["apply", "apply_options"]
 
@@ -48,29 +42,4 @@ def apply(model: nn.Module, drop_rate: float, **options: Any) -> DropBPControlle
 
 def apply_options(model: nn.Module, options: DropBPOptions) -> DropBPController:
     """:func:`apply` with its options as one (already valid) :class:`DropBPOptions`."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    inner, _ = unwrap(model)
-    _check_trainable(inner)
-    backend = options.backend
-    if backend is None or isinstance(backend, str):
-        backend = get_backend(backend)
-    branches = None if options.branches is None else list(options.branches)
-    found = find_branches(inner, branches, options.seq_len)
-    given = dataclasses.replace(options, backend=backend)
-    policy = DropPolicy([b.flops for b in found], given.resolved(backend, [b.flops for b in found]))
-    return DropBPController(model, found, policy, backend, given)
-
-
-def _check_trainable(model: nn.Module) -> None:
-    """Refuse a model with nothing to train: DropBP drops parts of a backward, and there would be none.
-
-    Without this, ``apply`` would succeed and every ``loss.backward()`` would raise torch's bare "element 0 of
-    tensors does not require grad" (and :meth:`DropBPController.backward` return False), saying nothing of why.
-    """
-    if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError(
-            f"dropbp.apply: no parameter of this {type(model).__name__} requires a gradient, so there is no backward "
-            "pass to drop: unfreeze some (e.g. model.requires_grad_(True)) or add LoRA adapters "
-            "(peft.get_peft_model) before dropbp.apply"
-        )
+    return DropBPController(model, options)

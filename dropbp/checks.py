@@ -18,7 +18,6 @@ __all__ = [
     "check_fraction",
     "check_int",
     "check_number",
-    "check_ramp",
     "check_sequence",
 ]
 
@@ -117,19 +116,6 @@ def check_sequence(name: str, values: object) -> list:
     if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or not hasattr(values, "__iter__"):
         raise TypeError(f"{name} must be a sequence of numbers, got {type(values).__name__}")
     return list(values)
-
-
-def check_ramp(name: str, value: object) -> float:
-    """The share of a run over which a rising drop schedule rises: a float in ``(0, 1]``.
-
-    Args:
-        name: the argument's name, for the message.
-        value: what the caller passed.
-    """
-    ramp = check_fraction(name, value, 0.0, 1.0, high_inclusive=True, what="a fraction of the run")
-    if ramp == 0.0:
-        raise ValueError(f"{name} must be a fraction of the run in (0, 1], got 0")
-    return ramp
 
 
 class Once:

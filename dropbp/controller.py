@@ -10,6 +10,7 @@ and takes effect from the next step; the :class:`~dropbp.execution.discovery.Bra
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
@@ -20,22 +21,22 @@ from torch import nn
 
 from dropbp import calibration
 from dropbp.backends import Backend
+from dropbp.backends import get as get_backend
 from dropbp.checks import check_int
 from dropbp.execution.compile_guards import EnclosingCompileWarning
-from dropbp.execution.discovery import Branch
+from dropbp.execution.discovery import Branch, check_trainable, find_branches
 from dropbp.execution.distributed import RunningDDPCheck, check_ddp
-from dropbp.execution.dropped_grads import DroppedGrads
 from dropbp.execution.frameworks import FrameworkWatch, check_wrapper, unwrap
-from dropbp.execution.hooks import ExecutionSettings, StepHooks
+from dropbp.execution.hooks import StepHooks
 from dropbp.execution.patching import CleanCopies
 from dropbp.features.attached import AttachedFeatures
-from dropbp.features.base import Feature
+from dropbp.features.base import Feature, dropped_fill
 from dropbp.features.host import Host
-from dropbp.options import EXPERIMENTAL, MOVED, DropBPOptions, check_names
+from dropbp.options import DropBPOptions, check_names, moved
 from dropbp.policy.drop_policy import DropPolicy
 from dropbp.policy.plan import DropTally
 from dropbp.run_schedule import RunSchedule
-from dropbp.state import STATE_VERSION, check_state, policy_settings
+from dropbp.state import STATE_VERSION, check_state, migrate, policy_settings
 
 __all__ = ["DropBPController", "controller_of"]
 
@@ -45,7 +46,7 @@ __all__ = ["DropBPController", "controller_of"]
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[DropBPController]] = weakref.WeakKeyDictionary()
 
 #: Settings fixed at ``apply``.
-_FIXED = frozenset({"backend", "branches", "seq_len", "dropped_grads"})
+_FIXED = frozenset({"backend", "branches"})
 
 
 def controller_of(module: nn.Module) -> DropBPController | None:
@@ -69,78 +70,78 @@ def _setting(name: str, doc: str) -> property:
 
 
 class DropBPController:
-    """Drop policy attached to one model; made by :func:`dropbp.apply`, which documents the arguments."""
+    """Drop policy attached to one model; made by :func:`dropbp.apply`, which documents the arguments.
 
-    def __init__(
-        self,
-        model: nn.Module,
-        branches: Sequence[Branch],
-        policy: DropPolicy,
-        backend: Backend,
-        given: DropBPOptions | None = None,
-    ) -> None:
+    Args:
+        model: the model (or its DDP / framework wrapper, unwrapped here once).
+        options: the options as given (:class:`dropbp.options.DropBPOptions`, valid once made); resolved on the
+            backend here and at every change (:meth:`_resolve`, the one place that resolves them).
+    """
+
+    def __init__(self, model: nn.Module, options: DropBPOptions) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(options, DropBPOptions):
+            raise TypeError(f"options must be a dropbp.DropBPOptions, got {type(options).__name__}")
         wrapper = model
         model, ddp = unwrap(model)
         if ddp is not None:
             check_ddp(ddp)
-        if not branches or not all(isinstance(b, Branch) for b in branches):
-            raise TypeError("branches must be a non-empty list of dropbp.Branch (from discovery.find_branches)")
-        if not isinstance(policy, DropPolicy) or policy.num_branches != len(branches):
-            raise TypeError(f"policy must be a DropPolicy for {len(branches)} branches")
-        if not isinstance(backend, Backend):
-            raise TypeError(f"backend must be a Backend, got {type(backend).__name__}")
-        if any(controller_of(m) is not None for m in (model, *(b.module for b in branches))):
-            raise RuntimeError(
-                "DropBP is already attached to this model (or to some of its branches); "
-                "call .remove() on the existing controller first"
-            )
-        options = policy.options
-        self._given = options if given is None else given
+        check_trainable(model)
+        backend = options.backend if isinstance(options.backend, Backend) else get_backend(options.backend)
+        found = find_branches(model, None if options.branches is None else list(options.branches))
+        if any(controller_of(m) is not None for m in (model, *(b.module for b in found))):
+            attached = "DropBP is already attached to this model (or to some of its branches)"
+            raise RuntimeError(f"{attached}; call .remove() on the existing controller first")
+        #: The device backend whose step boundaries :meth:`backward` and :meth:`optimizer_step` place.
+        self.backend, self._model, self._found = backend, model, found
+        self._given = dataclasses.replace(options, backend=backend)
         #: Whether a framework's engine wraps the model (DeepSpeed): it holds the gradients, not ``.grad``.
         self._framework = ddp is None and wrapper is not model
-        AttachedFeatures(model, self._framework).check_new(self._given.features)  # a refusal leaves the model as it was
+        self._features = AttachedFeatures(model, self._framework)
+        self._features.check_new(self._given.features)  # a refusal leaves the model as it was
         if self._framework:
-            check_wrapper(wrapper, options.dropped_grads)
-        self._policy = policy
-        #: The device backend whose step boundaries :meth:`backward` and :meth:`optimizer_step` place.
-        self.backend = backend
-        self._model = model
-        self._found = list(branches)
-        settings = ExecutionSettings.of(options, policy.most_kept())
-        self._hooks = StepHooks(model, self._found, policy=policy, backend=backend, settings=settings)
+            check_wrapper(wrapper, dropped_fill(self._given.features))
+        flops = [b.flops for b in found]
+        self._policy = policy = DropPolicy(flops, self._resolve(self._given))
+        self._hooks = StepHooks(model, self._found, policy=policy, backend=backend)
+        self._hooks.most_kept = self._most_kept()
         self._hooks.owner = self
-        self._fill = DroppedGrads(options.dropped_grads, self._hooks.holders)
-        tally = DropTally([b.flops for b in branches])
-        watch = FrameworkWatch(model, self._hooks.holders, options.dropped_grads)
-        for listener in (RunningDDPCheck(), self._fill, watch, tally):  # the DDP check first: it may refuse the step
+        tally = DropTally(flops)
+        watch = FrameworkWatch(model, self._hooks.holders, lambda: dropped_fill(self._given.features))
+        for listener in (RunningDDPCheck(), watch, tally):  # the DDP check first: it may refuse the step
             self._hooks.listen(listener)
         compile_warning = EnclosingCompileWarning()
         self._compile_handles = compile_warning.attach(model, [b.name for b in self._found])
-        parts = (p for b in branches for p in b.parts)
+        parts = (p for b in found for p in b.parts)
         self._touched = [model, *parts, *compile_warning.layers, *self._hooks.bound.units]
-        #: What the features may use of this controller.
-        given, in_force = lambda: self._given, lambda: self._policy.options  # noqa: E731
+        given, in_force = functools.partial(getattr, self, "_given"), functools.partial(getattr, policy, "options")
         self._host = Host(model, tuple(self._found), backend, self._hooks, given, in_force, self._resolve_again)
-        self._features = AttachedFeatures(model, self._framework)
-        self._copies = CleanCopies((), list)
-        self._features.follow(self._given.features, self._host, lambda: None)
-        self._clean_copies()
+        self._copies: CleanCopies | None = None
+        self._features.follow(self._given.features, self._host, self._clean_copies)
+        if self._copies is None:
+            self._clean_copies()
         #: What the policy will do over a run, and what it dropped (:class:`dropbp.run_schedule.RunSchedule`).
-        self.schedule = RunSchedule(
-            policy, [b.flops for b in branches], tally, self._hooks.pattern, lambda: self._hooks.settings.most_kept
-        )
-        for module in (model, *(b.module for b in branches)):
+        self.schedule = RunSchedule(policy, flops, tally, self._hooks.pattern, lambda: self._hooks.most_kept)
+        for module in (model, *(b.module for b in found)):
             _ATTACHED[module] = weakref.ref(self)
-        self._removed = False
-        self._undo: list[Callable[[], None]] = []  # see at_remove
+        self._removed, self._undo = False, []  # _undo: see at_remove
+
+    def _resolve(self, given: DropBPOptions) -> DropBPOptions:  # the one place options are resolved
+        return given.resolved(self.backend, [b.flops for b in self._found])
+
+    def _most_kept(self) -> int | None:
+        """What the memory bound holds a step to under the options in force (None: off)."""
+        return self._policy.most_kept() if self._policy.options.memory_bound else None
 
     def _clean_copies(self) -> None:
         """Copies and pickles of the model leave out every hook and patch now on it (the features' included)."""
-        self._copies.remove()
-        ours = lambda: [*self._hooks.handles, *self._compile_handles, *self._features.handles()]  # noqa: E731
-        self._copies = CleanCopies([*self._touched, *self._features.modules()], ours)
+        if self._copies is not None:
+            self._copies.remove()
+        self._copies = CleanCopies([*self._touched, *self._features.modules()], self._our_handles)
+
+    def _our_handles(self) -> list:
+        return [*self._hooks.handles, *self._compile_handles, *self._features.handles()]
 
     @property
     def options(self) -> DropBPOptions:
@@ -155,13 +156,13 @@ class DropBPController:
     def replace_options(self, **change: Any) -> None:
         """Change settings (fields of :attr:`options`, ``features`` included: those added are attached, those left
         out removed) together, from the next step; validated once (``dataclasses.replace``), all or nothing.
-        ``backend``, ``branches``, ``seq_len`` and ``dropped_grads`` are fixed at ``apply``."""
+        ``backend`` and ``branches`` are fixed at ``apply``."""
         self._check_attached()
         fixed = sorted(set(change) & _FIXED)
         if fixed:
             raise ValueError(f"{', '.join(fixed)} cannot change after apply: remove() and apply again")
         reset_rates = not {"drop_rate", "pattern"}.isdisjoint(change)  # set, even to its value: as apply does
-        check_names(DropBPOptions, "replace_options", change, experimental=True)  # 0.2's spellings say where they went
+        check_names(DropBPOptions, "replace_options", change)  # older spellings say the way now
         self._use(dataclasses.replace(self._given, **change), lambda resolved: self._policy.use(resolved, reset_rates))
 
     def _use(self, given: DropBPOptions, policy_takes: Callable[[DropBPOptions], None]) -> None:
@@ -169,10 +170,9 @@ class DropBPController:
         device's bound), handed to the policy by ``policy_takes`` (all or nothing: it raises before anything
         changes), then to the hooks and the features."""
         self._features.check_new(given.features)
-        resolved = given.resolved(self.backend, [b.flops for b in self._found])
-        policy_takes(resolved)
+        policy_takes(self._resolve(given))
         self._given = given
-        self._hooks.settings = ExecutionSettings.of(resolved, self._policy.most_kept())
+        self._hooks.most_kept = self._most_kept()
         self._features.follow(given.features, self._host, self._clean_copies)
 
     def _resolve_again(self) -> None:
@@ -190,6 +190,18 @@ class DropBPController:
     warmup_steps = _setting("warmup_steps", "Training forwards over which the rates rise linearly from 0.")
     total_steps = _setting("total_steps", "The run's length in training forwards (``None``: unknown).")
     memory_bound = _setting("memory_bound", "Whether the activation memory is bounded at every step.")
+
+    @property
+    def windows(self) -> tuple[int, int] | None:
+        """The run's optimizer-step windows, ``(forwards per epoch, accumulation)``, or None (:mod:`.policy.windows`:
+        each optimizer step starts a pool's cycle where epochs end short); the Trainer integration sets them from the
+        run. Saved in ``state_dict``; settable, from the next pattern on."""
+        return self._policy.windows
+
+    @windows.setter
+    def windows(self, windows: tuple[int, int] | None) -> None:
+        self._check_attached()
+        self._policy.set_windows(windows)
 
     @property
     def branches(self) -> list[Branch]:
@@ -249,14 +261,8 @@ class DropBPController:
     def _names(self, indices: frozenset[int]) -> tuple[str, ...]:
         return tuple(self._found[i].name for i in sorted(indices))
 
-    def calibrate(
-        self,
-        closure: Callable[[], torch.Tensor],
-        *,
-        gradnorm: bool = True,
-        min_rate: float = 0.0,
-        max_rate: float = 0.9,
-    ) -> list[float]:
+    def calibrate(self, closure: Callable[[], torch.Tensor], *, gradnorm: bool = True, min_rate: float = 0.0,
+                  max_rate: float = 0.9) -> list[float]:
         """Measure each branch's sensitivity and set the rates by :func:`dropbp.allocate_rates`
         (:func:`dropbp.calibration.calibrate`, which documents the arguments); ``pattern="uniform"`` only.
 
@@ -264,10 +270,8 @@ class DropBPController:
             The sensitivities, in branch order.
         """
         self._check_attached()
-        return calibration.calibrate(
-            self._model, self._found, self._policy, self._hooks.force, self.backend, closure,
-            gradnorm=gradnorm, min_rate=min_rate, max_rate=max_rate,
-        )  # fmt: skip
+        parts = (self._model, self._found, self._policy, self._hooks.force, self.backend)
+        return calibration.calibrate(*parts, closure, gradnorm=gradnorm, min_rate=min_rate, max_rate=max_rate)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue with the same patterns: rates, seed, step counter, bound, warm-up, time
@@ -281,7 +285,7 @@ class DropBPController:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (all or nothing); the branches must be the same as when it was saved."""
         self._check_attached()
-        check_state(state, tuple(self.features), [b.name for b in self._found])
+        state = check_state(migrate(state, self.features), tuple(self.features), [b.name for b in self._found])
         given = dataclasses.replace(self._given, **policy_settings(state))
         with self._features.loading(given.features, state):  # first: "auto" reads the noise scale's state
             self._use(given, lambda resolved: self._policy.load_state_dict(state, resolved))
@@ -331,16 +335,15 @@ class DropBPController:
         """Settings are properties; any other public name is refused (0.2's settings say where they went), not kept."""
         if name.startswith("_") or name in ("backend", "schedule") or hasattr(type(self), name):
             return object.__setattr__(self, name, value)
-        where = MOVED.get(name) or (f"ctl.replace_options({name}=...)" if name in EXPERIMENTAL else "")
-        raise AttributeError(f"DropBPController has no setting {name!r}" + (f" (dropbp 0.3: {where})" if where else ""))
+        where = moved(name)
+        raise AttributeError(f"DropBPController has no setting {name!r}" + (f" {where}" if where else ""))
 
     def _check_attached(self) -> None:
         if self._removed:
             raise RuntimeError("this DropBP controller was removed; call dropbp.apply(model, ...) again")
 
     def __repr__(self) -> str:
-        kinds = {k: sum(b.kind == k for b in self._found) for k in ("attn", "mlp")}
+        kinds = ", ".join(f"{sum(b.kind == k for b in self._found)} {k}" for k in ("attn", "mlp"))
         features = f", features={list(self.features)}" if self.features else ""
-        return (f"DropBPController({len(self._found)} branches ({kinds['attn']} attn, {kinds['mlp']} mlp), "
-                f"drop_rate={self.drop_rate}, seed={self.seed}, max_patterns={self.max_patterns}, "
-                f"step={self.step}{features})")  # fmt: skip
+        settings = f"drop_rate={self.drop_rate}, seed={self.seed}, max_patterns={self.max_patterns}, step={self.step}"
+        return f"DropBPController({len(self._found)} branches ({kinds}), {settings}{features})"

@@ -1,9 +1,10 @@
 """The options of ``dropbp.apply`` and of the Trainer integration, declared and validated once.
 
-:class:`DropBPOptions` holds every keyword option of :func:`dropbp.apply` (the paper's DropBP and ``features``), then
-the :data:`EXPERIMENTAL` ones that only ``dropbp.experimental.apply`` takes; :data:`MOVED` says where 0.2's
-options went. :class:`TrainerOptions` adds ``warmup``
-and ``calibrate_at`` (fractions of the run) and leaves out ``warmup_steps``, ``total_steps`` and ``windows`` (the
+:class:`DropBPOptions` holds every keyword option of :func:`dropbp.apply` (the paper's DropBP and ``features``) and
+nothing else; an older spelling is refused saying the way now (:func:`check_names`: 0.2's options that became features,
+:data:`MOVED`; 0.3's experimental options, each now a feature whose class names it, ``Feature.replaces``; 0.3's
+``seq_len`` and ``windows``, now internal, :data:`INTERNAL`). :class:`TrainerOptions` adds ``warmup``
+and ``calibrate_at`` (fractions of the run) and leaves out ``warmup_steps`` and ``total_steps`` (the
 callback of :mod:`dropbp.integrations.hf` derives them from the run). :func:`takes_options` makes each field's default
 and help the keyword parameters of ``apply``, ``attach`` and ``DropBPCallback``; the axolotl ``dropbp_*`` keys come
 from the same fields (:mod:`dropbp.integrations.axolotl`). Adding an option is one field here (default, help, check
@@ -25,12 +26,11 @@ from typing import Any, ClassVar, TypeVar, get_type_hints
 
 from dropbp.architectures import BERT_BRANCHES
 from dropbp.backends import Backend
-from dropbp.checks import check_bool, check_choice, check_fraction, check_int, check_ramp
-from dropbp.execution.dropped_grads import DEFAULT_DROPPED_GRADS, DROPPED_GRADS
-from dropbp.features.base import Feature
+from dropbp.checks import check_bool, check_choice, check_fraction, check_int
+from dropbp.features.base import Feature, feature_classes
 from dropbp.features.noise_scale import NoiseScale
-from dropbp.policy.schedule import DEFAULT_RAMP, DROP_SCHEDULES
-from dropbp.policy.shapes import CutShape, get_shape, shape_names
+from dropbp.policy.plugins import policy_plugins
+from dropbp.policy.shapes import get_shape, shape_names
 
 #: ``memory_bound="auto"`` turns the bound on from this drop rate (or with a feature that buys memory).
 AUTO_BOUND_RATE = 0.75
@@ -39,7 +39,7 @@ __all__ = [
     "AUTO",
     "AUTO_BOUND_RATE",
     "AUTO_WARMUP",
-    "EXPERIMENTAL",
+    "INTERNAL",
     "MOVED",
     "DropBPOptions",
     "TrainerOptions",
@@ -55,16 +55,12 @@ AUTO = "auto"
 #: A Trainer run's warm-up by default (``warmup="auto"``), a fraction of its training steps.
 AUTO_WARMUP = 0.2
 
-#: The options measured and not better, out of ``apply``'s signature (``dropbp.experimental.apply`` takes them),
-#: each with the record that says so.
-EXPERIMENTAL = {
-    "unbiased": "benchmarks/results/convergence_levers_lora_pydoc.md",
-    "dropped_grads": "benchmarks/results/convergence_levers_lora_pydoc.md",
-    "drop_schedule": "benchmarks/results/convergence_time-schedules_lora_pydoc_accumulate.md",
-    "ramp": "benchmarks/results/convergence_time-schedules_lora_pydoc_accumulate.md",
-    "stratify": "docs/where-it-pays.md, 'Stratified cuts'",
-    "seq_len": "it only weighs attention FLOPs by a typical length",
-    "windows": "the Trainer integration sets it from the run",
+#: 0.3's experimental options that are internal in 0.4, and what replaces each.
+INTERNAL = {
+    "seq_len": "it only weighed attention FLOPs by a typical length: dropbp.execution.discovery.flops_at_length(n) "
+    "around apply does that",
+    "windows": "the Trainer integration sets the run's optimizer-step windows: ctl.windows = (forwards per epoch, "
+    "accumulation)",
 }
 
 #: 0.2's options that are features in 0.3, and how to ask for each.
@@ -93,8 +89,7 @@ def _help(text: str, **more: Any) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class DropBPOptions:
-    """The options of :func:`dropbp.apply` (the paper's DropBP, then ``features``) and, after them, the experimental
-    ones (:data:`EXPERIMENTAL`: ``dropbp.experimental.apply`` takes them); made, they are valid."""
+    """The options of :func:`dropbp.apply`: the paper's DropBP, then ``features``; made, they are valid."""
 
     drop_rate: float | str = field(
         metadata=_help(
@@ -165,9 +160,10 @@ class DropBPOptions:
         default=None,
         metadata=_help(
             """The run's length in training forwards (micro-batches: optimizer steps times gradient
-            accumulation), counted like ``warmup_steps``. Given, the rates follow ``drop_schedule`` over the
-            run and are scaled so that the run's mean drop rate, warm-up included, is ``drop_rate`` (the
-            compute it asks to save); without it, the rates stay as set after the warm-up.
+            accumulation), counted like ``warmup_steps``. Given, the rates follow the run's time schedule (the
+            warm-up, and a rise where a feature gives one) and are scaled so that the run's mean drop rate,
+            warm-up included, is ``drop_rate`` (the compute it asks to save); without it, the rates stay as set
+            after the warm-up.
             ``ctl.total_steps``, saved in ``state_dict``.""",
             trainer="the run decides it: max_steps x gradient_accumulation_steps, when training begins",
         ),
@@ -196,66 +192,6 @@ class DropBPOptions:
         ),
     )
 
-    # -- experimental: measured and not better (EXPERIMENTAL), out of apply's signature ------------------------
-    unbiased: bool = field(
-        default=False,
-        metadata=_help(
-            """Importance weights: a kept branch's own parameters get their gradient times ``1 / (1 - rate)``
-            for its rate in force at that forward (the residual stream is left alone), so with cut patterns
-            every branch's expected gradient is exactly full backprop's (:mod:`dropbp.execution.branch_forward`);
-            ``ctl.unbiased``, settable."""
-        ),
-    )
-    dropped_grads: str = field(
-        default=DEFAULT_DROPPED_GRADS,
-        metadata=_help(
-            """What the optimizer sees for a dropped branch's parameters: ``"skip"`` (no gradient, so no
-            update: the paper), ``"zero"`` (a zero gradient: momentum optimizers keep moving them) or
-            ``"reuse"`` (their last computed gradient); see :mod:`dropbp.execution.dropped_grads`. The fill runs in an
-            optimizer pre-step hook, after a Trainer's gradient clipping."""
-        ),
-    )
-    drop_schedule: str = field(
-        default="constant",
-        metadata=_help(
-            """How the rates move over a run of known length (:mod:`dropbp.policy.schedule`): ``"constant"`` (only
-            the warm-up), or rising from 0 over the first ``ramp`` of the run, ``"linear"``, ``"cosine"`` or
-            ``"step"``, then held at the peak that keeps the mean: with the cut shape, a randomised
-            progressive freezing from the bottom. A peak the pattern shape cannot take (a rate above 1) is
-            refused. ``ctl.drop_schedule``."""
-        ),
-    )
-    ramp: float = field(
-        default=DEFAULT_RAMP,
-        metadata=_help("The share of the run, in (0, 1], over which a rising ``drop_schedule`` rises; ``ctl.ramp``."),
-    )
-    stratify: int = field(
-        default=1,
-        metadata=_help(
-            """Stratified cuts over each group of this many consecutive training forwards (set it to the
-            gradient accumulation steps): the group's cut depths are one draw in each of ``stratify`` equal
-            slices of [0, 1), in a random order, with a fresh offset every group, so every branch keeps its
-            exact rate and a branch whose rate is at most ``1 - 1 / stratify`` is kept in at least one
-            micro-batch of every optimizer step. 1: an independent draw per forward. Cut patterns only, not
-            with a pattern pool (``max_patterns``, whose cycle is already stratified)."""
-        ),
-    )
-    seq_len: int = field(
-        default=512, metadata=_help("The typical sequence length, used only to weigh attention FLOPs.")
-    )
-    windows: tuple[int, int] | None = field(
-        default=None,
-        metadata=_help(
-            """The run's optimizer-step windows, ``(training forwards per epoch, gradient accumulation steps)``,
-            for epochs whose length is not a multiple of the accumulation (each ends with a short window): given,
-            ``stratify`` groups and a pattern pool's cycle (``max_patterns``) start at every optimizer step, and a
-            short window's stratified group has as many slices as it has forwards (:mod:`dropbp.policy.windows`).
-            ``None``: windows of ``stratify`` forwards, the pool cycled by forward. ``ctl.windows``, saved in
-            ``state_dict``.""",
-            trainer="the run decides it: the dataloader's length and gradient_accumulation_steps",
-        ),
-    )
-
     #: The value given to ``seed`` may be None (the Trainer integration: the run's own seed).
     _seed_may_be_none: ClassVar[bool] = False
 
@@ -275,22 +211,14 @@ class DropBPOptions:
             self._set("branches", tuple(self.branches))
         if self.max_patterns is not None:
             check_int(key("max_patterns"), self.max_patterns, 1)
-        check_int(key("seq_len"), self.seq_len, 1)
         if not (self.backend is None or isinstance(self.backend, (str, Backend))):
             raise TypeError(f"{key('backend')} must be a name, a Backend or None, got {type(self.backend).__name__}")
-        check_bool(key("unbiased"), self.unbiased)
-        check_choice(key("dropped_grads"), self.dropped_grads, DROPPED_GRADS)
         check_int(key("warmup_steps"), self.warmup_steps, 0)
         check_choice(key("pattern"), self.pattern, shape_names())
         if not is_auto(self.memory_bound):
             check_bool(key("memory_bound"), self.memory_bound)
         if self.total_steps is not None:
             check_int(key("total_steps"), self.total_steps, 1)
-        check_choice(key("drop_schedule"), self.drop_schedule, DROP_SCHEDULES)
-        self._set("ramp", check_ramp(key("ramp"), self.ramp))
-        check_int(key("stratify"), self.stratify, 1)
-        if self.windows is not None:
-            self._set("windows", _windows(key("windows"), self.windows))
         features = self.features
         if not isinstance(features, (list, tuple)) or not all(isinstance(f, Feature) for f in features):
             raise TypeError(
@@ -303,12 +231,7 @@ class DropBPOptions:
         self._set("features", tuple(features))
         if self.follows_noise_scale and self.feature(NoiseScale.key) is None:  # "auto" reads the measured noise scale
             self._set("features", (*self.features, NoiseScale()))
-        if self.stratify > 1 and (not isinstance(get_shape(self.pattern), CutShape) or self.max_patterns is not None):
-            raise ValueError(
-                f"{key('stratify')}={self.stratify} stratifies cut patterns drawn afresh each step: it needs "
-                f"pattern='cut' (got {self.pattern!r}) and max_patterns=None (got {self.max_patterns!r}; a pattern "
-                "pool's cycle is already stratified). Set stratify=1 or change those."
-            )
+        policy_plugins(self.features)  # two rises or pattern draws are refused
 
     def _rate(self, name: str, meaning: str) -> None:
         """Check the rate ``name`` is in [0, 1) and store it as a float; the error says what it means."""
@@ -322,11 +245,10 @@ class DropBPOptions:
         object.__setattr__(self, name, value)
 
     @classmethod
-    def given(cls: type[_O], caller: str, experimental: bool = False, **options: Any) -> _O:
+    def given(cls: type[_O], caller: str, **options: Any) -> _O:
         """The options ``caller`` was given as keywords; a name that is not an option is a TypeError saying which
-        are, and one that moved (0.2's spelling) a TypeError saying where it went. ``experimental``: the caller
-        takes :data:`EXPERIMENTAL` (``dropbp.experimental.apply``)."""
-        check_names(cls, caller, options, experimental)
+        are, and an older spelling a TypeError saying the way now (:func:`check_names`)."""
+        check_names(cls, caller, options)
         return cls(**options)
 
     @property
@@ -343,15 +265,11 @@ class DropBPOptions:
         a device's bound, and ``"auto"`` follows a later drop rate."""
         if self.follows_noise_scale:
             rate = self.feature(NoiseScale.key).rate(get_shape(self.pattern), flops)
-            auto = {"drop_rate": rate, "warmup_steps": 0, "drop_schedule": "constant", "total_steps": None}
+            rises = [f for f in self.features if policy_plugins([f])[0] is not None]  # "auto" replaces a rise
+            features = tuple(f for f in self.features if f not in rises)
+            auto = {"drop_rate": rate, "warmup_steps": 0, "total_steps": None, "features": features}
             return dataclasses.replace(self, **auto).resolved(backend, flops)
         bound = backend.default_max_patterns if self.max_patterns is None else self.max_patterns
-        if self.stratify > 1 and self.max_patterns is None and bound is not None:
-            raise ValueError(
-                f"stratify={self.stratify} cannot run on the {backend.name!r} backend: it compiles a graph per drop "
-                f"pattern, so a run draws from a pool of at most {bound} patterns (its default max_patterns), whose "
-                "cycle is already stratified; leave stratify=1 there"
-            )
         memory_bound = self.memory_bound
         if is_auto(memory_bound):
             memory_bound = any(f.bounds_memory for f in self.features) or self.drop_rate >= AUTO_BOUND_RATE
@@ -362,39 +280,38 @@ class DropBPOptions:
         return next((f for f in self.features if f.key == key), None)
 
     def for_apply(self, **overrides: Any) -> DropBPOptions:
-        """These options as :func:`dropbp.apply`'s (the experimental ones included), with ``overrides`` (what a
-        Trainer run decides)."""
+        """These options as :func:`dropbp.apply`'s, with ``overrides`` (what a Trainer run decides)."""
         own = {f.name: getattr(self, f.name) for f in dataclasses.fields(DropBPOptions)}
         return DropBPOptions(**{**own, **overrides})
 
 
-def check_names(cls: type[DropBPOptions], caller: str, names: Iterable[str], experimental: bool = False) -> None:
+def moved(name: str) -> str | None:
+    """Where an option of an earlier release went, as a sentence (None: ``name`` was no such option): 0.2's features
+    (:data:`MOVED`), 0.3's experimental options (the registered feature that replaces each: ``Feature.replaces``) and
+    0.3's internal ones (:data:`INTERNAL`)."""
+    if name in MOVED:
+        return f"(dropbp 0.3): it is a feature now, {MOVED[name]}"
+    if name in INTERNAL:
+        return f"(dropbp 0.4): {INTERNAL[name]}"
+    for cls in feature_classes().values():
+        if name in cls.replaces:
+            return f"(dropbp 0.4): measured and not better, it is a feature now: {cls.replaces[name]}"
+    return None
+
+
+def check_names(cls: type[DropBPOptions], caller: str, names: Iterable[str]) -> None:
     """Raise a TypeError for a name of ``names`` that ``caller`` does not take: one that is not an option (saying which
-    are), one that moved (0.2's spelling: saying where it went), an experimental one where ``experimental`` is False
-    (:data:`EXPERIMENTAL`) or one a Trainer run decides."""
+    are), an older release's (saying the way now: :func:`moved`) or one a Trainer run decides."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for name in names:
-        if name in MOVED:
-            raise TypeError(f"{caller}() no longer takes {name} (dropbp 0.3): it is a feature now, {MOVED[name]}")
-        if name in EXPERIMENTAL and not experimental:
-            raise TypeError(
-                f"{caller}() no longer takes {name} (dropbp 0.3): measured and not better ({EXPERIMENTAL[name]}), it "
-                f"moved to dropbp.experimental.apply(model, drop_rate, {name}=...)"
-            )
+        where = moved(name)
+        if where is not None:
+            raise TypeError(f"{caller}() no longer takes {name} {where}")
         if name not in fields:
             known = ", ".join(f.name for f in option_fields(cls))
             raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}; its options are {known}")
         if not fields[name].init:
             raise TypeError(f"{caller}() does not take {name}: {fields[name].metadata['trainer']}")
-
-
-def _windows(name: str, value: object) -> tuple[int, int]:
-    """``value`` as a ``(forwards per epoch, accumulation)`` pair of positive ints, or a TypeError naming it."""
-    if not isinstance(value, (list, tuple)) or len(value) != 2:
-        raise TypeError(
-            f"{name} must be (training forwards per epoch, gradient accumulation steps), or None, got {value!r:.80}"
-        )
-    return check_int(f"{name}[0]", value[0], 1), check_int(f"{name}[1]", value[1], 1)
 
 
 _O = TypeVar("_O", bound=DropBPOptions)
@@ -403,7 +320,7 @@ _O = TypeVar("_O", bound=DropBPOptions)
 @dataclass(frozen=True)
 class TrainerOptions(DropBPOptions):
     """The options of a Trainer run (``attach``, ``DropBPCallback``, the axolotl keys): ``apply``'s, less
-    ``warmup_steps``, ``total_steps`` and ``windows`` (the run decides them), plus ``warmup`` and ``calibrate_at``."""
+    ``warmup_steps`` and ``total_steps`` (the run decides them), plus ``warmup`` and ``calibrate_at``."""
 
     drop_rate: float | str = field(default=0.5, metadata=DropBPOptions.__dataclass_fields__["drop_rate"].metadata)
     seed: int | None = field(
@@ -415,15 +332,12 @@ class TrainerOptions(DropBPOptions):
     total_steps: int | None = field(
         default=None, init=False, metadata=DropBPOptions.__dataclass_fields__["total_steps"].metadata
     )
-    windows: tuple[int, int] | None = field(
-        default=None, init=False, metadata=DropBPOptions.__dataclass_fields__["windows"].metadata
-    )
     warmup: float | str = field(
         default="auto",
         metadata=_help(
             """Fraction of the training steps over which the rates rise from 0 (``apply``'s ``warmup_steps``);
-            0 to drop from the first step. Knowing the run's length, the drop rate also gets its time schedule
-            (``drop_schedule``): the run's mean drop rate, warm-up included, is ``drop_rate``, so what the
+            0 to drop from the first step. Knowing the run's length, the drop rate also gets its time schedule:
+            the run's mean drop rate, warm-up included, is ``drop_rate``, so what the
             warm-up leaves undropped is dropped later. ``"auto"``: 0.2 (``AUTO_WARMUP``, the best setting
             measured, docs/regime.md), shortened, with a warning, to the longest warm-up that keeps the
             mean where a high drop rate cannot (with the cut shape about 0.86 and above: the top branch is
@@ -475,10 +389,9 @@ class TrainerOptions(DropBPOptions):
         return None if is_auto(self.warmup) else self.warmup  # type: ignore[return-value]
 
 
-def option_fields(cls: type[DropBPOptions], experimental: bool = False) -> list[dataclasses.Field]:
-    """The fields of ``cls`` that its callers pass (not those a Trainer run decides), in declaration order: the
-    product's, or with ``experimental`` only :data:`EXPERIMENTAL`'s."""
-    return [f for f in dataclasses.fields(cls) if f.init and (f.name in EXPERIMENTAL) == experimental]
+def option_fields(cls: type[DropBPOptions]) -> list[dataclasses.Field]:
+    """The fields of ``cls`` that its callers pass (not those a Trainer run decides), in declaration order."""
+    return [f for f in dataclasses.fields(cls) if f.init]
 
 
 @contextmanager
@@ -494,16 +407,15 @@ def named_as(prefix: str) -> Iterator[None]:
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def takes_options(cls: type[DropBPOptions], experimental: bool = False) -> Callable[[_F], _F]:
+def takes_options(cls: type[DropBPOptions]) -> Callable[[_F], _F]:
     """Give a function that takes ``**options`` the signature and docstring of every option of ``cls``.
 
     Its own parameters (``model, drop_rate`` of ``apply``) come first, as written; each other option
     becomes a keyword-only parameter with its default and type, documented from its help, so
-    ``help(dropbp.apply)`` lists every option and a new field needs no edit here. ``experimental``: then the
-    :data:`EXPERIMENTAL` options too (``dropbp.experimental.apply``).
+    ``help(dropbp.apply)`` lists every option and a new field needs no edit here.
     """
     hints = get_type_hints(cls)
-    fields = option_fields(cls) + (option_fields(cls, experimental=True) if experimental else [])
+    fields = option_fields(cls)
 
     def decorate(function: _F) -> _F:
         signature = inspect.signature(function)

@@ -11,15 +11,15 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from dropbp.checks import check_bool, check_choice, check_fraction, check_int, check_number, check_ramp, check_sequence
-from dropbp.features.base import feature_classes
+from dropbp.checks import check_bool, check_choice, check_fraction, check_int, check_number, check_sequence
+from dropbp.features.base import Feature, feature_classes
 from dropbp.options import is_auto
-from dropbp.policy.schedule import DROP_SCHEDULES
 from dropbp.policy.shapes import shape_names
 
 __all__ = ["STATE_VERSION", "check_state", "policy_settings"]
 
-STATE_VERSION = 1
+#: 2 since dropbp 0.4 (1: 0.2 and 0.3, whose experimental settings the features that replace them migrate).
+STATE_VERSION = 2
 
 #: The keys of a state that are settings of the options (the others: version, branches, rates, step and
 #: rates_follow_drop_rate).
@@ -30,9 +30,6 @@ POLICY_STATE = (
     "warmup_steps",
     "pattern",
     "total_steps",
-    "drop_schedule",
-    "ramp",
-    "stratify",
 )
 
 #: Keys of 0.2's states that 0.3 keeps elsewhere, and where.
@@ -64,10 +61,22 @@ def _with_hint(key: object) -> str:
     return f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
 
 
+def migrate(state: dict[str, Any], attached: dict[str, Feature]) -> dict[str, Any]:
+    """A state of an earlier version as this version's (a copy): each registered feature takes out the settings of an
+    earlier release it replaces (:meth:`dropbp.features.base.Feature.migrate_state`, given the feature attached
+    under its key, or None), refusing to drop one that mattered. A state of this version is returned as it is."""
+    if not isinstance(state, dict) or state.get("version") != 1:
+        return state
+    for cls in feature_classes().values():
+        state = cls.migrate_state(state, attached.get(cls.key))
+    return {**state, "version": STATE_VERSION}
+
+
 def check_state(state: object, feature_keys: tuple[str, ...] = (), names: list[str] | None = None) -> dict[str, Any]:
-    """``state`` if it is a complete, well-typed controller state (``feature_keys``: the attached features' keys, whose
-    entries their features check), saved for the branches ``names`` where given; else a ``TypeError`` or
-    ``ValueError`` naming the field. (Whether its rates suit this model is checked where they are used.)"""
+    """``state`` if it is a complete, well-typed controller state of this version (:func:`migrate` first for an
+    earlier one; ``feature_keys``: the attached features' keys, whose entries their features check), saved for the
+    branches ``names`` where given; else a ``TypeError`` or ``ValueError`` naming the field. (Whether its rates suit
+    this model is checked where they are used.)"""
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict from state_dict(), got {type(state).__name__}")
     missing = set(REQUIRED) - set(state)
@@ -76,6 +85,12 @@ def check_state(state: object, feature_keys: tuple[str, ...] = (), names: list[s
     for key in set(state) & set(MOVED_STATE):
         raise ValueError(f"state[{key!r}] is {MOVED_STATE[key]}")
     unknown = sorted(set(state) - set(REQUIRED) - set(OPTIONAL) - set(feature_keys) - set(feature_classes()), key=str)
+    for key, cls in feature_classes().items():
+        if cls.needed_to_resume and key in state and key not in feature_keys:
+            raise ValueError(
+                f"state was saved with {cls.__name__} ({state[key]!r:.80}), which decides the patterns: pass it in "
+                f"features (dropbp.apply(..., features=[{cls.__name__}(...)])) to resume them"
+            )
     if unknown:
         hints = [_with_hint(key) for key in unknown]
         raise ValueError(
@@ -107,9 +122,6 @@ def check_state(state: object, feature_keys: tuple[str, ...] = (), names: list[s
     check_int(_field("warmup_steps"), state["warmup_steps"], 0)
     check_choice(_field("pattern"), state["pattern"], shape_names())
     _optional_int("total_steps", state["total_steps"], 1)
-    check_choice(_field("drop_schedule"), state["drop_schedule"], DROP_SCHEDULES)
-    check_ramp(_field("ramp"), state["ramp"])
-    check_int(_field("stratify"), state["stratify"], 1)
     if "windows" in state:
         windows = state["windows"]
         if not isinstance(windows, (list, tuple)) or len(windows) != 2:
@@ -121,6 +133,5 @@ def check_state(state: object, feature_keys: tuple[str, ...] = (), names: list[s
 
 
 def policy_settings(state: dict[str, Any]) -> dict[str, Any]:
-    """The options a checked ``state`` sets (:data:`POLICY_STATE` and the run's windows)."""
-    windows = state.get("windows")
-    return {**{name: state[name] for name in POLICY_STATE}, "windows": None if windows is None else tuple(windows)}
+    """The options a checked ``state`` sets (:data:`POLICY_STATE`)."""
+    return {name: state[name] for name in POLICY_STATE}

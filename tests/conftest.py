@@ -274,11 +274,13 @@ def accelerate_bf16_forward(model: nn.Module) -> nn.Module:
 
 
 def attach_experimental(trainer, **options):
-    """``dropbp.attach`` with the experimental options too (``DropBPCallback.experimental``'s): applied at once and
-    registered on ``trainer``."""
+    """``dropbp.attach`` with 0.3's flat experimental settings (``stratify=...``, as the results tables name them)
+    made into their features (:func:`dropbp.tools.arms.arm_features`): applied at once and registered on ``trainer``."""
     from dropbp.integrations.hf import callback_for
     from dropbp.options import TrainerOptions
+    from dropbp.tools.arms import arm_features
 
-    callback = callback_for(trainer, TrainerOptions.given("attach", True, **options))
+    rest, features = arm_features(options)
+    callback = callback_for(trainer, TrainerOptions.given("attach", **rest, features=features))
     trainer.add_callback(callback)
     return callback

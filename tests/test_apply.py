@@ -12,6 +12,7 @@ import torch
 from conftest import TINY_CONFIGS, batch, loss_and_grads, tiny_model, with_lora
 
 import dropbp
+from dropbp.execution.discovery import TYPICAL_SEQ_LEN, flops_at_length
 from dropbp.options import DropBPOptions
 from dropbp.policy.allocation import cut_rates
 from dropbp.policy.drop_policy import DropPolicy
@@ -63,12 +64,17 @@ def test_finds_branches_under_peft_lora(arch):
 
 def test_flops_follow_mission_formulas():
     model = tiny_model("llama", layers=1)  # h=32, 4 q heads, 2 kv heads, d=8, I=64
-    ctl = dropbp.experimental.apply(model, 0.5, seq_len=100, pattern="uniform")
+    with flops_at_length(100):
+        ctl = dropbp.apply(model, 0.5, pattern="uniform")
+        gpt2 = dropbp.apply(tiny_model("gpt2", layers=1), 0.5, pattern="uniform")
     h, nq, nkv, d, inter, s = 32, 4, 2, 8, 64, 100
     attn = 2 * (h * (nq + 2 * nkv) * d + nq * d * h) + 4 * s * nq * d
     assert [b.flops for b in ctl.branches] == [attn, 2 * 3 * h * inter]
-    gpt2 = dropbp.experimental.apply(tiny_model("gpt2", layers=1), 0.5, seq_len=100, pattern="uniform")
     assert [b.flops for b in gpt2.branches] == [2 * (32 * 96 + 32 * 32) + 4 * 100 * 32, 2 * 2 * 32 * 128]
+    default = dropbp.apply(tiny_model("llama", layers=1), 0.5, pattern="uniform")  # outside: a typical length
+    assert default.branches[0].flops == attn - 4 * s * nq * d + 4 * TYPICAL_SEQ_LEN * nq * d
+    with pytest.raises(ValueError, match="seq_len must be an int >= 1"), flops_at_length(0):
+        pass
 
 
 @pytest.mark.parametrize("method", ["full", "lora"])
@@ -263,12 +269,12 @@ def test_bad_branch_names(branches, error, match):
         ({"seed": -1}, ValueError, "seed must be an int >= 0"),
         ({"seed": 1.5}, TypeError, "seed must be an int"),
         ({"max_patterns": 0}, ValueError, "max_patterns must be an int >= 1"),
-        ({"seq_len": 0}, ValueError, "seq_len"),
+        ({"seq_len": 64}, TypeError, r"seq_len \(dropbp 0.4\): .*flops_at_length"),
     ],
 )
 def test_bad_options(kwargs, error, match):
     with pytest.raises(error, match=match):
-        dropbp.experimental.apply(tiny_model("llama"), 0.5, **kwargs, pattern="uniform")
+        dropbp.apply(tiny_model("llama"), 0.5, **kwargs, pattern="uniform")
 
 
 def test_a_model_with_nothing_to_train_is_refused_with_what_to_do():

@@ -67,10 +67,13 @@ def test_config_keys_default_to_attach_defaults():
         ({"dropbp_drop_rate": 50}, r"dropbp_drop_rate must be in \[0, 1\), got 50"),
         ({"dropbp_drop_rate": True}, r"dropbp_drop_rate.*\n.*valid number"),  # not read as 1.0
         ({"dropbp_drop_rate": "half"}, r"dropbp_drop_rate.*\n.*'auto'"),
-        ({"dropbp_pattern": "random"}, r"dropbp_pattern must be one of \('cut', 'uniform'\), got 'random'"),
+        ({"dropbp_pattern": "random"}, r"dropbp_pattern must be one of \('cut', 'uniform'.*\), got 'random'"),
         ({"dropbp_calibrate_at": 0.1}, r"dropbp_calibrate_at=0.1 needs dropbp_pattern='uniform'"),
         ({"dropbp_warmup": 1.5}, r"dropbp_warmup must be a fraction of the training steps \(or .auto.\) in .*got 1.5"),
-        ({"dropbp_dropped_grads": "skip"}, r"dropbp_dropped_grads: measured and not better.*dropbp.experimental.apply"),
+        ({"dropbp_dropped_grads": "zero"}, r"dropbp_dropped_grads: measured and not better, it is the feature "
+         r"DroppedGradFill since dropbp 0.4: write dropbp_dropped_grad_fill: true, or a mapping .*\(mode\)"),
+        ({"dropbp_stratify": 4}, r"dropbp_stratify: .*write dropbp_stratified_cuts: true, or .*\(group\)"),
+        ({"dropbp_seq_len": 64}, r"dropbp_seq_len is no config key since dropbp 0.4: .*flops_at_length"),
         ({"dropbp_seed": -1}, r"dropbp_seed must be an int >= 0, got -1"),
         ({"dropbp_max_patterns": 0}, r"dropbp_max_patterns must be an int >= 1, got 0"),
         ({"dropbp_chunked_loss": 0}, r"dropbp_chunked_loss: chunk_tokens must be a positive int \(tokens per chunk\)"),

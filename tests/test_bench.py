@@ -9,6 +9,7 @@ from conftest import tiny_model
 
 import dropbp
 from dropbp import backends
+from dropbp.execution.discovery import flops_at_length
 from dropbp.tools.bench import Point, at_expected_fraction, measure_model
 
 
@@ -32,7 +33,8 @@ def test_each_round_records_the_fraction_its_pattern_dropped():
     (row,) = summary["rows"]
     want = []
     for rnd in range(1, 5):  # the timed rounds, each seeded with its round number
-        ctl = dropbp.experimental.apply(model, 0.5, seed=rnd, seq_len=16, pattern="cut")
+        with flops_at_length(16):
+            ctl = dropbp.apply(model, 0.5, seed=rnd, pattern="cut")
         flops = {b.name: b.flops for b in ctl.branches}
         want.append(sum(flops[n] for n in ctl.dropped_at(0)) / sum(flops.values()))
         ctl.remove()

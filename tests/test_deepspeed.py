@@ -22,6 +22,7 @@ import torch.distributed as dist
 from conftest import VOCAB, detach_outputs, ranks_done, run_ranks, tiny_model
 
 import dropbp
+from dropbp.tools.arms import apply_arm
 
 
 def _why_no_deepspeed() -> str:
@@ -103,12 +104,12 @@ def _train_case(stage: int, kind: str, dropped_grads: str, accumulation: int, ap
 
     model = tiny_model("llama", layers=3)
     if apply_first:
-        ctl = dropbp.experimental.apply(model, 0.5, seed=0, pattern="uniform", dropped_grads=dropped_grads)
+        ctl = apply_arm(model, 0.5, seed=0, pattern="uniform", dropped_grads=dropped_grads)
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=_optimizer(kind, model.parameters()), config=_config(stage, accumulation, offload)
     )
     if not apply_first:
-        ctl = dropbp.experimental.apply(engine, 0.5, seed=0, pattern="uniform", dropped_grads=dropped_grads)
+        ctl = apply_arm(engine, 0.5, seed=0, pattern="uniform", dropped_grads=dropped_grads)
     rank = dist.get_rank()
     record = {"initial": _full_params(model, stage), "steps": []}
     for step in range(STEPS):
@@ -164,7 +165,7 @@ def _refusals() -> dict[str, str]:
         model = tiny_model("llama", layers=2)
         engine, *_ = deepspeed.initialize(model=model, optimizer=_optimizer("sgd", model.parameters()), config=config)
         try:
-            dropbp.experimental.apply(engine, 0.5, dropped_grads=dropped_grads)
+            apply_arm(engine, 0.5, dropped_grads=dropped_grads)
         except ValueError as err:
             errors[case] = str(err)
         engine.destroy()
@@ -294,7 +295,8 @@ def test_calibration_under_zero(zero_runs, stage):
 
 def test_refused_setups(zero_runs):
     for errors in (r["refusals"] for r in zero_runs):
-        assert "dropped_grads='skip'" in errors["reuse"]
+        assert "DroppedGradFill('reuse') cannot work under DeepSpeed" in errors["reuse"]
+        assert "leave the fill out" in errors["reuse"]
         assert "ignore_unused_parameters" in errors["ignore_unused_parameters=false"]
         assert "gradient_accumulation_steps=1" in errors["offload with accumulation"]
         assert errors["offload with accumulation, at the forward"] == errors["offload with accumulation"]
@@ -329,7 +331,7 @@ def _train_with_trainer(out_dir: str, stage: int) -> dict:
         data_collator=transformers.default_data_collator,
     )
     try:
-        callback_for(trainer, TrainerOptions(0.5, dropped_grads="reuse"))  # dropbp.experimental's
+        callback_for(trainer, TrainerOptions(0.5, features=[dropbp.experimental.DroppedGradFill("reuse")]))
         refused = ""
     except ValueError as err:
         refused = str(err)
@@ -381,7 +383,7 @@ def test_trainer_with_zero(tmp_path, stage):
     _run_ranks(_trainer_rank_main, str(tmp_path / "init"), str(tmp_path), stage)
     a, b = (torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD))
     assert a["wrapper"] == "DeepSpeedEngine"
-    assert "dropped_grads='skip'" in a["refused"]
+    assert "DroppedGradFill('reuse') cannot work under DeepSpeed" in a["refused"]
     assert len(a["patterns"]) == STEPS and a["patterns"] == b["patterns"]
     assert a["rates"] == b["rates"] and a["rates"] != [0.5] * 6  # calibrated under ZeRO, alike on both ranks
     assert len(a["snapshots"]) == STEPS + 1

@@ -1,4 +1,5 @@
-"""``dropped_grads``: what the optimizer sees for a dropped branch ("skip", "zero", "reuse")."""
+"""``dropbp.experimental.DroppedGradFill`` (0.3's ``dropped_grads``): what the optimizer sees for a dropped branch
+(no fill, as the paper: "skip"; "zero"; "reuse")."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 from conftest import batch, tiny_model
 
 import dropbp
+from dropbp.experimental import DroppedGradFill
 
 
 def _grads(ctl: dropbp.DropBPController) -> dict[str, list[torch.Tensor | None]]:
@@ -17,7 +19,8 @@ def _train(mode: str, optimizer: str = "sgd", steps: int = 8):
     """Train a tiny llama (4 branches at rate 0.5) and record, per step, what each branch's
     parameters held as gradient right after the optimizer step, and how far they moved."""
     model = tiny_model("llama", layers=2)
-    ctl = dropbp.experimental.apply(model, 0.5, seed=3, backend="cpu", dropped_grads=mode)
+    fill = [] if mode == "skip" else [DroppedGradFill(mode)]  # "skip": 0.3's name for no fill, the core's
+    ctl = dropbp.apply(model, 0.5, seed=3, backend="cpu", features=fill)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=1.0) if optimizer == "sgd" else torch.optim.AdamW(params, lr=1e-2)
     history = []
@@ -81,7 +84,7 @@ def test_zero_lets_adam_momentum_move_dropped_branches():
 
 def test_only_parameters_of_the_stepping_optimizer_are_filled_and_remove_stops_filling():
     model = tiny_model("llama", layers=2)
-    ctl = dropbp.experimental.apply(model, 0.5, seed=3, backend="cpu", dropped_grads="zero")
+    ctl = dropbp.apply(model, 0.5, seed=3, backend="cpu", features=[DroppedGradFill("zero")])
     first = ctl.branches[0].module
     others = [p for p in model.parameters() if all(p is not q for q in first.parameters())]
     opt = torch.optim.SGD(others, lr=0.1)
@@ -97,17 +100,33 @@ def test_only_parameters_of_the_stepping_optimizer_are_filled_and_remove_stops_f
     ctl.remove()
     model(input_ids=batch(9), labels=batch(9)).loss.backward()
     opt.step()  # no hook left: nothing filled, nothing raised
-    assert ctl.options.dropped_grads == "zero"
+    assert ctl.options.features[0].mode == "zero"
 
 
 def test_bad_mode_is_rejected_with_the_choices():
-    with pytest.raises(ValueError, match=r"dropped_grads must be one of \('skip', 'zero', 'reuse'\), got 'stale'"):
-        dropbp.experimental.apply(tiny_model("llama", layers=2), 0.5, backend="cpu", dropped_grads="stale")
+    with pytest.raises(ValueError, match=r"mode must be one of \('zero', 'reuse'\), got 'stale'"):
+        DroppedGradFill("stale")
+
+
+def test_a_fill_removed_by_replace_options_stops_filling():
+    model = tiny_model("llama", layers=2)
+    fill = DroppedGradFill("zero")
+    ctl = dropbp.apply(model, 0.5, seed=3, backend="cpu", features=[fill])
+    ctl.replace_options(features=[])
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    for step in range(4):
+        model(input_ids=batch(step), labels=batch(step)).loss.backward()
+        opt.step()
+        for b in ctl.branches:
+            if b.name in ctl.last_dropped:
+                assert all(p.grad is None for p in b.module.parameters())  # no fill: skipped, as the paper
+        opt.zero_grad(set_to_none=True)
+    assert not fill.attached
 
 
 def test_two_optimizers_stepping_in_turn_both_fill_their_parameters():
     model = tiny_model("llama", layers=2)
-    ctl = dropbp.experimental.apply(model, 0.5, seed=3, backend="cpu", dropped_grads="zero")
+    ctl = dropbp.apply(model, 0.5, seed=3, backend="cpu", features=[DroppedGradFill("zero")])
     params = [p for p in model.parameters() if p.requires_grad]
     first, second = torch.optim.SGD(params[::2], lr=0.1), torch.optim.SGD(params[1::2], lr=0.1)
     for step in range(4):

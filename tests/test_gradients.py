@@ -183,12 +183,14 @@ def test_custom_model_with_explicit_branches():
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_unbiased_scaling_equals_scaled_reference(method):
-    """unbiased=True: a kept branch's own parameters get its detached-reference gradient times 1 / (1 - rate);
-    every other parameter, the residual stream included, gets the detached reference's unscaled."""
+def test_importance_weights_equal_scaled_reference(method):
+    """ImportanceWeights (0.3's unbiased=True): a kept branch's own parameters get its detached-reference gradient
+    times 1 / (1 - rate); every other parameter, the residual stream included, gets the detached reference's
+    unscaled."""
     model = _model("llama", method)
     reference = copy.deepcopy(model)
-    ctl = dropbp.experimental.apply(model, 0.5, seed=3, unbiased=True, pattern="uniform")
+    weights = dropbp.experimental.ImportanceWeights()
+    ctl = dropbp.apply(model, 0.5, seed=3, features=[weights], pattern="uniform")
     ctl.set_rates([0.2, 0.6, 0.5, 0.4, 0.3, 0.7])
     rates = {b.name: b.rate for b in ctl.branches}
     for step in range(3):
@@ -203,7 +205,9 @@ def test_unbiased_scaling_equals_scaled_reference(method):
             weight_branch_grads(ref_grads, name, 1 / (1 - rates[name]))
         assert torch.equal(loss, ref_loss)
         assert_same_grads(grads, ref_grads, atol=1e-5)
-    ctl.replace_options(unbiased=False)  # and calibration always measures plain gradients
+    assert ctl.features["importance_weights"] is weights
+    ctl.replace_options(features=[])  # and calibration always measures plain gradients
+    assert not weights.attached
     plain = dropbp.apply(copy.deepcopy(reference), 0.5, pattern="uniform")
     ids = batch(9)
     torch.manual_seed(0)

@@ -235,10 +235,11 @@ def test_default_is_cut_patterns_without_calibration(tmp_path):
 
 
 def test_trainer_optimizer_sees_filled_gradients_of_dropped_branches(tmp_path):
-    """With dropped_grads="zero" the Trainer's optimizer (after clipping) gets a zero gradient for
+    """With DroppedGradFill("zero") the Trainer's optimizer (after clipping) gets a zero gradient for
     every trainable parameter of a dropped branch instead of none."""
     trainer = _trainer(tmp_path, max_steps=6, max_grad_norm=1.0)
-    callback = callback_for(trainer, TrainerOptions(0.5, calibrate_at=None, dropped_grads="zero"))  # experimental
+    fill = dropbp.experimental.DroppedGradFill("zero")
+    callback = callback_for(trainer, TrainerOptions(0.5, calibrate_at=None, features=[fill]))
     trainer.add_callback(callback)
     ctl = callback.controller
     seen: list[tuple[tuple[str, ...], list[bool]]] = []

@@ -1,4 +1,5 @@
-"""Importance weights (``unbiased=True``) make the cut's gradient exactly unbiased for every branch's parameters.
+"""Importance weights (``dropbp.experimental.ImportanceWeights``, 0.3's ``unbiased=True``) make the cut's gradient
+exactly unbiased for every branch's parameters.
 
 Two checks against a hand-written reference on a plain copy (outputs detached, then each kept branch's parameter
 gradients multiplied by ``1 / (1 - r)`` for its rate ``r`` in force at that forward, the warm-up or time schedule
@@ -16,8 +17,8 @@ import torch
 from conftest import batch, detach_outputs, loss_and_grads, tiny_model, weight_branch_grads
 
 import dropbp
+from dropbp.experimental import ImportanceWeights, RisingSchedule
 from dropbp.policy.schedule import SCHEDULE_LEVELS
-from dropbp.tools.arms import apply_arm
 
 
 def _warmup(step: int) -> float:  # warmup_steps=4: 0, 1/4, 2/4, 3/4, then 1
@@ -32,9 +33,9 @@ def _linear_schedule(step: int, total: int = 8, ramp: float = 0.5) -> float:
     return quantised[min(step, total - 1)] / (sum(quantised) / total)
 
 
-SCHEDULES = {
-    "warm-up": ({"warmup_steps": 4}, _warmup),
-    "time schedule": ({"drop_schedule": "linear", "ramp": 0.5, "total_steps": 8}, _linear_schedule),
+SCHEDULES = {  # the options (features made afresh: one object per controller), and the factor worked out by hand
+    "warm-up": (lambda: {"warmup_steps": 4, "features": []}, _warmup),
+    "time schedule": (lambda: {"features": [RisingSchedule("linear", ramp=0.5)], "total_steps": 8}, _linear_schedule),
 }
 
 
@@ -73,7 +74,8 @@ def test_each_step_and_the_expectation_over_cuts_are_exact(schedule):
     options, factor = SCHEDULES[schedule]
     model = tiny_model("llama", layers=3)
     reference = copy.deepcopy(model)
-    ctl = apply_arm(model, 0.3, seed=2, unbiased=True, **options)
+    options = options()
+    ctl = dropbp.apply(model, 0.3, seed=2, **{**options, "features": [*options["features"], ImportanceWeights()]})
     names, base = [b.name for b in ctl.branches], ctl.rates
     ids = batch(7)
     _, full = loss_and_grads(reference, ids)
@@ -113,7 +115,7 @@ def test_a_kept_branch_passes_full_backprops_gradient_down_the_residual_stream()
     embeddings of a step that dropped nothing get exactly full backprop's gradient, weights or not)."""
     model = tiny_model("llama", layers=3)
     reference = copy.deepcopy(model)
-    ctl = dropbp.experimental.apply(model, 0.3, seed=0, unbiased=True)
+    ctl = dropbp.apply(model, 0.3, seed=0, features=[ImportanceWeights()])
     ids = batch(3)
     _, full = loss_and_grads(reference, ids)
     for _ in range(40):
@@ -136,7 +138,7 @@ def test_checkpointing_recomputes_with_the_weights_of_the_forward_it_recomputes(
     checkpointed = copy.deepcopy(plain)
     checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     for model in (plain, checkpointed):
-        dropbp.experimental.apply(model, 0.3, seed=5, unbiased=True, warmup_steps=4)
+        dropbp.apply(model, 0.3, seed=5, features=[ImportanceWeights()], warmup_steps=4)
     results = []
     for model in (plain, checkpointed):
         model.train()

@@ -86,12 +86,13 @@ def test_post_norm_is_part_of_the_branch(arch):
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "olmo2"])
-def test_unbiased_scaling_applies_at_the_residual_add(arch):
-    """unbiased=True: the importance weight covers the branch up to the residual add, so the post-norm's own
-    weight gets the weighted gradient too; everything else gets the detached reference's."""
+def test_importance_weights_apply_at_the_residual_add(arch):
+    """ImportanceWeights: the weight covers the branch up to the residual add, so the post-norm's own weight gets the
+    weighted gradient too; everything else gets the detached reference's."""
     model = _model(arch)
     reference = copy.deepcopy(model)
-    ctl = dropbp.experimental.apply(model, 0.5, seed=4, unbiased=True, pattern="uniform")
+    weights = [dropbp.experimental.ImportanceWeights()]
+    ctl = dropbp.apply(model, 0.5, seed=4, features=weights, pattern="uniform")
     ctl.set_rates([0.2, 0.6, 0.5, 0.4, 0.3, 0.7])
     rates = {b.name: b.rate for b in ctl.branches}
     for step in range(3):
@@ -109,10 +110,10 @@ def test_unbiased_scaling_applies_at_the_residual_add(arch):
 
 
 def test_zero_fill_covers_the_post_norm():
-    """dropped_grads="zero": the optimizer sees a zero gradient for every parameter of a dropped
+    """DroppedGradFill("zero"): the optimizer sees a zero gradient for every parameter of a dropped
     branch, its post-norm included (not a real gradient, not None)."""
     model = _model("gemma2")
-    ctl = dropbp.experimental.apply(model, 0.5, seed=3, dropped_grads="zero", pattern="uniform")
+    ctl = dropbp.apply(model, 0.5, seed=3, features=[dropbp.experimental.DroppedGradFill("zero")], pattern="uniform")
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     loss_and_grads(model, batch())
     opt.step()

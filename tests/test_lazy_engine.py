@@ -339,8 +339,9 @@ def test_the_device_bound_holds_through_setters_and_states_from_other_devices():
     assert cpu.max_patterns is None
     lazy.load_state_dict(cpu.state_dict() | {"branches": [b.name for b in lazy.branches]})
     assert lazy.max_patterns == 16 and lazy.seed == 3
-    with pytest.raises(ValueError, match="stratify=2 cannot run on the 'lazy' backend: .* at most 16 patterns"):
-        dropbp.experimental.apply(own_model(), 0.5, backend="lazy", stratify=2)
+    stratified = [dropbp.experimental.StratifiedCuts(2)]
+    with pytest.raises(ValueError, match=r"StratifiedCuts\(2\) .* no pattern pool \(max_patterns=16: .*default bound"):
+        dropbp.apply(own_model(), 0.5, backend="lazy", features=stratified)
 
     auto = dropbp.apply(own_model(), 0.5, backend="lazy", pattern="uniform")
     assert auto.memory_bound is False

@@ -186,8 +186,10 @@ def test_drop_rate_auto_follows_the_noise_scale_and_resumes(monkeypatch):
     monkeypatch.setattr(dropbp.features.noise_scale, "auto_drop_rate", lambda measured, rates: pick(measured, rates))
     model = tiny_model("llama", layers=4)
     model.train()
-    ctl = dropbp.experimental.apply(model, "auto", warmup_steps=5, drop_schedule="linear", total_steps=40)
+    rising = dropbp.experimental.RisingSchedule("linear")
+    ctl = dropbp.apply(model, "auto", warmup_steps=5, features=[rising], total_steps=40)
     assert ctl.drop_rate == 0.0 and "noise_scale" in ctl.features and ctl.schedule.options.warmup_steps == 0
+    assert rising not in ctl.schedule.options.features  # "auto" replaces the warm-up and the rise
     _train(model, ctl, steps=1, m=2)
     assert ctl.drop_rate == 0.5 and chosen == [1]
     _train(model, ctl, steps=2, m=2, seed=1)
@@ -196,7 +198,7 @@ def test_drop_rate_auto_follows_the_noise_scale_and_resumes(monkeypatch):
     state = ctl.state_dict()
     assert state["drop_rate"] == "auto" and state["noise_scale"]["steps"] == 3
     ctl.remove()
-    resumed = dropbp.apply(model, 0.5)
+    resumed = dropbp.apply(model, 0.5, features=[dropbp.experimental.RisingSchedule("linear")])  # given as saved
     resumed.load_state_dict(state)
     assert resumed.drop_rate == 0.25 and resumed.features["noise_scale"].estimate().steps == 3
     with pytest.raises(ValueError, match="'auto' but the state has no 'noise_scale'"):

@@ -183,7 +183,9 @@ STATE_TAMPERING = [
     ({"warmup_steps": 2.5}, TypeError, r"state\['warmup_steps'\]"),
     ({"total_steps": "100"}, TypeError, r"state\['total_steps'\]"),
     ({"pattern": "cuts"}, ValueError, r"state\['pattern'\]"),
-    ({"ramp": 0}, ValueError, r"state\['ramp'\]"),
+    ({"ramp": 0.5}, ValueError, r"keys dropbp does not know: 'ramp'"),  # 0.3's, in a 0.4 state
+    ({"version": 1, "drop_schedule": "linear", "ramp": 0, "stratify": 1}, ValueError, r"ramp must be a fraction"),
+    ({"version": 1, "drop_schedule": "constant", "ramp": 0.5, "stratify": 0}, ValueError, r"stratify=0: pass"),
     ({"warmup_step": 5}, ValueError, r"'warmup_step' \(did you mean 'warmup_steps'\?\)"),
     ({"colour": "red"}, ValueError, r"keys dropbp does not know: 'colour'"),
 ]
@@ -254,7 +256,12 @@ def test_a_resumed_trainer_honours_its_callbacks_options_and_says_so(tmp_path, c
     callback = attach_experimental(resumed, **asked)
     with caplog.at_level(logging.WARNING, logger="dropbp"):
         resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-10"))
-    assert getattr(callback.controller.options, option) == value
+    ctl = callback.controller
+    if option == "stratify":  # a feature now: the callback's is attached and named by its key
+        assert ctl.features["stratified_cuts"].config() == {"group": value}
+        option, value = "stratified_cuts", {"group": value}
+    else:
+        assert getattr(ctl.options, option) == value
     said = [r.getMessage() for r in caplog.records if "this callback asks for" in r.getMessage()]
     assert len(said) == 1 and f"{option}={value!r}" in said[0] and "checkpoint-10" in said[0]
 
@@ -263,7 +270,7 @@ def test_a_resumed_trainer_honours_its_callbacks_options_and_says_so(tmp_path, c
     ("saved", "resumed", "warned"),
     [
         # a CPU checkpoint with stratified cuts, resumed on the lazy device whose callback asks for none
-        ({"backend": "cpu", "stratify": 2}, {"backend": "lazy"}, "stratify=2"),
+        ({"backend": "cpu", "stratify": 2}, {"backend": "lazy"}, "stratified_cuts={'group': 2}"),
         # the checkpoint's auto warm-up fitted 0.5; the callback asks for uniform 0.8, whose fit is shorter
         ({"pattern": "cut"}, {"pattern": "uniform", "drop_rate": 0.8}, "drop_rate=0.5, pattern='cut'"),
         # the lazy device's own bound, saved and asked (max_patterns=None): nothing differs, nothing said
@@ -286,7 +293,7 @@ def test_a_resumed_trainer_loads_what_its_callback_asks_for_on_its_device(tmp_pa
     with caplog.at_level(logging.WARNING, logger="dropbp"):
         again.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-10"))
     ctl = callback.controller
-    assert ctl.step == 40 and ctl.total_steps == 40 and ctl.options.stratify == 1
+    assert ctl.step == 40 and ctl.total_steps == 40 and "stratified_cuts" not in ctl.features
     assert ctl.schedule.mean_drop_rate(0, 40) == pytest.approx(ctl.drop_rate)
     said = [r.getMessage() for r in caplog.records if "this callback asks for" in r.getMessage()]
     assert said == [] if warned is None else (len(said) == 1 and warned in said[0])
@@ -577,7 +584,7 @@ def test_stratified_groups_are_the_optimizer_steps_when_epochs_end_with_a_short_
     rate is at most 1 - 1/m is kept in at least one of the step's m forwards - in every step, not only while the
     forward count stays a multiple of 4 (a short window of 3 is a group of its own, of 3 slices)."""
     steps, ctl = _patterns_per_optimizer_step(tmp_path, epochs=6, stratify=4)
-    assert ctl.options.windows == (15, 4)
+    assert ctl.windows == (15, 4)
     names = [b.name for b in ctl.branches]
     for forwards in steps:
         m = len(forwards)
@@ -611,8 +618,8 @@ def test_importance_weights_are_the_forwards_whatever_changes_before_its_backwar
     model.train()
     twin = copy.deepcopy(model)
     ids = batch(4, size=2, length=12)
-    ctl = dropbp.experimental.apply(model, 0.5, unbiased=True, pattern="uniform", seed=3)
-    still = dropbp.experimental.apply(twin, 0.5, unbiased=True, pattern="uniform", seed=3)
+    ctl = apply_arm(model, 0.5, unbiased=True, pattern="uniform", seed=3)
+    still = apply_arm(twin, 0.5, unbiased=True, pattern="uniform", seed=3)
     loss = model(input_ids=ids, labels=ids).loss
     ctl.drop_rate = 0.25  # after the forward, before its backward
     loss.backward()
@@ -696,7 +703,7 @@ def test_importance_weights_are_unbiased_over_pools_keep_rules_and_checkpointing
         model.train()
         ids = batch(seed, size=1, length=8)
         _, full = loss_and_grads(model, ids)
-        ctl = dropbp.experimental.apply(model, rate, unbiased=True, seed=seed, pattern="cut", max_patterns=pool)
+        ctl = apply_arm(model, rate, unbiased=True, seed=seed, pattern="cut", max_patterns=pool)
         total: dict = {}
         for _ in range(2 * pool):  # two whole cycles
             _, got = loss_and_grads(model, ids)
@@ -752,7 +759,7 @@ def test_every_number_a_user_gives_is_checked_before_anything_runs():
             if name == "token_drop_rate":  # the experimental feature's rate
                 ctl = dropbp.apply(model, 0.5, features=[dropbp.experimental.TokenDrops(value)])
             else:
-                ctl = dropbp.experimental.apply(model, **{"drop_rate": 0.5, name: value})
+                ctl = apply_arm(model, **{"drop_rate": 0.5, name: value})
         except (TypeError, ValueError) as error:
             said = "rate" if name == "token_drop_rate" else name
             assert not valid[name](value) and said in str(error), (name, value, error)

@@ -1,4 +1,5 @@
-"""Stratified cuts (``stratify=N``): each group of N forwards draws one cut depth in each of N equal slices."""
+"""Stratified cuts (``dropbp.experimental.StratifiedCuts(N)``, 0.3's ``stratify=N``): each group of N forwards draws
+one cut depth in each of N equal slices."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import pytest
 from conftest import batch, tiny_model
 
 import dropbp
-from dropbp.policy.sampler import CutSampler, stratified_depth
+from dropbp.experimental import StratifiedCuts
+from dropbp.experimental.stratified import StratifiedCutSampler, stratified_depth
+from dropbp.policy.sampler import CutSampler
 from dropbp.policy.windows import Windows
 
 
@@ -28,7 +31,7 @@ def test_every_branch_drops_in_floor_or_ceil_of_its_share_of_each_group():
     1 - 1/N it is kept in at least one), and it never drops more often than that."""
     rates = [0.75, 0.75, 0.6, 0.45, 0.3, 0.1, 0.0]
     group = 4
-    sampler = CutSampler(rates, seed=3, stratify=group)
+    sampler = StratifiedCutSampler(rates, seed=3, group=group)
     for start in range(0, 200, group):
         patterns = [sampler.pattern(step) for step in range(start, start + group)]
         for i, r in enumerate(rates):
@@ -49,8 +52,8 @@ def test_independent_draws_can_drop_a_branch_in_every_forward_of_a_step():
 
 def test_apply_stratifies_and_the_setting_is_saved():
     model = tiny_model("llama", layers=3).train()
-    ctl = dropbp.experimental.apply(model, 0.5, seed=1, stratify=4)
-    assert ctl.options.stratify == 4 and ctl.state_dict()["stratify"] == 4
+    ctl = dropbp.apply(model, 0.5, seed=1, features=[StratifiedCuts(4)])
+    assert ctl.state_dict()["stratified_cuts"] == {"group": 4}
     rates, names = ctl.rates, [b.name for b in ctl.branches]
     for _ in range(3):
         counts = dict.fromkeys(names, 0)
@@ -60,22 +63,28 @@ def test_apply_stratifies_and_the_setting_is_saved():
                 counts[name] += 1
         for name, r in zip(names, rates, strict=True):
             assert math.floor(4 * r) <= counts[name] <= math.ceil(4 * r)
-    again = dropbp.apply(tiny_model("llama", layers=3), 0.5, seed=1)
+    plain = dropbp.apply(tiny_model("llama", layers=3), 0.5, seed=1)
+    with pytest.raises(ValueError, match=r"state was saved with StratifiedCuts \(\{'group': 4\}\), .* pass it in"):
+        plain.load_state_dict(ctl.state_dict())  # the patterns would differ: not loaded without the feature
+    other = dropbp.apply(tiny_model("llama", layers=3), 0.5, seed=1, features=[StratifiedCuts(2)])
+    with pytest.raises(ValueError, match=r"saved with StratifiedCuts settings \{'group': 4\}, this one has"):
+        other.load_state_dict(ctl.state_dict())
+    again = dropbp.apply(tiny_model("llama", layers=3), 0.5, seed=1, features=[StratifiedCuts(4)])
     again.load_state_dict(ctl.state_dict())
-    assert again.options.stratify == 4
+    assert [again.dropped_at(s) for s in range(40)] == [ctl.dropped_at(s) for s in range(40)]
 
 
 @pytest.mark.parametrize(
-    ("options", "message"),
+    ("group", "options", "message"),
     [
-        ({"stratify": 0}, "stratify must be"),
-        ({"stratify": 4, "pattern": "uniform"}, "needs pattern='cut'"),
-        ({"stratify": 4, "max_patterns": 16}, "max_patterns=None"),
+        (0, {}, "group must be an int >= 2"),
+        (4, {"pattern": "uniform"}, "needs pattern='cut'"),
+        (4, {"max_patterns": 16}, "max_patterns=16: given"),
     ],
 )
-def test_bad_stratification_is_refused_with_the_reason(options, message):
+def test_bad_stratification_is_refused_with_the_reason(group, options, message):
     with pytest.raises(ValueError, match=message):
-        dropbp.experimental.apply(tiny_model("llama", layers=3), 0.5, **options)
+        dropbp.apply(tiny_model("llama", layers=3), 0.5, features=[StratifiedCuts(group)], **options)
 
 
 def test_windows_map_forwards_to_indices_that_start_every_optimizer_step():
@@ -100,19 +109,20 @@ def test_a_short_group_takes_one_depth_in_each_of_its_own_slices(size):
         stratified_depth(7, 4, 10, 2)
 
 
-def test_windows_are_an_option_of_apply_saved_with_the_state():
+def test_windows_are_set_by_the_run_and_saved_with_the_state():
     model = tiny_model("llama", layers=3).train()
-    ctl = dropbp.experimental.apply(model, 0.5, seed=1, stratify=4, windows=[15, 4])
-    assert ctl.options.windows == (15, 4) and ctl.state_dict()["windows"] == [15, 4]
-    again = dropbp.apply(tiny_model("llama", layers=3), 0.5, seed=1)
+    ctl = dropbp.apply(model, 0.5, seed=1, features=[StratifiedCuts(4)])
+    ctl.windows = [15, 4]
+    assert ctl.windows == (15, 4) and ctl.state_dict()["windows"] == [15, 4]
+    again = dropbp.apply(tiny_model("llama", layers=3), 0.5, seed=1, features=[StratifiedCuts(4)])
     assert "windows" not in again.state_dict()  # none set: the state has no key (states saved before windows load)
     again.load_state_dict(ctl.state_dict())
-    assert again.options.windows == (15, 4)
+    assert again.windows == (15, 4)
     assert [again.dropped_at(s) for s in range(40)] == [ctl.dropped_at(s) for s in range(40)]
-    plain = dropbp.apply(tiny_model("llama", layers=3), 0.5, seed=1)
+    plain = dropbp.apply(tiny_model("llama", layers=3), 0.5, seed=1, features=[StratifiedCuts(4)])
     plain.load_state_dict({k: v for k, v in ctl.state_dict().items() if k != "windows"})
-    assert plain.options.windows is None
-    ctl.replace_options(windows=None)
+    assert plain.windows is None
+    ctl.windows = None
     assert "windows" not in ctl.state_dict()
 
 
@@ -126,8 +136,9 @@ def test_windows_are_an_option_of_apply_saved_with_the_state():
     ],
 )
 def test_bad_windows_are_refused_naming_them(windows, error, message):
-    with pytest.raises(error, match=message):
-        dropbp.experimental.apply(tiny_model("llama", layers=3), 0.5, windows=windows)
     ctl = dropbp.apply(tiny_model("llama", layers=3), 0.5)
+    with pytest.raises(error, match=message):
+        ctl.windows = windows
+    assert ctl.windows is None
     with pytest.raises((TypeError, ValueError), match=r"windows"):
         ctl.load_state_dict(ctl.state_dict() | {"windows": windows})

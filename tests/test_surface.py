@@ -14,8 +14,8 @@ from conftest import batch, tiny_model
 
 import dropbp
 from dropbp.controller import DropBPController
-from dropbp.features.base import Feature
-from dropbp.options import EXPERIMENTAL, MOVED
+from dropbp.features.base import Feature, feature_classes
+from dropbp.options import INTERNAL, MOVED
 
 ROOT = Path(dropbp.__file__).parent.parent
 PACKAGE = ROOT / "dropbp"
@@ -42,27 +42,48 @@ def test_apply_and_the_callback_take_at_most_ten_options_besides_the_drop_rate()
     assert len(callback) <= 10 and not set(OUT_OF_APPLY) & set(callback)
 
 
-@pytest.mark.parametrize("name", sorted({*EXPERIMENTAL, *MOVED}))
+#: Every option an earlier release took that 0.4's ``apply`` does not, with the release that moved it and the way now.
+_MOVED_OPTIONS = {
+    **{name: ("0.3", way) for name, way in MOVED.items()},
+    **{name: ("0.4", way) for name, way in INTERNAL.items()},
+    **{name: ("0.4", way) for cls in feature_classes().values() for name, way in cls.replaces.items()},
+}
+
+
+def test_every_0_3_experimental_option_has_a_feature_that_replaces_it():
+    experiments = {"unbiased", "dropped_grads", "drop_schedule", "ramp", "stratify", "seq_len", "windows"}
+    assert experiments <= set(_MOVED_OPTIONS)
+
+
+@pytest.mark.parametrize("name", sorted(_MOVED_OPTIONS))
 def test_a_moved_option_says_where_it_went_everywhere_it_could_be_given(name):
     model = tiny_model("llama", layers=2)
-    where = "dropbp.experimental.apply" if name in EXPERIMENTAL else MOVED[name].split(" (")[0]
-    with pytest.raises(TypeError, match=rf"no longer takes {name} \(dropbp 0.3\).*{re.escape(where)}"):
+    release, way = _MOVED_OPTIONS[name]
+    said = rf"no longer takes {name} \(dropbp {release}\): .*{re.escape(way)}"
+    with pytest.raises(TypeError, match=said):
         dropbp.apply(model, 0.5, **{name: 1})
+    with pytest.raises(TypeError, match=rf"dropbp.experimental.apply is gone in dropbp 0.4: .*{name} \(dropbp"):
+        dropbp.experimental.apply(model, 0.5, **{name: 1})  # 0.3's entry point for the experiments
     ctl = dropbp.apply(model, 0.5, seed=2)
     before = (ctl.state_dict(), [ctl.dropped_at(s) for s in range(20)])
-    if name in MOVED:  # a setter of 0.2's
-        with pytest.raises(TypeError, match=rf"no longer takes {name}"):
-            ctl.replace_options(**{name: 1})
+    with pytest.raises(TypeError, match=said):
+        ctl.replace_options(**{name: 1})
+    if not hasattr(DropBPController, name):  # (windows is the controller's own setting in 0.4)
+        with pytest.raises(AttributeError, match=rf"no setting '{name}' \(dropbp {release}\)"):
+            setattr(ctl, name, 1)
     assert (ctl.state_dict(), [ctl.dropped_at(s) for s in range(20)]) == before
     pytest.importorskip("transformers")
     from dropbp.integrations.hf import DropBPCallback
 
-    with pytest.raises(TypeError, match=rf"no longer takes {name}"):
+    with pytest.raises(TypeError, match=said):
         DropBPCallback(0.5, **{name: 1})
+    with pytest.raises(TypeError, match=rf"DropBPCallback.experimental is gone in dropbp 0.4: .*{name} \(dropbp"):
+        DropBPCallback.experimental(0.5, **{name: 1})
 
 
 def test_the_controller_is_lean():
-    """At most 28 public names (methods, properties and attributes set in ``__init__``) and 350 lines."""
+    """At most 29 public names (methods, properties and attributes set in ``__init__``) and 350 lines: 0.3's 28, and
+    ``windows``, which left the options in 0.4 (the run's optimizer-step windows, set by the Trainer integration)."""
     source = (PACKAGE / "controller.py").read_text()
     cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "DropBPController")
     names = {n.name for n in cls.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")}
@@ -76,7 +97,7 @@ def test_the_controller_is_lean():
         if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
     }
     public = sorted(n for n in names if not n.startswith("_"))
-    assert len(public) <= 28, public
+    assert len(public) <= 29, public
     assert len(source.splitlines()) <= 350
 
 
@@ -216,10 +237,12 @@ def test_drop_rate_auto_adds_the_noise_scale_and_its_state_resumes():
 
 
 def test_the_controller_a_researcher_builds_is_the_same_class():
-    ctl = dropbp.experimental.apply(tiny_model("llama", layers=2), 0.5, stratify=2, unbiased=True)
-    assert type(ctl) is DropBPController and ctl.options.stratify == 2 and ctl.options.unbiased
-    ctl.replace_options(stratify=1)  # the experimental settings change as the core's
-    assert ctl.options.stratify == 1
+    stratified, weights = dropbp.experimental.StratifiedCuts(2), dropbp.experimental.ImportanceWeights()
+    ctl = dropbp.apply(tiny_model("llama", layers=2), 0.5, features=[stratified, weights])
+    assert type(ctl) is DropBPController
+    assert ctl.features == {"stratified_cuts": stratified, "importance_weights": weights}
+    ctl.replace_options(features=[weights])  # the experiments change as every feature does
+    assert list(ctl.features) == ["importance_weights"] and not stratified.attached
 
 
 def _hooks(model: torch.nn.Module) -> int:

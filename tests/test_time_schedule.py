@@ -1,5 +1,6 @@
-"""A drop rate that moves with training time (``apply(total_steps=, drop_schedule=, ramp=)``) and the
-convergence engine's regime (accumulated micro-batches, per-run learning-rate schedules)."""
+"""A drop rate that moves with training time (``apply(total_steps=)``: the warm-up given back later; the experimental
+rise, ``dropbp.experimental.RisingSchedule``, written here as the results tables' ``drop_schedule`` / ``ramp`` arms)
+and the convergence engine's regime (accumulated micro-batches, per-run learning-rate schedules)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import torch
 from conftest import batch, tiny_model, with_lora
 
 import dropbp
-from dropbp.policy.schedule import DROP_SCHEDULES, TimeSchedule
+from dropbp.experimental import RisingSchedule
+from dropbp.experimental.schedules import RISES
+from dropbp.policy.schedule import TimeSchedule
 from dropbp.tools.arms import apply_arm
 from dropbp.tools.compare import Run, compare, lr_factor
 from dropbp.tools.textdata import TokenData
@@ -23,7 +26,7 @@ SHAPES_AND_RAMPS = [("constant", 0.5), ("linear", 0.4), ("cosine", 0.4), ("step"
 @pytest.mark.parametrize("warmup", [0, 30])
 def test_the_mean_rate_over_the_run_is_the_drop_rate(pattern, schedule, ramp, warmup):
     total = 300
-    ctl = dropbp.experimental.apply(
+    ctl = apply_arm(
         tiny_model("llama", layers=6),
         0.5,
         backend="cpu",
@@ -41,7 +44,7 @@ def test_the_mean_rate_over_the_run_is_the_drop_rate(pattern, schedule, ramp, wa
 
 
 def test_a_rising_schedule_drops_less_early_than_late_and_cuts_from_the_bottom():
-    ctl = dropbp.experimental.apply(
+    ctl = apply_arm(
         tiny_model("llama", layers=6), 0.5, seed=3, backend="cpu", total_steps=400, drop_schedule="linear", ramp=0.5
     )
     early = sum(len(ctl.dropped_at(s)) for s in range(100))
@@ -58,7 +61,7 @@ def test_without_total_steps_nothing_changes():
     plain = dropbp.apply(model, 0.5, seed=5, backend="cpu", warmup_steps=10)
     before = [plain.dropped_at(s) for s in range(50)]
     plain.remove()
-    again = dropbp.experimental.apply(model, 0.5, seed=5, backend="cpu", warmup_steps=10, drop_schedule="linear")
+    again = apply_arm(model, 0.5, seed=5, backend="cpu", warmup_steps=10, drop_schedule="linear")
     assert [again.dropped_at(s) for s in range(50)] == before  # a schedule needs the run's length
     assert again.total_steps is None
 
@@ -66,28 +69,24 @@ def test_without_total_steps_nothing_changes():
 def test_a_state_resumes_in_the_middle_of_a_schedule():
     kw = dict(seed=11, backend="cpu", total_steps=40, drop_schedule="cosine", ramp=0.5, warmup_steps=6)
     model = tiny_model("llama", layers=4)
-    whole = dropbp.experimental.apply(model, 0.5, **kw)
+    whole = apply_arm(model, 0.5, **kw)
     uninterrupted = []
     for step in range(40):
         model(input_ids=batch(step), labels=batch(step)).loss.backward()
         uninterrupted.append(whole.last_dropped)
     whole.remove()
 
-    first = dropbp.experimental.apply(model, 0.5, **kw)
+    first = apply_arm(model, 0.5, **kw)
     for step in range(17):
         model(input_ids=batch(step), labels=batch(step)).loss.backward()
     state = first.state_dict()
     first.remove()
-    assert (state["total_steps"], state["drop_schedule"], state["ramp"]) == (40, "cosine", 0.5)
+    assert state["total_steps"] == 40
 
-    resumed = dropbp.apply(model, 0.5, seed=0, backend="cpu")  # other settings: the state's win
+    rise = [RisingSchedule("cosine", ramp=0.5)]  # the rise is a feature: given again, as features are
+    resumed = dropbp.apply(model, 0.5, seed=0, backend="cpu", features=rise)  # other settings: the state's win
     resumed.load_state_dict(state)
-    assert (resumed.total_steps, resumed.options.drop_schedule, resumed.options.ramp, resumed.step) == (
-        40,
-        "cosine",
-        0.5,
-        17,
-    )
+    assert (resumed.total_steps, resumed.step) == (40, 17)
     assert resumed.rates == whole.rates
     for step in range(17, 40):
         model(input_ids=batch(step), labels=batch(step)).loss.backward()
@@ -96,7 +95,7 @@ def test_a_state_resumes_in_the_middle_of_a_schedule():
 
 def test_hand_loop_with_accumulation_draws_a_pattern_per_micro_batch():
     model = with_lora(tiny_model("llama", layers=4))
-    ctl = dropbp.experimental.apply(
+    ctl = apply_arm(
         model, 0.5, seed=2, backend="cpu", total_steps=32, drop_schedule="linear", ramp=0.25
     )
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
@@ -115,22 +114,22 @@ def test_hand_loop_with_accumulation_draws_a_pattern_per_micro_batch():
 
 def test_settings_are_checked_and_an_impossible_peak_is_refused():
     model = tiny_model("llama", layers=4)
-    with pytest.raises(ValueError, match=r"drop_schedule must be one of \('constant', 'linear', 'cosine', 'step'\)"):
-        dropbp.experimental.apply(model, 0.5, backend="cpu", drop_schedule="exponential")
+    with pytest.raises(ValueError, match=r"kind must be one of \('linear', 'cosine', 'step'\)"):
+        RisingSchedule("exponential")
     with pytest.raises(ValueError, match=r"ramp must be a fraction of the run in \(0, 1\], got 0"):
-        dropbp.experimental.apply(model, 0.5, backend="cpu", ramp=0.0)
+        RisingSchedule("linear", ramp=0.0)
     with pytest.raises(ValueError, match="total_steps must be"):
         dropbp.apply(model, 0.5, backend="cpu", total_steps=0)
-    with pytest.raises(ValueError, match=r"peaking at 2x the rates, which the 'cut' shape cannot take.*drop_schedule="):
-        dropbp.experimental.apply(model, 0.5, backend="cpu", total_steps=100, drop_schedule="step", ramp=0.5)
+    with pytest.raises(ValueError, match=r"\(RisingSchedule.*peaking at 2x the rates, which the .cut. shape cannot"):
+        dropbp.apply(model, 0.5, backend="cpu", total_steps=100, features=[RisingSchedule("step", ramp=0.5)])
     ctl = dropbp.apply(model, 0.5, backend="cpu", total_steps=100)
     before = ctl.state_dict()
     with pytest.raises(ValueError, match="peaking at 2x"):
-        ctl.replace_options(drop_schedule="step")  # ramp 0.5 by default... a refused change changes nothing
-    ctl.replace_options(ramp=0.2)
-    ctl.replace_options(drop_schedule="step")
-    assert ctl.options.drop_schedule == "step" and ctl.options.ramp == 0.2
-    ctl.replace_options(drop_schedule="constant", ramp=0.5)
+        ctl.replace_options(features=[RisingSchedule("step")])  # ramp 0.5 by default: a refused change changes nothing
+    assert ctl.state_dict() == before and ctl.features == {}
+    ctl.replace_options(features=[RisingSchedule("step", ramp=0.2)])
+    assert ctl.features["rising_schedule"].config() == {"kind": "step", "ramp": 0.2}
+    ctl.replace_options(features=[])
     assert ctl.state_dict() == before
 
 
@@ -139,22 +138,22 @@ def test_a_warm_up_too_high_to_keep_the_mean_is_refused_with_advice_that_fits():
     with pytest.raises(ValueError) as refused:
         dropbp.apply(tiny_model("llama", layers=4), 0.875, backend="cpu", total_steps=100, warmup_steps=20)
     message = str(refused.value)
-    assert "drop_schedule='constant', ramp=0.5, warmup_steps=20, total_steps=100" in message
+    assert "(warmup_steps=20, total_steps=100)" in message
     advice = "lower drop_rate, or shorten the warm-up (apply's warmup_steps, attach's warmup=) or set it to 0"
     assert message.endswith(advice)
     dropbp.apply(tiny_model("llama", layers=4), 0.875, backend="cpu", total_steps=100)  # no warm-up: no peak
 
 
 def test_bounded_pattern_pools_move_in_quarters():
-    ctl = dropbp.experimental.apply(
+    ctl = apply_arm(
         tiny_model("llama", layers=4), 0.5, backend="cpu", max_patterns=4, total_steps=200, drop_schedule="linear"
     )
     assert len({ctl.schedule.drop_rate_at(s) for s in range(200)}) <= 5  # 0, 1/4, 1/2, 3/4 and 1 of the peak
 
 
 def test_time_schedule_quantises_then_keeps_the_mean():
-    for shape in DROP_SCHEDULES:
-        time = TimeSchedule(1000, shape, 0.3, 50, 20)
+    for rise in (None, *(RisingSchedule(kind, ramp=0.3) for kind in RISES)):
+        time = TimeSchedule(1000, 50, 20, rise)
         assert time.mean() == pytest.approx(1.0, abs=1e-12)
         assert len({time.factor(s) for s in range(1000)}) <= 21
 
@@ -245,7 +244,7 @@ def _longest_by_trial(ctl, total: int, up_to: int) -> int:
 def test_the_longest_warmup_is_the_longest_the_settings_take(pattern, schedule, rate):
     """``ctl.longest_warmup`` (a pure function) equals a search that tries each warm-up on the controller, with
     the shape's own rates and with given ones, and it changes nothing."""
-    ctl = dropbp.experimental.apply(tiny_model("llama", layers=4), rate, pattern=pattern, drop_schedule=schedule)
+    ctl = apply_arm(tiny_model("llama", layers=4), rate, pattern=pattern, drop_schedule=schedule)
     for given in (False, True):
         if given:
             ctl.set_rates([r * 0.9 for r in ctl.rates])
@@ -261,8 +260,8 @@ def test_settings_change_together_all_or_nothing():
     with pytest.raises(ValueError, match="keeps the run's mean drop rate by peaking"):
         ctl.replace_options(drop_rate=0.875, warmup_steps=100, total_steps=200)
     assert ctl.state_dict() == before
-    with pytest.raises(ValueError, match="seq_len cannot change after apply"):
-        ctl.replace_options(seq_len=64)
+    with pytest.raises(ValueError, match="branches cannot change after apply"):
+        ctl.replace_options(branches=["model.layers.0.mlp"])
     ctl.replace_options(seed=3, warmup_steps=20, total_steps=200)
     assert (ctl.seed, ctl.warmup_steps, ctl.total_steps, ctl.options.seed) == (3, 20, 200, 3)
 
@@ -289,8 +288,9 @@ def test_a_pattern_bound_holds_over_the_whole_run(pattern, rate, drop_schedule, 
     steps = 400
     model = tiny_model("llama", layers=6)
     ctl = dropbp.apply(model, rate, seed=0, backend="cpu", max_patterns=max_patterns, pattern=pattern)
+    rise = [] if drop_schedule == "constant" else [RisingSchedule(drop_schedule)]
     try:
-        ctl.replace_options(drop_schedule=drop_schedule, total_steps=steps)
+        ctl.replace_options(features=rise, total_steps=steps)
     except ValueError as refused:  # a rising schedule's peak past what the shape takes: refused, said elsewhere
         assert "peaking at" in str(refused)
         pytest.skip(f"{drop_schedule} at {rate} peaks past what {pattern} patterns take")

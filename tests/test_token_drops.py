@@ -162,13 +162,14 @@ def test_an_mlp_branch_whose_input_needs_no_gradient_is_recomputed_whole_and_sta
 
 @pytest.mark.parametrize("arch", ["llama", "phi3", "gpt_neox"])
 def test_importance_weights_and_kept_rows_recomputation_equal_the_reference(arch):
-    """Branch drops with importance weights (``unbiased=True``), token drops and checkpointing together: each kept
+    """Branch drops with importance weights (``ImportanceWeights``), token drops and checkpointing together: each kept
     branch's parameters get ``1 / (1 - r)`` times the gradient of its recorded token weights."""
     from conftest import weight_branch_grads
 
     model = _model(arch, "lora", checkpointing=True)
     reference = copy.deepcopy(model)
-    ctl = dropbp.experimental.apply(model, 0.5, unbiased=True, seed=3, features=[dropbp.experimental.TokenDrops(0.5)])
+    features = [dropbp.experimental.ImportanceWeights(), dropbp.experimental.TokenDrops(0.5)]
+    ctl = dropbp.apply(model, 0.5, seed=3, features=features)
     patterns = set()
     for step in range(4):
         ids = batch(step)

@@ -27,6 +27,7 @@ from test_hf_integration import _args, _dataset  # noqa: E402
 
 from dropbp.controller import controller_of  # noqa: E402
 from dropbp.integrations.hf import DropBPCallback  # noqa: E402
+from dropbp.tools.arms import arm_features  # noqa: E402
 
 LAZY_BOUND = 16  # the lazy backend's pattern bound (backends.lazy: default_max_patterns)
 
@@ -85,7 +86,11 @@ class TrainerRuns(RuleBasedStateMachine):
         folder = output_dir or tempfile.mkdtemp(prefix="dropbp-runs-")
         args = _args(Path(folder), gradient_accumulation_steps=self.accumulation, output_dir=folder, logging_steps=1000)
         made = dict(model_init=lambda: tiny_model("llama", layers=3)) if self.how == "model_init" else {}
-        callback = DropBPCallback.experimental(**options) if self.how == "callback" else None
+        if self.how == "callback":  # the results tables' flat names made into their features
+            rest, features = arm_features(options)
+            callback = DropBPCallback(**rest, features=features)
+        else:
+            callback = None
         trainer = transformers.Trainer(
             model=None if made else tiny_model("llama", layers=3),
             args=args,
@@ -135,7 +140,9 @@ class TrainerRuns(RuleBasedStateMachine):
         trainer.train(resume_from_checkpoint=os.path.join(first.args.output_dir, "checkpoint-3"))
         ctl = callback.controller
         for name, value in options.items():
-            if name not in ("warmup", "backend"):
+            if name == "stratify":
+                assert ("stratified_cuts" in ctl.features) == (value > 1)
+            elif name not in ("warmup", "backend"):
                 assert getattr(ctl.options, name) == value, (name, value)
         self._check_run(trainer, callback, recorder, steps, resumed_at=3)
         self.trainer, self.callback, self.recorder, self.backend = trainer, callback, recorder, backend
@@ -157,8 +164,8 @@ class TrainerRuns(RuleBasedStateMachine):
             assert ctl.max_patterns is not None and ctl.max_patterns <= LAZY_BOUND
             assert len(set(recorder.seen.values())) <= ctl.max_patterns
         expected_windows = None if self.batches % self.accumulation == 0 else (self.batches, self.accumulation)
-        assert ctl.options.windows == expected_windows
-        if ctl.options.stratify > 1 and ctl.warmup_steps == 0:
+        assert ctl.windows == expected_windows
+        if "stratified_cuts" in ctl.features and ctl.warmup_steps == 0:
             names = [b.name for b in ctl.branches]
             start = 0
             for m in sizes:

@@ -253,13 +253,14 @@ class TrainingLoop(RuleBasedStateMachine):
         cannot run (stratified cuts on the lazy one) is refused naming it, changing nothing; the rest loads, and
         the lazy device's bound holds."""
         other = "cpu" if self.backend == "lazy" else "lazy"
-        options = {"stratify": 2} if other == "cpu" and stratify and self.pattern == "cut" else {"max_patterns": bound}
+        stratified = other == "cpu" and stratify and self.pattern == "cut"
+        options = {"features": [dropbp.experimental.StratifiedCuts(2)]} if stratified else {"max_patterns": bound}
         saver = dropbp.apply(copy.deepcopy(self.plain), 0.5, seed=seed, pattern=self.pattern, backend=other, **options)
         state = saver.state_dict()
         saver.remove()
         before = self.ctl.state_dict()
-        if self.backend == "lazy" and state["stratify"] > 1:
-            with pytest.raises(ValueError, match="stratify=2 cannot run on the 'lazy' backend"):
+        if self.backend == "lazy" and "stratified_cuts" in state:
+            with pytest.raises(ValueError, match=r"state was saved with StratifiedCuts .* pass it in features"):
                 self.ctl.load_state_dict(state)
             assert self.ctl.state_dict() == before
             return

@@ -48,7 +48,7 @@ def test_warmup_is_saved_and_a_state_without_it_is_refused():
     with pytest.raises(ValueError, match=r"state is missing keys \['warmup_steps'\]"):
         other.load_state_dict(state)
     assert other.warmup_steps == 12
-    with pytest.raises(ValueError, match=r"state version 0 is not this dropbp's \(1\): it was written by another"):
+    with pytest.raises(ValueError, match=r"state version 0 is not this dropbp's \(2\): it was written by another"):
         other.load_state_dict({**ctl.state_dict(), "version": 0})
 
 

@@ -9,12 +9,11 @@ recomputing dropped branches), and they run outside ``torch.compile`` graphs (:m
 torch runs ``always_call`` hooks after an ``Exception`` only: the grad mode a ``KeyboardInterrupt`` leaves is put back
 by the model's guarded forward (:mod:`dropbp.execution.hooks`).
 
-Kept, with importance weights (``unbiased=True``): a kept branch's own parameters get their gradient times ``1 / (1 -
-r)``, ``r`` the branch's rate in force at the forward that kept it (under warm-up or a time schedule too). The gradient
-arriving at the branch's output is multiplied by ``w = 1 / (1 - r)`` and the gradient leaving it through its inputs by
-``1 / w``: the backward is linear, so only the branch's parameters (its post-norm tail's too) see ``w``, and the
-residual stream carries full backprop's gradient (no factors compound down the layers). With cut patterns a kept
-branch's gradient is exactly full backprop's, so its expected weighted gradient is exactly full backprop's.
+Kept, with a gradient weight ``w`` (a :class:`~dropbp.execution.hooks.KeptGradient`, such as
+:class:`dropbp.experimental.ImportanceWeights`' ``1 / (1 - r)``): the gradient arriving at the branch's output is
+multiplied by ``w`` and the gradient leaving it through its inputs by ``1 / w``: the backward is linear, so only the
+branch's parameters (its post-norm tail's too) see ``w``, and the residual stream carries full backprop's gradient (no
+factors compound down the layers).
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from torch import nn
@@ -20,24 +21,20 @@ from dropbp.architectures import (
     ATTENTION_HINTS,
     ATTENTION_NAMES,
     BERT_BRANCHES,
-    EXPERTS,
     LITGPT_BLOCK,
     LITGPT_POST_NORMS,
     MLP_NAMES,
     OLDER_MLP_NAMES,
     POST_NORMS,
-    ROW_LOCAL_ATTENTION_PROJECTIONS,
     SUPPORTED_ARCHITECTURES,
 )
+from dropbp.checks import check_int
 
 __all__ = [
     "Branch",
     "ResidualProbe",
-    "RowLocalLinear",
     "branch_flops",
     "find_branches",
-    "recomputes_on_kept_rows",
-    "row_local_linears",
 ]
 
 log = logging.getLogger("dropbp")
@@ -96,49 +93,18 @@ class Branch:
         return f"Branch(name={self.name!r}, kind={self.kind!r}, flops={self.flops!r}, rate={self.rate!r})"
 
 
-class RowLocalLinear(NamedTuple):
-    """A linear map inside a branch whose backward can run on the branch's kept token rows (token drops)."""
+def check_trainable(model: nn.Module) -> None:
+    """Refuse a model with nothing to train: DropBP drops parts of a backward, and there would be none.
 
-    name: str  # its path below the branch module
-    module: nn.Module
-    transposed: bool  # transformers' Conv1D: ``x @ weight + bias``
-
-
-def _gatherable(module: nn.Module) -> bool | None:
-    """Whether ``module`` is a linear map token drops can gather (True), a linear layer they cannot (False: a
-    4-bit or otherwise replaced forward), or no linear layer (None)."""
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
-        return tuple(module.weight.shape) == (module.nx, module.nf)
-    if isinstance(module, nn.Linear):
-        plain = type(module).forward is nn.Linear.forward and module.weight.is_floating_point()
-        return plain and tuple(module.weight.shape) == (module.out_features, module.in_features)
-    return None
-
-
-def row_local_linears(branch: Branch) -> tuple[list[RowLocalLinear], list[str]]:
-    """The linear maps of ``branch`` whose output row ``t`` reaches its output only at row ``t`` (all of an MLP
-    branch; an attention branch's query and output projections, :data:`ROW_LOCAL_ATTENTION_PROJECTIONS`), and
-    the names of such layers whose backward cannot be gathered (they run full rows)."""
-    found, full = [], []
-    for name, module in branch.module.named_modules():
-        if not name or (branch.kind == "attn" and name.split(".")[0] not in ROW_LOCAL_ATTENTION_PROJECTIONS):
-            continue
-        if EXPERTS in name.split("."):  # an expert's rows are the tokens routed to it, not the branch's
-            continue
-        gatherable = _gatherable(module)
-        if gatherable:
-            found.append(RowLocalLinear(name, module, type(module).__name__ == "Conv1D"))
-        elif gatherable is False:
-            full.append(f"{branch.name}.{name}")
-    return found, full
-
-
-def recomputes_on_kept_rows(branch: Branch) -> bool:
-    """Whether token drops may recompute ``branch`` on its kept rows alone, under activation checkpointing: an MLP
-    branch without a tail or experts, so that each row of its one output tensor is a function of the same row of its
-    input alone (:mod:`dropbp.experimental.token_backward`)."""
-    paths = (name.split(".") for name, _ in branch.module.named_modules())
-    return branch.kind == "mlp" and not branch.tail and not any(EXPERTS in path for path in paths)
+    Without this, ``apply`` would succeed and every ``loss.backward()`` would raise torch's bare "element 0 of
+    tensors does not require grad" (and ``ctl.backward`` return False), saying nothing of why.
+    """
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            f"dropbp.apply: no parameter of this {type(model).__name__} requires a gradient, so there is no backward "
+            "pass to drop: unfreeze some (e.g. model.requires_grad_(True)) or add LoRA adapters "
+            "(peft.get_peft_model) before dropbp.apply"
+        )
 
 
 def holder(parts: Sequence[nn.Module]) -> nn.Module:
@@ -260,8 +226,26 @@ def _is_litgpt_block(module: nn.Module) -> bool:
     return any(c.__name__ == "Block" and c.__module__.split(".")[0] == "litgpt" for c in type(module).__mro__)
 
 
-def find_branches(model: nn.Module, names: list[str] | None, seq_len: int) -> list[Branch]:
-    """The model's branches in forward order, either named by the caller or found by architecture."""
+#: The sequence length attention's FLOPs are weighed at (:func:`branch_flops`): a typical fine-tuning length.
+TYPICAL_SEQ_LEN = 512
+_SEQ_LEN: ContextVar[int] = ContextVar("dropbp_flops_seq_len", default=TYPICAL_SEQ_LEN)
+
+
+@contextmanager
+def flops_at_length(seq_len: int) -> Iterator[None]:
+    """Within the block, ``apply`` weighs attention's FLOPs at ``seq_len`` tokens instead of
+    :data:`TYPICAL_SEQ_LEN` (the measurement tools: their own sequence length; 0.3's ``seq_len`` option)."""
+    token = _SEQ_LEN.set(check_int("seq_len", seq_len, 1))
+    try:
+        yield
+    finally:
+        _SEQ_LEN.reset(token)
+
+
+def find_branches(model: nn.Module, names: list[str] | None) -> list[Branch]:
+    """The model's branches in forward order, either named by the caller or found by architecture; their FLOPs weigh
+    attention at :data:`TYPICAL_SEQ_LEN` tokens (:func:`flops_at_length` inside)."""
+    seq_len = _SEQ_LEN.get()
     modules = dict(model.named_modules())
     if names is not None:
         found = [(name, kind, ()) for name, kind in _explicit(names, modules)]

@@ -40,14 +40,18 @@ class Framework(Protocol):
     def unwrap(self, model: nn.Module) -> nn.Module | None:
         """The module ``model`` wraps, if ``model`` is this framework's wrapper; otherwise None."""
 
-    def check_wrapper(self, wrapper: nn.Module, dropped_grads: str) -> None:
+    def check_wrapper(self, wrapper: nn.Module, fill: str | None) -> None:
         """Raise ``ValueError``, saying what to change, if ``wrapper`` (one :meth:`unwrap` unwrapped) is set up
-        in a way DropBP cannot train with under the controller's ``dropped_grads``."""
+        in a way DropBP cannot train with, dropped branches' parameters getting the gradient ``fill`` (a feature's
+        ``dropped_fill``; None: none)."""
 
-    def step_listener(self, model: nn.Module, holders: Sequence[nn.Module], dropped_grads: str) -> StepListener | None:
+    def step_listener(
+        self, model: nn.Module, holders: Sequence[nn.Module], fill: Callable[[], str | None]
+    ) -> StepListener | None:
         """A listener to the model's training forwards once this framework holds ``model`` (None: not yet).
 
-        ``holders``: per branch, in branch order, one module holding all its parameters."""
+        ``holders``: per branch, in branch order, one module holding all its parameters; ``fill()``: how dropped
+        branches' parameters get a gradient now (None: they get none)."""
 
     def calibration_closure(self, closure: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         """``closure``, stopped with advice where this framework cannot take calibration's passes."""
@@ -101,11 +105,11 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, DistributedDataParallel | None]
     return model, None
 
 
-def check_wrapper(wrapper: nn.Module, dropped_grads: str) -> None:
+def check_wrapper(wrapper: nn.Module, fill: str | None) -> None:
     """Every registered framework's :meth:`Framework.check_wrapper` for a wrapper given to ``apply``."""
     for framework in _registered():
         if framework.unwrap(wrapper) is not None:
-            framework.check_wrapper(wrapper, dropped_grads)
+            framework.check_wrapper(wrapper, fill)
 
 
 def calibration_closure(closure: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
@@ -130,18 +134,18 @@ class FrameworkWatch:
     Args:
         model: the model DropBP is attached to.
         holders: per branch, in branch order, one module holding all its parameters.
-        dropped_grads: the controller's setting (:mod:`dropbp.execution.dropped_grads`).
+        fill: how dropped branches' parameters get a gradient now (a feature's ``dropped_fill``; None: none).
     """
 
-    def __init__(self, model: nn.Module, holders: Sequence[nn.Module], dropped_grads: str) -> None:
+    def __init__(self, model: nn.Module, holders: Sequence[nn.Module], fill: Callable[[], str | None]) -> None:
         self._model = model
         self._holders = list(holders)
-        self._mode = dropped_grads
+        self._fill = fill
         self._listener: StepListener | None = None
 
     def on_training_forward(self, pattern: frozenset[int]) -> None:
         if self._listener is None:
-            found = (f.step_listener(self._model, self._holders, self._mode) for f in _registered())
+            found = (f.step_listener(self._model, self._holders, self._fill) for f in _registered())
             self._listener = next((listener for listener in found if listener is not None), None)
         if self._listener is not None:
             self._listener.on_training_forward(pattern)

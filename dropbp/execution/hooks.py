@@ -2,13 +2,13 @@
 
 Once per training-mode forward of the model (a forward pre-hook, before any branch runs) the policy gives the step's
 pattern, kept until the next one; eval and no-grad forwards draw nothing, and :meth:`StepHooks.force` sets a pattern
-(calibration) without taking a step. A checkpointed region's recomputation obeys the pattern of the forward that ran
-it (:meth:`StepHooks.in_force`). A dropped branch runs without autograd (:mod:`dropbp.execution.branch_forward`) and is
-not recomputed (:mod:`dropbp.execution.recompute`); a kept one may get its incoming gradient scaled
-(:mod:`dropbp.execution.branch_forward`). Every hook runs
-outside ``torch.compile`` graphs. Whatever else must follow each step's pattern (dropped-gradient fill, DDP check, a
-framework's guard, the drop tally) is a :class:`StepListener` its owner adds (:meth:`StepHooks.listen`), not a line
-here. Several forwards before one backward: docs/checkpointing.md.
+(calibration) without taking a step. A checkpointed region's recomputation obeys the pattern of the forward that ran it
+(:meth:`StepHooks.in_force`). A dropped branch runs without autograd (:mod:`dropbp.execution.branch_forward`) and is not
+recomputed (:mod:`dropbp.execution.recompute`); a kept one may get its incoming gradient scaled
+(:mod:`dropbp.execution.branch_forward`). Every hook runs outside ``torch.compile`` graphs. Whatever else must follow
+each step's pattern (dropped-gradient fill, DDP check, a framework's guard, the drop tally) is a :class:`StepListener`
+its owner adds (:meth:`StepHooks.listen`), not a line here; what multiplies a kept branch's gradient (importance
+weights) is a :class:`KeptGradient` a feature sets. Several forwards before one backward: docs/checkpointing.md.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import functools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -34,9 +33,8 @@ from dropbp.execution.distributed import check_running_ddp_checkpointing
 from dropbp.execution.patching import ForwardPatch, HookSwitch
 from dropbp.execution.recompute import RecomputeCache, forward_region, in_backward, recomputed_region
 from dropbp.policy.drop_policy import DropPolicy
-from dropbp.policy.lr_compensation import compensation
 
-__all__ = ["StepHooks", "StepListener"]
+__all__ = ["KeptGradient", "StepHooks", "StepListener"]
 
 
 class StepListener(Protocol):
@@ -50,23 +48,27 @@ class StepListener(Protocol):
         """Undo whatever this listener installed: DropBP is being removed from the model."""
 
 
-@dataclass(frozen=True)
-class ExecutionSettings:
-    """The share of the options the hooks read, resolved by the controller whenever the options change: importance
-    weights, and how many kept branches may store activations in a training forward (None: the memory bound is off)."""
+class KeptGradient(Protocol):
+    """An extension point: what a kept branch's own parameters' gradient is multiplied by (importance weights)."""
 
-    unbiased: bool = False
-    most_kept: int | None = None
-    seed: int = 0
-
-    @classmethod
-    def of(cls, options: object, most_kept: int) -> ExecutionSettings:
-        """The share of resolved options (a :class:`dropbp.options.DropBPOptions` after ``resolved``), with the most
-        branches the drop shape keeps at their drop rate (:meth:`dropbp.policy.shapes.DropShape.most_kept`)."""
-        return cls(options.unbiased, most_kept if options.memory_bound else None, options.seed)
+    def weights(self, drop_probabilities: tuple[float, ...]) -> tuple[float, ...]:
+        """Per branch, the factor on its own parameters' gradient where it is kept, from how often each is dropped
+        where the forward drew its pattern (:meth:`~dropbp.policy.drop_policy.DropPolicy.drop_probabilities`)."""
 
 
-#: A forward's decision: the dropped branches, and every branch's drop rate then (empty: nothing drops).
+class _Listening:
+    """The handle :meth:`StepHooks.listen` returns: ``remove()`` stops the calls (and calls ``on_remove``)."""
+
+    def __init__(self, listeners: list[StepListener], listener: StepListener) -> None:
+        self._listeners, self._listener = listeners, listener
+
+    def remove(self) -> None:
+        if self._listener in self._listeners:
+            self._listeners.remove(self._listener)
+            self._listener.on_remove()
+
+
+#: A forward's decision: the dropped branches, and every branch's gradient weight where kept (empty: none).
 Decision = tuple[frozenset[int], tuple[float, ...]]
 
 
@@ -78,9 +80,9 @@ class StepHooks:
         branches: in branch order; each branch's parts (its module, then its tail: post-norms between its
             output and the residual add) run without autograd when the branch drops.
         policy: decides each step's pattern.
-        settings: what the hooks read of the options (:attr:`settings`, replaced by the controller when they
-            change), read as each training forward starts: ``unbiased`` (kept branches' incoming gradients scaled)
-            and the memory bound (:mod:`dropbp.execution.bound`).
+
+    Read as each training forward starts: :attr:`most_kept` (the memory bound, :mod:`dropbp.execution.bound`; the
+    controller sets it when the options change) and :attr:`kept_gradient` (an extension point a feature sets).
     """
 
     def __init__(
@@ -90,7 +92,6 @@ class StepHooks:
         *,
         backend: Backend,
         policy: DropPolicy,
-        settings: ExecutionSettings,
     ) -> None:
         parts = [b.parts for b in branches]
         self._model = model
@@ -100,20 +101,21 @@ class StepHooks:
         self.holders = [holder(branch) for branch in parts]
         self._policy = policy
         self._backend = backend
-        #: The options' share the hooks read (the controller replaces it when the options change).
-        self.settings = settings
-        #: Whether kept branches get importance weights in the forward under way (``unbiased``, read as it starts).
+        #: How many kept branches may store activations in a training forward (None: the memory bound is off).
+        self.most_kept: int | None = None
+        #: What a kept branch's own parameters' gradient is multiplied by (None: nothing), read as a forward starts.
+        self.kept_gradient: KeptGradient | None = None
+        #: Whether kept branches are weighted in the forward under way (:attr:`kept_gradient` as it started).
         self.weighting = False
 
         #: Training forwards that drew a pattern so far (the step counter).
         self.step = 0
         #: The pattern in force: indices of the dropped branches.
         self.dropped: frozenset[int] = frozenset()
-        #: Per branch, how often it is dropped where the forward in force drew its pattern
-        #: (:meth:`~dropbp.policy.drop_policy.DropPolicy.drop_probabilities`), recorded with the pattern: a kept
-        #: branch's importance weight is its forward's, whatever changes before its backward (a setter, a
-        #: recomputation under re-entrant checkpointing).
-        self.rates_in_force: tuple[float, ...] = ()
+        #: Per branch, its gradient weight where kept in the forward in force (:attr:`kept_gradient`; empty: none),
+        #: recorded with the pattern: a kept branch's weight is its forward's, whatever changes before its backward
+        #: (a setter, a recomputation under re-entrant checkpointing).
+        self.weights_in_force: tuple[float, ...] = ()
         #: The pattern of the most recent training-mode forward (calibration's forced ones excluded).
         self.last: frozenset[int] = frozenset()
         #: The pattern calibration forces, or None.
@@ -174,9 +176,11 @@ class StepHooks:
         """Every hook this object has on the model (copies of the model leave them out)."""
         return self._handles
 
-    def listen(self, listener: StepListener) -> None:
-        """Call ``listener`` at every training forward from now on (in the order added) and when removed."""
+    def listen(self, listener: StepListener) -> _Listening:
+        """Call ``listener`` at every training forward from now on (in the order added) and when removed; the handle's
+        ``remove()`` takes it off earlier."""
         self._listeners.append(listener)
+        return _Listening(self._listeners, listener)
 
     def pattern(self, step: int) -> frozenset[int]:
         """The pattern the policy draws at ``step`` for this model."""
@@ -191,7 +195,7 @@ class StepHooks:
         the forward whose checkpointed region is being recomputed; inside a training forward of the model, that
         forward's, which a call inside a (non-re-entrant) checkpointed region records for that region (a
         re-entrant one's are recorded when the forward ends); elsewhere none."""
-        decision = (self.dropped, self.rates_in_force)
+        decision = (self.dropped, self.weights_in_force)
         if in_backward():
             region = recomputed_region()
             if region is None:
@@ -237,15 +241,13 @@ class StepHooks:
         self._recompute.end_forward()
 
     def _kept_scale(self, index: int) -> Callable[[nn.Module], float]:
-        """The importance weight of branch ``index`` in a call where it is kept: ``1 / (1 - r)`` for its rate in
-        force at that call's forward (1 where the rate is 1: such a branch is kept only by the keep rule)."""
+        """The gradient weight of branch ``index`` in a call where it is kept: its forward's (1 without one)."""
 
         def scale(module: nn.Module) -> float:
             if not self.weighting or self.forced is not None:
                 return 1.0  # calibration measures the plain gradients
-            rates = self.decision_in_force()[1]
-            rate = rates[index] if rates else 0.0
-            return 1.0 if rate >= 1.0 else compensation(rate)
+            weights = self.decision_in_force()[1]
+            return weights[index] if weights else 1.0
 
         return scale
 
@@ -265,7 +267,7 @@ class StepHooks:
     def _on_model_forward(self, model: nn.Module, args: tuple) -> None:
         if in_backward():
             return  # checkpointing recomputes the whole model: the step's decision stands
-        self.weighting = self.settings.unbiased  # read once per forward, not at every branch call
+        self.weighting = self.kept_gradient is not None  # read once per forward, not at every branch call
         training = model.training and torch.is_grad_enabled()
         if training and self.forced is None and not self.weighting and self._policy.never_drops:
             self._branch_hooks.turn_off()  # nothing to drop or weigh: the branches run as without dropbp
@@ -280,13 +282,16 @@ class StepHooks:
         if not training:
             return  # eval or no-grad forwards drop nothing and leave the step's decision alone
         self.dropped = self.pattern(self.step)
-        # read only where kept branches are weighted (unbiased=True): the hot path stays as it was without
-        weighted = self._policy.drop_probabilities(self.step, self._trainable_branches) if self.weighting else ()
-        self.rates_in_force = weighted
+        # read only where kept branches are weighted: the hot path stays as it was without
+        if self.weighting:
+            probabilities = self._policy.drop_probabilities(self.step, self._trainable_branches)
+            self.weights_in_force = self.kept_gradient.weights(probabilities)
+        else:
+            self.weights_in_force = ()
         for listener in self._listeners:  # one may refuse the step (raise): before anything moves on
             listener.on_training_forward(self.dropped)
         self._recompute.begin_forward()
-        keep = self.settings.most_kept
+        keep = self.most_kept
         if keep is not None:
             self.bound.begin(self.dropped, keep)
         self.step += 1
@@ -302,7 +307,7 @@ class StepHooks:
         if self._recompute.reentrant:
             check_running_ddp_checkpointing()
             for region in self._recompute.claim_reentrant_regions(output):
-                self._regions[region] = (self.dropped, self.rates_in_force)
+                self._regions[region] = (self.dropped, self.weights_in_force)
         if self.forced is None and model.training and torch.is_grad_enabled() and not in_backward():
             self._check_output_needs_a_gradient(output)
 

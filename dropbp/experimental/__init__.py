@@ -1,11 +1,14 @@
-"""What was measured and is not better, kept for the results tables and their tests: out of ``dropbp.apply``'s
-signature, one line for a researcher.
+"""What was measured and is not better, kept for the results tables and their tests: out of the core's code, each a
+feature given to ``dropbp.apply(model, rate, features=[...])`` that plugs into one of the core's extension points.
 
-- :func:`apply`: ``dropbp.apply`` with the experimental options too (``unbiased``, ``dropped_grads``,
-  ``drop_schedule``, ``ramp``, ``stratify``, ``seq_len``, ``windows``; each with its record in
-  :data:`dropbp.options.EXPERIMENTAL`).
-- :class:`TokenDrops`: token-level dropped backward, a feature (no token arm pays in any cell of the project's tables:
-  docs/token-drops.md).
+- :class:`ImportanceWeights` (0.3's ``unbiased=True``): the kept branch's gradient (:mod:`.importance_weights`).
+- :class:`DroppedGradFill` (0.3's ``dropped_grads``): dropped branches' gradients, a step listener
+  (:mod:`.dropped_grads`).
+- :class:`RisingSchedule` (0.3's ``drop_schedule`` and ``ramp``): the policy's time schedule (:mod:`.schedules`).
+- :class:`StratifiedCuts` (0.3's ``stratify``): the policy's pattern draw (:mod:`.stratified`).
+- :class:`TokenDrops`: token-level dropped backward, with its row operations (:mod:`.token_rows`); no token arm pays in
+  any cell of the project's tables (docs/token-drops.md).
+- :func:`apply`: 0.3's entry point for the experimental options; it refuses them now, naming each one's feature.
 - :func:`exact_recompute`: ``ctl.calibrate`` inside it measures by the research code's N + 1 passes (the same
   sensitivities as the one-pass default, N + 1 times the passes: benchmarks/results/calibration_cpu.md).
 - :func:`param_groups` / :func:`update_param_groups`: learning-rate compensation, ``lr / (1 - rate)`` per branch
@@ -22,21 +25,37 @@ import torch
 from torch import nn
 
 from dropbp import calibration
-from dropbp.api import apply_options
 from dropbp.controller import DropBPController
 from dropbp.execution.discovery import holder
+from dropbp.experimental import lr_compensation
+from dropbp.experimental.dropped_grads import DroppedGradFill
+from dropbp.experimental.importance_weights import ImportanceWeights
+from dropbp.experimental.schedules import RisingSchedule
+from dropbp.experimental.stratified import StratifiedCuts
 from dropbp.experimental.token_drops import TokenDrops
-from dropbp.options import DropBPOptions, takes_options
-from dropbp.policy import lr_compensation
+from dropbp.options import moved
 
-__all__ = ["TokenDrops", "apply", "exact_recompute", "param_groups", "update_param_groups"]
+__all__ = [
+    "DroppedGradFill",
+    "ImportanceWeights",
+    "RisingSchedule",
+    "StratifiedCuts",
+    "TokenDrops",
+    "apply",
+    "exact_recompute",
+    "param_groups",
+    "update_param_groups",
+]
 
 
-@takes_options(DropBPOptions, experimental=True)
 def apply(model: nn.Module, drop_rate: float | str, **options: Any) -> DropBPController:
-    """:func:`dropbp.apply` with the experimental options too; the same controller (``ctl.replace_options`` changes
-    them later)."""
-    return apply_options(model, DropBPOptions.given("dropbp.experimental.apply", True, drop_rate=drop_rate, **options))
+    """0.3's ``dropbp.experimental.apply``: refused, naming the 0.4 way for each option given (every experimental
+    option is a feature of this package now: ``dropbp.apply(model, drop_rate, features=[...])``)."""
+    ways = [f"{name} {moved(name)}" for name in options if moved(name) is not None]
+    raise TypeError(
+        "dropbp.experimental.apply is gone in dropbp 0.4: call dropbp.apply(model, drop_rate, ..., features=[...]) "
+        "with the experimental features of dropbp.experimental" + ("; " + "; ".join(ways) if ways else "")
+    )
 
 
 @contextmanager
@@ -51,7 +70,7 @@ def exact_recompute() -> Iterator[None]:
 
 
 def param_groups(ctl: DropBPController, lr: float, **options: Any) -> list[dict[str, Any]]:
-    """Optimizer parameter groups with learning-rate compensation (:mod:`dropbp.policy.lr_compensation`): a branch
+    """Optimizer parameter groups with learning-rate compensation (:mod:`dropbp.experimental.lr_compensation`): a branch
     dropped with rate ``r`` gets ``lr / (1 - r)``; ``options`` go into every group. After the rates change
     (``calibrate``, ``set_rates``) call :func:`update_param_groups`."""
     holders = [holder(b.parts) for b in ctl.branches]

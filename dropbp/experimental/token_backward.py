@@ -22,8 +22,8 @@ rows; the result is the same, only not cheaper. How many rows are gathered is th
 compiled graphs).
 
 Under non-re-entrant activation checkpointing, a row-local branch as a whole (an MLP branch without tail, experts or
-active dropout: :func:`dropbp.execution.discovery.recomputes_on_kept_rows`) runs without autograd in the forward, and
-its backward (:class:`_KeptRowsBranch`) runs it again on the kept rows only: its recomputation, like its backward,
+active dropout: :func:`dropbp.experimental.token_rows.recomputes_on_kept_rows`) runs without autograd in the forward,
+and its backward (:class:`_KeptRowsBranch`) runs it again on the kept rows only: its recomputation, like its backward,
 shrinks with the kept share. Its input is saved by :class:`_SavedInput` before it runs, so checkpointing's early stop
 ends the region's recomputation there, without running the branch's full rows again.
 
@@ -43,8 +43,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from dropbp.execution.compile_guards import outside_graphs
-from dropbp.execution.discovery import RowLocalLinear
-from dropbp.experimental.token_rows import GatheredRows
+from dropbp.experimental.token_rows import GatheredRows, RowLocalLinear
 from dropbp.experimental.token_selection import (
     AUTO_KEEP_SHARES,
     RankedScores,
@@ -237,14 +236,13 @@ def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class TokenDrops:
     """Token drops on the branches of one model, installed while ``token_drop_rate > 0`` (see the module docstring).
 
-    Args:
-        parts: per branch, its module then its tail (the last part's output is what the residual add receives).
-        linears: per branch, its row-local linear maps (:func:`dropbp.execution.discovery.row_local_linears`).
+    Args: parts: per branch, its module then its tail (the last part's output is what the residual add receives).
+        linears: per branch, its row-local linear maps (:func:`dropbp.experimental.token_rows.row_local_linears`).
         rows: the device's row operations (:func:`dropbp.experimental.token_rows.row_ops`): how many rows it gathers.
         call: per branch, ``call(index)`` gives ``(seed, step, settings)`` for a call of it now, or None where it
             selects nothing (dropped, calibration, eval or no grad).
         on_kept_rows: per branch, whether a checkpointed region recomputes it on its kept rows alone
-            (:func:`dropbp.execution.discovery.recomputes_on_kept_rows`; at call time also: no active dropout in it).
+            (:func:`dropbp.experimental.token_rows.recomputes_on_kept_rows`; at call time also: no active dropout).
     """
 
     def __init__(

@@ -17,10 +17,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from dropbp.checks import check_choice, check_fraction, check_number, check_sequence
-from dropbp.execution.discovery import recomputes_on_kept_rows, row_local_linears
 from dropbp.experimental.token_backward import RowSlot
 from dropbp.experimental.token_backward import TokenDrops as RowDrops
-from dropbp.experimental.token_rows import row_ops
+from dropbp.experimental.token_rows import recomputes_on_kept_rows, row_local_linears, row_ops
 from dropbp.experimental.token_selection import AUTO_KEEP_SHARES, TOKEN_SELECTIONS
 from dropbp.features.base import Feature, register_feature
 from dropbp.features.host import Host
@@ -102,6 +101,11 @@ class TokenDrops(Feature):
             return None
         return super().from_config(value)  # type: ignore[return-value]
 
+    @classmethod
+    def from_flat(cls, settings: dict[str, Any]) -> TokenDrops | None:
+        rate, selection = settings.pop("token_drop_rate", 0.0), settings.pop("token_selection", "gradient")
+        return None if rate == 0 else cls(rate, selection)
+
     def config(self) -> dict[str, Any]:
         return {"rate": self.rate, "selection": self.selection}
 
@@ -172,7 +176,7 @@ class TokenDrops(Feature):
         step = self.host.hooks.kept_step(index)
         if step is None:
             return None
-        key = (self.host.hooks.settings.seed, step, index)
+        key = (self.host.options().seed, step, index)
         return RowSlot(key, rate, self._selection, self._rows.place_rows)
 
     def weights(self) -> dict[str, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""How a device gathers and places token rows for token drops: the device's part of a token-dropped backward.
+"""Token rows: which linear maps of a branch work row by row (:func:`row_local_linears`), and how a device gathers and
+places the rows for token drops (:func:`row_ops`: the device's part of a token-dropped backward).
 
 Token drops are experimental, so their row operations live here, not in the device interface
 (:class:`dropbp.backends.Backend`): :func:`row_ops` picks them from what the backend is. Eager devices gather exactly
@@ -9,12 +10,25 @@ share compiled graphs (:class:`BucketedRows`).
 
 from __future__ import annotations
 
-import torch
+from typing import NamedTuple
 
+import torch
+from torch import nn
+
+from dropbp.architectures import EXPERTS, ROW_LOCAL_ATTENTION_PROJECTIONS
 from dropbp.backends import Backend
 from dropbp.backends.base import LazyGraphBackend
+from dropbp.execution.discovery import Branch
 
-__all__ = ["ROW_BUCKETS", "BucketedRows", "GatheredRows", "row_ops"]
+__all__ = [
+    "ROW_BUCKETS",
+    "BucketedRows",
+    "GatheredRows",
+    "RowLocalLinear",
+    "recomputes_on_kept_rows",
+    "row_local_linears",
+    "row_ops",
+]
 
 #: Fixed token-row counts a lazy-graph device runs a token-dropped branch's backward on (equal steps of the rows).
 ROW_BUCKETS = 8
@@ -59,3 +73,48 @@ class BucketedRows(GatheredRows):
 def row_ops(backend: Backend) -> GatheredRows:
     """The row operations of ``backend``: bucketed where it compiles every graph (a lazy-graph device in lazy mode)."""
     return BucketedRows() if isinstance(backend, LazyGraphBackend) and backend.lazy else GatheredRows()
+
+
+class RowLocalLinear(NamedTuple):
+    """A linear map inside a branch whose backward can run on the branch's kept token rows (token drops)."""
+
+    name: str  # its path below the branch module
+    module: nn.Module
+    transposed: bool  # transformers' Conv1D: ``x @ weight + bias``
+
+
+def _gatherable(module: nn.Module) -> bool | None:
+    """Whether ``module`` is a linear map token drops can gather (True), a linear layer they cannot (False: a
+    4-bit or otherwise replaced forward), or no linear layer (None)."""
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+        return tuple(module.weight.shape) == (module.nx, module.nf)
+    if isinstance(module, nn.Linear):
+        plain = type(module).forward is nn.Linear.forward and module.weight.is_floating_point()
+        return plain and tuple(module.weight.shape) == (module.out_features, module.in_features)
+    return None
+
+
+def row_local_linears(branch: Branch) -> tuple[list[RowLocalLinear], list[str]]:
+    """The linear maps of ``branch`` whose output row ``t`` reaches its output only at row ``t`` (all of an MLP
+    branch; an attention branch's query and output projections, :data:`ROW_LOCAL_ATTENTION_PROJECTIONS`), and
+    the names of such layers whose backward cannot be gathered (they run full rows)."""
+    found, full = [], []
+    for name, module in branch.module.named_modules():
+        if not name or (branch.kind == "attn" and name.split(".")[0] not in ROW_LOCAL_ATTENTION_PROJECTIONS):
+            continue
+        if EXPERTS in name.split("."):  # an expert's rows are the tokens routed to it, not the branch's
+            continue
+        gatherable = _gatherable(module)
+        if gatherable:
+            found.append(RowLocalLinear(name, module, type(module).__name__ == "Conv1D"))
+        elif gatherable is False:
+            full.append(f"{branch.name}.{name}")
+    return found, full
+
+
+def recomputes_on_kept_rows(branch: Branch) -> bool:
+    """Whether token drops may recompute ``branch`` on its kept rows alone, under activation checkpointing: an MLP
+    branch without a tail or experts, so that each row of its one output tensor is a function of the same row of its
+    input alone (:mod:`dropbp.experimental.token_backward`)."""
+    paths = (name.split(".") for name, _ in branch.module.named_modules())
+    return branch.kind == "mlp" and not branch.tail and not any(EXPERTS in path for path in paths)

@@ -11,7 +11,7 @@ reaches the core through :class:`dropbp.features.host.Host` only), its state and
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import nn
@@ -20,7 +20,7 @@ from torch.utils.hooks import RemovableHandle
 if TYPE_CHECKING:
     from dropbp.features.host import Host
 
-__all__ = ["Feature", "feature_class", "feature_classes", "register_feature"]
+__all__ = ["Feature", "dropped_fill", "feature_class", "feature_classes", "register_feature"]
 
 
 class Feature:
@@ -33,6 +33,19 @@ class Feature:
     key: ClassVar[str] = ""
     #: Whether ``memory_bound="auto"`` turns the bound on with it (what it buys is memory).
     bounds_memory: ClassVar[bool] = False
+    #: The options of an earlier release this feature replaces, each with how to write it now (an old spelling given
+    #: to ``apply`` or a setter is refused with this).
+    replaces: ClassVar[dict[str, str]] = {}
+    #: Whether it decides which patterns are drawn (a policy extension point): its settings are then its state, and a
+    #: state saved with it loads only where it is attached with the same settings (the controller checks).
+    needed_to_resume: ClassVar[bool] = False
+    #: Extension points of the policy (:mod:`dropbp.policy.plugins`): how the rates rise over a run, and a sampler
+    #: in place of the shape's; None: the feature leaves them alone.
+    rise: Any = None
+    pattern_draw: Any = None
+    #: An extension point of the dropped branches' gradients: how they get one before the optimizer steps (``"zero"``
+    #: or ``"reuse"``; None: they get none, the paper's), read by a framework's guard (:func:`dropped_fill`).
+    dropped_fill: str | None = None
 
     def __init__(self) -> None:
         self._host: Host | None = None
@@ -62,9 +75,23 @@ class Feature:
             return cls(**value)
         raise TypeError(f"{cls.key} takes true, false or a mapping of its arguments, got {value!r:.80}")
 
+    @classmethod
+    def from_flat(cls, settings: dict[str, Any]) -> Feature | None:
+        """The feature that 0.3's flat settings in ``settings`` stand for (the results tables name their arms so:
+        :mod:`dropbp.tools.arms`), taking its names out of ``settings``; None where they ask for none (by default: it
+        has no flat names)."""
+        return None
+
     def config(self) -> dict[str, Any]:
         """Its settings as plain values (a mapping :meth:`from_config` takes back to an equal feature)."""
         return {}
+
+    @classmethod
+    def migrate_state(cls, state: dict[str, Any], attached: Feature | None) -> dict[str, Any]:
+        """A controller state of an earlier version with this feature's settings of that release taken out (a copy
+        where changed): a ValueError naming the way now where one that mattered is not what ``attached`` (the
+        feature of this key given now, or None) does. By default: as it is."""
+        return state
 
     def check(self, model: nn.Module, framework: bool) -> None:
         """Raise if this feature cannot run on ``model`` (``framework``: a DeepSpeed engine holds its gradients),
@@ -85,11 +112,18 @@ class Feature:
         return []
 
     def state_dict(self) -> dict[str, Any] | None:
-        """Its part of the controller's state (None: nothing to resume)."""
-        return None
+        """Its part of the controller's state (None: nothing to resume); by default its settings where it decides the
+        patterns (:attr:`needed_to_resume`)."""
+        return self.config() if self.needed_to_resume else None
 
     def check_state(self, state: Any) -> None:
-        """Raise if ``state`` (:meth:`state_dict` output read back) cannot be loaded; change nothing."""
+        """Raise if ``state`` (:meth:`state_dict` output read back) cannot be loaded; change nothing. By default, where
+        it decides the patterns: its settings must be the saved ones."""
+        if self.needed_to_resume and state != self.config():
+            raise ValueError(
+                f"state[{self.key!r}] was saved with {type(self).__name__} settings {state!r:.80}, this one has "
+                f"{self.config()}: give the saved settings to resume the same patterns"
+            )
 
     def load_state_dict(self, state: Any) -> None:
         """Restore :meth:`state_dict` output, already checked by :meth:`check_state`."""
@@ -135,3 +169,8 @@ def feature_class(key: str) -> type[Feature]:
         return _REGISTRY[key]
     except KeyError:
         raise KeyError(f"no dropbp feature has the key {key!r}; registered: {', '.join(_REGISTRY)}") from None
+
+
+def dropped_fill(features: Sequence[Feature]) -> str | None:
+    """How dropped branches' parameters get a gradient with these features (:attr:`Feature.dropped_fill`), or None."""
+    return next((f.dropped_fill for f in features if f.dropped_fill is not None), None)

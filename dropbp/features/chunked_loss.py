@@ -299,6 +299,10 @@ class ChunkedLoss(Feature):
             return cls(value)
         return super().from_config(value)  # type: ignore[return-value]
 
+    @classmethod
+    def from_flat(cls, settings: dict[str, Any]) -> ChunkedLoss | None:
+        return cls.from_config(settings.pop("chunked_loss", False))
+
     def config(self) -> dict[str, Any]:
         return {"chunk_tokens": self._asked}
 

@@ -52,6 +52,10 @@ class NoiseScale(Feature):
         self._chosen: tuple[tuple[int, str, int], float] | None = None  # rate()'s last answer, by what it read
         self._was_attached = False
 
+    @classmethod
+    def from_flat(cls, settings: dict[str, Any]) -> NoiseScale | None:
+        return cls() if settings.pop("measure_noise_scale", False) else None
+
     def check(self, model: nn.Module, framework: bool) -> None:
         check_reads(model, framework)
 

@@ -10,6 +10,7 @@ the options' own checks run with messages naming the keys; an experimental optio
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Mapping, Sequence
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -18,7 +19,7 @@ from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, creat
 
 import dropbp.experimental  # noqa: F401  (registers its features: TokenDrops)
 from dropbp.features.base import Feature, feature_classes
-from dropbp.options import EXPERIMENTAL, TrainerOptions, named_as, option_fields
+from dropbp.options import INTERNAL, TrainerOptions, named_as, option_fields
 
 __all__ = ["MOVED_KEYS", "PREFIX", "dropbp_args", "feature_key"]
 
@@ -69,6 +70,11 @@ def feature_key(cls: type[Feature]) -> str:
     return PREFIX + cls.key
 
 
+def cls_args(cls: type[Feature]) -> str:
+    """A feature class's constructor arguments, as a config mapping names them."""
+    return ", ".join(name for name in inspect.signature(cls).parameters) or "none"
+
+
 #: The YAML type of a feature's key: the feature's ``from_config`` checks the value itself.
 _FEATURE_VALUE = StrictBool | StrictInt | StrictFloat | str | dict[str, Any] | None
 
@@ -91,18 +97,22 @@ class _DropBPArgsBase(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _dropbp_experimental_keys_moved(cls, data: Any) -> Any:
-        """An experimental option's key (``dropbp_stratify``) is refused, saying where it went, not ignored."""
-        if isinstance(data, Mapping):
-            for key in sorted(set(data) & set(MOVED_KEYS)):
+        """An earlier release's key (``dropbp_stratify``, ``dropbp_token_drop_rate``) is refused, saying the key now,
+        not ignored."""
+        if not isinstance(data, Mapping):
+            return data
+        for key in sorted(data):
+            if key in MOVED_KEYS:
                 raise ValueError(f"{key} is one key per feature since dropbp 0.4: write {MOVED_KEYS[key]}")
-        moved = (
-            sorted(key for key in data if key.removeprefix(PREFIX) in EXPERIMENTAL) if isinstance(data, Mapping) else []
-        )
-        if moved:
-            raise ValueError(
-                f"{', '.join(moved)}: measured and not better, these options left the config keys in dropbp 0.3 "
-                "(dropbp.experimental.apply takes them; dropbp.options.EXPERIMENTAL names each one's record)"
-            )
+            name = key.removeprefix(PREFIX)
+            if key.startswith(PREFIX) and name in INTERNAL:
+                raise ValueError(f"{key} is no config key since dropbp 0.4: {INTERNAL[name]}")
+            owner = next((cls for cls in feature_classes().values() if name in cls.replaces), None)
+            if key.startswith(PREFIX) and owner is not None:
+                raise ValueError(
+                    f"{key}: measured and not better, it is the feature {owner.__name__} since dropbp 0.4: write "
+                    f"{feature_key(owner)}: true, or a mapping of its arguments ({cls_args(owner)})"
+                )
         return data
 
     @model_validator(mode="after")

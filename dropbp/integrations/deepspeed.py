@@ -1,12 +1,12 @@
 """DropBP under DeepSpeed ZeRO stages 1, 2 and 3: a dropped branch's parameters are treated as on one process.
 
-:class:`ZeroGuard` starts at the first training forward that finds a ZeRO optimizer holding the parameters
-(``apply`` before or after ``deepspeed.initialize``, or under the Trainer). Stage 3: each accumulation window's
-flat gradient buffer is zeroed at its first forward. ``dropped_grads="skip"``: around the inner optimizer's step,
-this rank's slices of the fp32 master weights and optimizer states of every parameter that got no gradient in
-the window are saved and put back; ``"zero"`` lets the dropped branches' own parameters step; ``"reuse"`` is
-refused. What ZeRO does without it, and the cost: docs/deepspeed.md. This module owns everything DeepSpeed (the
-core reaches it through :mod:`dropbp.execution.frameworks`) and never imports ``deepspeed``.
+:class:`ZeroGuard` starts at the first training forward that finds a ZeRO optimizer holding the parameters (``apply``
+before or after ``deepspeed.initialize``, or under the Trainer). Stage 3: each accumulation window's flat gradient
+buffer is zeroed at its first forward. Without a fill of dropped branches' gradients (the paper's): around the inner
+optimizer's step, this rank's slices of the fp32 master weights and optimizer states of every parameter that got no
+gradient in the window are saved and put back; ``DroppedGradFill("zero")`` lets the dropped branches' own parameters
+step; ``"reuse"`` is refused. What ZeRO does without it, and the cost: docs/deepspeed.md. This module owns everything
+DeepSpeed (the core reaches it through :mod:`dropbp.execution.frameworks`) and never imports ``deepspeed``.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def is_engine(model: object) -> bool:
 
 def check_setup(
     stage: int,
-    dropped_grads: str,
+    fill: str | None,
     *,
     ignore_unused_parameters: bool = True,
     offload_optimizer: bool = False,
@@ -72,16 +72,16 @@ def check_setup(
 
     Args:
         stage: the ZeRO stage (0: none).
-        dropped_grads: the controller's setting (:mod:`dropbp.execution.dropped_grads`).
+        fill: how dropped branches' parameters get a gradient (a feature's ``dropped_fill``; None: none).
         ignore_unused_parameters: ``zero_optimization.ignore_unused_parameters``.
         offload_optimizer: whether ``zero_optimization.offload_optimizer`` moves the optimizer off the device.
         accumulation: ``gradient_accumulation_steps``.
     """
-    if dropped_grads == "reuse":
+    if fill == "reuse":
         raise ValueError(
-            "dropped_grads='reuse' cannot work under DeepSpeed: a stored gradient would have to enter ZeRO's "
-            "gradient partitions before it computes the clipping norm; use dropped_grads='skip' (dropped branches "
-            "unchanged by the step) or 'zero' (a zero gradient: weight decay and momentum still move them)"
+            "DroppedGradFill('reuse') cannot work under DeepSpeed: a stored gradient would have to enter ZeRO's "
+            "gradient partitions before it computes the clipping norm; leave the fill out (dropped branches "
+            "unchanged by the step) or use DroppedGradFill('zero') (weight decay and momentum still move them)"
         )
     if stage in (1, 2) and not ignore_unused_parameters:
         raise ValueError(
@@ -101,25 +101,25 @@ def check_setup(
         )
 
 
-def check_engine(engine: nn.Module, dropped_grads: str) -> None:
+def check_engine(engine: nn.Module, fill: str | None) -> None:
     """:func:`check_setup` for a ``DeepSpeedEngine`` given to ``dropbp.apply``."""
     check_setup(
         engine.zero_optimization_stage(),
-        dropped_grads,
+        fill,
         ignore_unused_parameters=engine.zero_ignore_unused_parameters(),
         offload_optimizer=bool(engine.zero_offload_optimizer()),
         accumulation=engine.gradient_accumulation_steps(),
     )
 
 
-def check_config(config: Mapping[str, Any], dropped_grads: str, accumulation: int) -> None:
+def check_config(config: Mapping[str, Any], fill: str | None, accumulation: int) -> None:
     """:func:`check_setup` for a DeepSpeed configuration dict (the Hugging Face Trainer's ``deepspeed``),
     with the gradient accumulation the trainer runs (the config may say ``"auto"``)."""
     zero = config.get("zero_optimization") or {}
     offload = (zero.get("offload_optimizer") or {}).get("device", "none")
     check_setup(
         int(zero.get("stage", 0) or 0),
-        dropped_grads,
+        fill,
         ignore_unused_parameters=zero.get("ignore_unused_parameters", True) is not False,
         offload_optimizer=offload not in (None, "none"),
         accumulation=accumulation,
@@ -213,42 +213,45 @@ def _check_internals(z3: object | None, params: Sequence[nn.Parameter]) -> None:
 
 
 class ZeroGuard:
-    """Makes a ZeRO optimizer leave alone what one process would leave alone, per ``dropped_grads``.
+    """Makes a ZeRO optimizer leave alone what one process would leave alone, per the dropped branches' fill.
 
     A step listener (:class:`dropbp.execution.hooks.StepListener`), found by :meth:`DeepSpeed.step_listener`.
 
     On one process a parameter without a gradient (``.grad is None``) is skipped by the optimizer:
-    under ``"skip"`` every parameter that got no gradient in the window (a dropped branch's, and the
-    norm feeding only that branch), under ``"zero"`` those outside the dropped branches (the branches'
-    own get a zero gradient). The guard records which parameters got a gradient in the window
+    without a fill every parameter that got no gradient in the window (a dropped branch's, and the
+    norm feeding only that branch), under ``DroppedGradFill("zero")`` those outside the dropped branches (the
+    branches' own get a zero gradient). The guard records which parameters got a gradient in the window
     (a post-accumulate-grad hook each) and keeps the others exactly as they were through the step.
 
     Args:
         stage: :func:`zero_stage` of the model's parameters (1 for stages 1 and 2, or 3).
         params: the model's trainable parameters.
-        modules: per branch, in branch order, a module holding all its parameters (what
-            ``dropped_grads="zero"`` fills on one process).
-        dropped_grads: "skip" or "zero" ("reuse" is refused by :func:`check_setup`).
+        modules: per branch, in branch order, a module holding all its parameters (what a ``"zero"`` fill fills on
+            one process).
+        fill: how dropped branches' parameters get a gradient now: None or ``"zero"`` (``"reuse"`` is refused by
+            :func:`check_setup`).
     """
 
     def __init__(
-        self, stage: int, params: Sequence[nn.Parameter], modules: Sequence[nn.Module], dropped_grads: str
+        self,
+        stage: int,
+        params: Sequence[nn.Parameter],
+        modules: Sequence[nn.Module],
+        fill: Callable[[], str | None],
     ) -> None:
         self._z3 = next((z for z in map(deepspeed_zero3_optimizer, params) if z is not None), None)
         _check_internals(self._z3, params)
         if self._z3 is None:
-            check_setup(stage, dropped_grads)
+            check_setup(stage, fill())
         else:
             z3 = self._z3
-            check_setup(
-                3, dropped_grads, offload_optimizer=z3.offload_optimizer, accumulation=z3.gradient_accumulation_steps
-            )
+            check_setup(3, fill(), offload_optimizer=z3.offload_optimizer, accumulation=z3.gradient_accumulation_steps)
         zero = self._z3 or next((z for z in map(deepspeed_zero_optimizer, params) if z is not None), None)
         #: The torch optimizer ZeRO steps on its flat partitions (None: not found; every optimizer is watched).
         self._inner = getattr(zero, "optimizer", None)
         self._params = list(params)
         self._modules = list(modules)
-        self._mode = dropped_grads
+        self._fill = fill
         self._used: set[int] = set()  # ids of the parameters that got a gradient in the window
         self._dropped: set[int] = set()  # branches dropped in some micro-step of the window
         self._first = True  # no forward seen yet
@@ -291,9 +294,9 @@ class ZeroGuard:
         self._dropped.update(dropped)
 
     def _left_alone(self) -> list[nn.Parameter]:
-        """The parameters one process would not step: no gradient, and none filled in by ``dropped_grads``."""
+        """The parameters one process would not step: no gradient, and none filled in by a ``"zero"`` fill."""
         filled = set()
-        if self._mode == "zero":
+        if self._fill() == "zero":
             filled = {id(p) for i in self._dropped for p in self._modules[i].parameters()}
         return [p for p in self._params if id(p) not in self._used and id(p) not in filled]
 
@@ -352,10 +355,12 @@ class DeepSpeed:
         """A ``DeepSpeedEngine``'s ``.module``."""
         return model.module if is_engine(model) else None
 
-    def check_wrapper(self, wrapper: nn.Module, dropped_grads: str) -> None:
-        check_engine(wrapper, dropped_grads)
+    def check_wrapper(self, wrapper: nn.Module, fill: str | None) -> None:
+        check_engine(wrapper, fill)
 
-    def step_listener(self, model: nn.Module, holders: Sequence[nn.Module], dropped_grads: str) -> ZeroGuard | None:
+    def step_listener(
+        self, model: nn.Module, holders: Sequence[nn.Module], fill: Callable[[], str | None]
+    ) -> ZeroGuard | None:
         """The :class:`ZeroGuard`, once a ZeRO optimizer holds ``model``'s parameters. ``deepspeed.initialize``
         may run before or after ``apply`` (the Hugging Face Trainer runs it in ``train()``), so the core asks
         at each training forward until one is found."""
@@ -363,7 +368,7 @@ class DeepSpeed:
             return None
         params = [p for p in model.parameters() if p.requires_grad]
         stage = zero_stage(params)
-        return None if stage is None else ZeroGuard(stage, params, holders, dropped_grads)
+        return None if stage is None else ZeroGuard(stage, params, holders, fill)
 
     def calibration_closure(self, closure: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         """A DeepSpeed engine cannot take calibration's passes: :func:`calibration_closure`."""

@@ -24,10 +24,11 @@ from dropbp.api import apply_options
 from dropbp.controller import DropBPController, controller_of
 from dropbp.execution.frameworks import unwrap
 from dropbp.experimental.where_it_pays import forecast
+from dropbp.features.base import dropped_fill, feature_classes
 from dropbp.features.noise_scale import noise_scale_forecast
 from dropbp.files import read_json, write_atomically
 from dropbp.internals import prepared_inputs
-from dropbp.options import AUTO_WARMUP, TrainerOptions, takes_options
+from dropbp.options import AUTO_WARMUP, TrainerOptions, moved, takes_options
 
 __all__ = [
     "STATE_FILE",
@@ -43,7 +44,7 @@ log = logging.getLogger("dropbp")
 
 STATE_FILE = "dropbp_state.json"
 #: The settings a callback's own options decide, which a resumed checkpoint's state must not silently replace.
-CALLBACK_DECIDES = ("drop_rate", "pattern", "max_patterns", "stratify", "drop_schedule", "ramp")
+CALLBACK_DECIDES = ("drop_rate", "pattern", "max_patterns")
 #: Optimizer steps measured before the noise scale's forecast is logged (once).
 NOISE_FORECAST_STEPS = 4
 #: With the noise scale measured, windows of 2 micro-batches read before the first step for the start's forecast.
@@ -159,11 +160,13 @@ class DropBPCallback(TrainerCallback):
         self._removed = False
 
     @classmethod
-    @takes_options(TrainerOptions, experimental=True)
     def experimental(cls, drop_rate: float | str = 0.5, **options: Any) -> DropBPCallback:
-        """The callback with the experimental options too (``dropbp.experimental.apply``'s)."""
-        return cls.from_options(
-            TrainerOptions.given("DropBPCallback.experimental", True, drop_rate=drop_rate, **options)
+        """0.3's callback with the experimental options: refused, naming the 0.4 way (each is a feature now:
+        ``DropBPCallback(drop_rate, features=[...])``)."""
+        ways = [f"{name} {moved(name)}" for name in options if moved(name) is not None]
+        raise TypeError(
+            "DropBPCallback.experimental is gone in dropbp 0.4: pass DropBPCallback(drop_rate, ..., features=[...]) "
+            "the experimental features of dropbp.experimental" + ("; " + "; ".join(ways) if ways else "")
         )
 
     @classmethod
@@ -202,7 +205,7 @@ class DropBPCallback(TrainerCallback):
     def _check_deepspeed(self, plugin: Any, args: TrainingArguments) -> None:
         from dropbp.integrations.deepspeed import check_config
 
-        check_config(plugin.deepspeed_config, self.options.dropped_grads, args.gradient_accumulation_steps)
+        check_config(plugin.deepspeed_config, dropped_fill(self.options.features), args.gradient_accumulation_steps)
 
     def _apply(self, model: Any, args: TrainingArguments) -> None:
         seed = args.seed if self.options.seed is None else self.options.seed
@@ -313,16 +316,20 @@ class DropBPCallback(TrainerCallback):
                 "bool); delete it to restart the drop patterns from this controller's state"
             )
         state = saved["controller"]
-        changed = self._asked_otherwise(state)
-        # with the callback's settings, so that a state another device saved (stratify=2 from the CPU on a lazy
-        # device) loads where the callback asks for what this one takes; the drop rate follows in _honour
+        changed, features = self._asked_otherwise(state), self._features_otherwise(state)
+        # with the callback's settings, so that a state another device saved (max_patterns=None on the CPU, 16 on a
+        # lazy device; stratified cuts, which a lazy device cannot draw) loads where the callback asks for what this
+        # one takes; the drop rate follows in _honour
         overlay = {name: value for name, value in changed.items() if name != "drop_rate"}
+        if isinstance(state, dict):
+            kept = {k: v for k, v in state.items() if k not in features}
+            state = kept | overlay | {key: asked for key, (_, asked) in features.items() if asked is not None}
         try:
-            self.controller.load_state_dict(state | overlay if isinstance(state, dict) else state)
+            self.controller.load_state_dict(state)
         except (TypeError, ValueError) as error:
             raise type(error)(f"dropbp: the state in {path} was refused: {error}") from None
         self.calibrated = saved["calibrated"]
-        self._honour({name: state[name] for name in changed}, changed, path)
+        self._honour({name: saved["controller"][name] for name in changed}, changed, path, features)
         self._follow_windows()  # a state saved by another run, or before windows were kept, has others
         forwards = self._forwards
         if not self.options.follows_noise_scale and self.controller.total_steps != forwards:
@@ -369,24 +376,41 @@ class DropBPCallback(TrainerCallback):
             asked["max_patterns"] = self.controller.backend.default_max_patterns
         return {name: getattr(given, name) for name, value in asked.items() if state[name] != value}
 
-    def _honour(self, saved: dict[str, Any], changed: dict[str, Any], path: str) -> None:
-        """A resumed run whose callback asks for other settings (``changed``) than the checkpoint's (``saved``): the
-        callback's are used from here on (the step counter, and the rates where the shape's own, resume from the
-        checkpoint), said once."""
+    def _features_otherwise(self, state: object) -> dict[str, tuple[Any, Any]]:
+        """The features that decide the patterns (``Feature.needed_to_resume``) whose settings this callback asks
+        otherwise than ``state`` saved them: per key, (saved, asked), None where not attached."""
+        if not isinstance(state, dict):
+            return {}
+        ours, found = self.controller.features, {}
+        for key, cls in feature_classes().items():
+            saved, asked = state.get(key), (ours[key].config() if key in ours else None)
+            if cls.needed_to_resume and saved != asked:
+                found[key] = (saved, asked)
+        return found
+
+    def _honour(
+        self, saved: dict[str, Any], changed: dict[str, Any], path: str, features: dict[str, tuple[Any, Any]]
+    ) -> None:
+        """A resumed run whose callback asks for other settings (``changed``, and the pattern-deciding ``features``)
+        than the checkpoint's (``saved``): the callback's are used from here on (the step counter, and the rates where
+        the shape's own, resume from the checkpoint), said once."""
         ctl = self.controller
-        if not changed:
+        if features:
+            saved = saved | {key: was for key, (was, _) in features.items()}
+        if not changed and not features:
             return
         if self.options.follows_noise_scale:
             ctl.replace_options(**changed)
-        else:  # the checkpoint's warm-up was fitted to its own rate: fit the schedule again to the asked one
+        elif changed:  # the checkpoint's warm-up was fitted to its own rate: fit the schedule again to the asked one
             ctl.replace_options(**changed, warmup_steps=0, total_steps=None)
             self._schedule(self._forwards)
+        asked = changed | {key: now for key, (_, now) in features.items()}
         log.warning(
             "dropbp: resumed from %s, saved with %s; this callback asks for %s: the callback's settings are used "
             "from here on, so the patterns differ from an uninterrupted run of either.",
             path,
-            ", ".join(f"{name}={saved[name]!r}" for name in changed),
-            ", ".join(f"{name}={value!r}" for name, value in changed.items()),
+            ", ".join(f"{name}={saved[name]!r}" for name in asked),
+            ", ".join(f"{name}={value!r}" for name, value in asked.items()),
         )
 
     def _replan(self, forwards: int) -> None:
@@ -412,8 +436,8 @@ class DropBPCallback(TrainerCallback):
 
     def _follow_windows(self) -> None:
         """The run's optimizer-step windows on the controller (the run decides them, as the schedule's length)."""
-        if self.controller.options.windows != self._windows:
-            self.controller.replace_options(windows=self._windows)
+        if self.controller.windows != self._windows:
+            self.controller.windows = self._windows
 
     def _schedule(self, forwards: int) -> None:
         """The warm-up and the time schedule over a run of ``forwards`` training forwards.

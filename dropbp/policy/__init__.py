@@ -2,8 +2,8 @@
 
 Per-branch rates and the never-drop-everything rule (:mod:`.never_drop_all`), the samplers that draw a step's pattern
 (:mod:`.sampler`), warm-up and time schedules (:mod:`.schedule`), sensitivity-based allocation (:mod:`.allocation`),
-the policy that combines them (:mod:`.drop_policy`), a run's patterns planned and tallied (:mod:`.plan`), learning-rate
-compensation (:mod:`.lr_compensation`). Nothing here touches a
+the drop shapes (:mod:`.shapes`), the extension points features plug into (:mod:`.plugins`), the policy that combines
+them (:mod:`.drop_policy`), a run's patterns planned and tallied (:mod:`.plan`). Nothing here touches a
 module, a hook or a device: the execution (:mod:`dropbp.execution`) carries a pattern to the model.
 """
 

@@ -18,7 +18,8 @@ from typing import Any, Protocol
 
 from dropbp.checks import check_int
 from dropbp.policy.never_drop_all import fit_rates, keep_a_trainable_branch
-from dropbp.policy.sampler import CutSampler, PatternSampler
+from dropbp.policy.plugins import PatternDraw, policy_plugins
+from dropbp.policy.sampler import PatternSampler
 from dropbp.policy.schedule import BOUNDED_WARMUP_LEVELS, SCHEDULE_LEVELS, TimeSchedule, warmup_factor
 from dropbp.policy.shapes import DropShape, get_shape
 from dropbp.policy.windows import Windows
@@ -36,7 +37,8 @@ __all__ = ["DropPolicy", "PolicySettings"]
 
 class PolicySettings(Protocol):
     """The settings the policy reads: these fields of :class:`dropbp.options.DropBPOptions` (a frozen dataclass,
-    validated there; the policy never imports it, so it knows nothing of devices or execution)."""
+    validated there; the policy never imports it, so it knows nothing of devices or execution). Of ``features`` it
+    reads only their extension points (:mod:`dropbp.policy.plugins`)."""
 
     drop_rate: float
     seed: int
@@ -44,10 +46,7 @@ class PolicySettings(Protocol):
     warmup_steps: int
     pattern: str
     total_steps: int | None
-    drop_schedule: str
-    ramp: float
-    stratify: int
-    windows: tuple[int, int] | None
+    features: Sequence[object]
 
 
 _SETTINGS = tuple(PolicySettings.__annotations__)
@@ -58,7 +57,7 @@ def _time_schedule(options: PolicySettings) -> TimeSchedule | None:
     if options.total_steps is None:
         return None
     levels = SCHEDULE_LEVELS if options.max_patterns is None else BOUNDED_WARMUP_LEVELS
-    return TimeSchedule(options.total_steps, options.drop_schedule, options.ramp, options.warmup_steps, levels)
+    return TimeSchedule(options.total_steps, options.warmup_steps, levels, policy_plugins(options.features)[0])
 
 
 class DropPolicy:
@@ -67,11 +66,11 @@ class DropPolicy:
     Args:
         flops: each branch's cost, in branch order; their number is the number of branches.
         options: the settings (``drop_rate``, ``seed``, ``max_patterns`` (here ``None`` is unbounded), ``warmup_steps``,
-            ``pattern``, ``total_steps``, ``drop_schedule``, ``ramp``, ``stratify``, ``windows``); its other fields are
-            not the policy's. Patterns are drawn at each forward's pattern index (:mod:`dropbp.policy.windows`), the
-            rates' schedule at the forward itself. With ``total_steps`` the rates follow a
-            :class:`~dropbp.policy.schedule.TimeSchedule` whose mean over the run is 1, so the run drops ``drop_rate``
-            on average, warm-up included.
+            ``pattern``, ``total_steps`` and the extension points of ``features``); its other fields are not the
+            policy's. Patterns are drawn at each forward's pattern index (:mod:`dropbp.policy.windows`: the run's
+            optimizer-step windows, :meth:`set_windows`), the rates' schedule at the forward itself. With
+            ``total_steps`` the rates follow a :class:`~dropbp.policy.schedule.TimeSchedule` whose mean over the run
+            is 1, so the run drops ``drop_rate`` on average, warm-up included.
     """
 
     def __init__(self, flops: Sequence[float], options: PolicySettings) -> None:
@@ -84,6 +83,7 @@ class DropPolicy:
         self._rates: list[float] = []
         self._time: TimeSchedule | None = None
         self._windows: Windows | None = None
+        self._draw: PatternDraw | None = None
         self._options = options
         self.use(options)
 
@@ -104,20 +104,35 @@ class DropPolicy:
         the drop rate, as ``apply`` does; rates given by :meth:`set_rates` are otherwise kept, and checked at the new
         schedule's peak."""
         own = self._own_rates or reset_rates
+        draw = policy_plugins(options.features)[1]
+        if draw is not None:
+            draw.check_draw(get_shape(options.pattern), options.max_patterns)
         time = _time_schedule(options)
         if options.max_patterns == 1 and (options.warmup_steps > 0 or (time is not None and time.peak != 1.0)):
             raise ValueError(
-                "max_patterns=1 leaves no room for rates that move (a warm-up or a rising drop_schedule): under a "
+                "max_patterns=1 leaves no room for rates that move (a warm-up or a rising schedule): under a "
                 "pattern bound they need the empty pattern beside the pool. Use max_patterns >= 2, or warmup_steps=0 "
-                "and drop_schedule='constant'"
+                "and no rising schedule"
             )
         if own:
             rates = self._shape_rates(options, time)
         else:
             rates = self._rates
             self._check_peak(rates, options.pattern, time)
-        self._options, self._time, self._rates, self._own_rates = options, time, rates, own
-        self._windows = None if options.windows is None else Windows(*options.windows)
+        self._options, self._time, self._rates, self._own_rates, self._draw = options, time, rates, own, draw
+        self._samplers.clear()
+
+    @property
+    def windows(self) -> tuple[int, int] | None:
+        """The run's optimizer-step windows, ``(training forwards per epoch, gradient accumulation steps)``, or None
+        (:mod:`dropbp.policy.windows`)."""
+        return None if self._windows is None else (self._windows.forwards_per_epoch, self._windows.accumulation)
+
+    def set_windows(self, windows: Sequence[int] | None) -> None:
+        """Draw at the pattern indices of these optimizer-step windows from the next pattern on (None: at each
+        forward). The Trainer integration sets them from the run: epochs that end with a short window start each
+        window's pool cycle (and a stratified group) at a multiple of the accumulation."""
+        self._windows = Windows.of(windows)
         self._samplers.clear()
 
     def _shape_rates(self, options: PolicySettings, time: TimeSchedule | None) -> list[float]:
@@ -244,7 +259,7 @@ class DropPolicy:
                 outside the branches is trainable (see :func:`dropbp.policy.never_drop_all.keep_a_trainable_branch`).
         """
         index = self._index(step)
-        if self._options.max_patterns is None or self._options.stratify > 1:
+        if self._options.max_patterns is None or self._draw is not None:
             pattern = self._sampler(self.factor(step)).pattern(index)
         else:
             pattern = self._bounded(index)
@@ -270,10 +285,10 @@ class DropPolicy:
         ``1 / K``, times the share of blocks that follow the pool where the rates move. (Drawn afresh with the
         uniform shape, the keep rule's rare rescues are not counted.)"""
         bound = self._options.max_patterns
-        if bound is None or self._options.stratify > 1:
+        if bound is None or self._draw is not None:
             factor = self.factor(step)
             rates = [min(1.0, r * factor) for r in self._rates]
-            if self.shape.nested or self._options.stratify > 1:
+            if self.shape.nested:
                 rescued = keep_a_trainable_branch(frozenset(range(len(rates))), self._rates, trainable)
                 rates = [0.0 if i not in rescued else r for i, r in enumerate(rates)]
             return tuple(rates)
@@ -314,11 +329,11 @@ class DropPolicy:
         sampler = self._samplers.get(factor)
         if sampler is None:
             rates = [min(1.0, r * factor) for r in self._rates]  # a peak's rounding must not pass 1
-            options = self._options
-            if options.stratify > 1:  # the options allow it with cut patterns and no pool only
-                sampler = CutSampler(rates, options.seed, stratify=options.stratify, windows=self._windows)
+            seed = self._options.seed
+            if self._draw is not None:  # checked in use(): drawn afresh, no pool
+                sampler = self._draw.sampler(self.shape, rates, seed, self._windows)
             else:
-                sampler = self.shape.sampler(rates, options.seed, self._pool_size())
+                sampler = self.shape.sampler(rates, seed, self._pool_size())
             if len(self._samplers) >= MAX_SAMPLERS:
                 del self._samplers[next(iter(self._samplers))]
             self._samplers[factor] = sampler
@@ -341,17 +356,15 @@ class DropPolicy:
             "warmup_steps": options.warmup_steps,
             "pattern": options.pattern,
             "total_steps": options.total_steps,
-            "drop_schedule": options.drop_schedule,
-            "ramp": options.ramp,
-            "stratify": options.stratify,
             "rates_follow_drop_rate": self._own_rates,
-        } | ({} if options.windows is None else {"windows": list(options.windows)})
+        } | ({} if self._windows is None else {"windows": list(self.windows)})
 
     def load_state_dict(self, state: dict[str, Any], options: PolicySettings) -> None:
         """Restore :meth:`state_dict` output: its rates under ``options`` (the state's settings as the controller
         resolved them on its device); all or nothing (a bad value changes no setting)."""
         trial = DropPolicy(self._flops, _replace(options, total_steps=None))
         trial.set_rates(state["rates"])
+        trial.set_windows(state.get("windows"))
         trial.use(options)
         trial._own_rates = state["rates_follow_drop_rate"]  # the saved rates are kept as saved
         self.__dict__.update(trial.__dict__)
@@ -364,7 +377,7 @@ def _replace(options: PolicySettings, **change: Any) -> PolicySettings:
 
 def _peak_error(time: TimeSchedule, pattern: str, detail: str) -> ValueError:
     shorter = (
-        "use a shorter ramp or warm-up, or drop_schedule='constant'"
+        "use a shorter rise or warm-up, or no rising schedule"
         if time.rises
         else "shorten the warm-up (apply's warmup_steps, attach's warmup=) or set it to 0"
     )

@@ -16,9 +16,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from dropbp.policy.windows import Windows
-
-__all__ = ["CutSampler", "PatternSampler", "stratified_depth"]
+__all__ = ["CutSampler", "PatternSampler"]
 
 # Swap attempts per pool cell: enough for the pool to look random (the chain mixes in O(cells) swaps).
 _SWAPS_PER_CELL = 8
@@ -119,48 +117,14 @@ class CutSampler(PatternSampler):
 
     _STREAM = ("cut",)
 
-    def __init__(
-        self,
-        rates: Sequence[float],
-        seed: int,
-        max_patterns: int | None = None,
-        stratify: int = 1,
-        windows: Windows | None = None,
-    ) -> None:
-        super().__init__(rates, seed, max_patterns)
-        if stratify > 1 and max_patterns is not None:
-            raise ValueError("stratified cuts are drawn afresh each step: they take no pattern pool (max_patterns)")
-        #: Forwards per stratified group (1: independent draws).
-        self.stratify = stratify
-        #: The run's optimizer-step windows: a group a short window ends has as many slices as forwards.
-        self.windows = windows
-
     def _build_pool(self) -> tuple[frozenset[int], ...]:
         k = self.max_patterns
         v = self._rng("pool").random()
         return tuple(self._below((j + v) / k) for j in range(k))
 
     def _draw(self, step: int) -> frozenset[int]:
-        if self.stratify == 1:
-            return self._below(self._rng("step", step).random())
-        size = self.stratify if self.windows is None else self.windows.group_size(step, self.stratify)
-        return self._below(stratified_depth(self.seed, self.stratify, step, size))
+        return self._below(self._rng("step", step).random())
 
     def _below(self, u: float) -> frozenset[int]:
         return frozenset(i for i, r in enumerate(self.rates) if u < r)
-
-
-def stratified_depth(seed: int, group: int, step: int, size: int | None = None) -> float:
-    """The cut depth ``u`` at pattern index ``step`` in groups of ``group`` indices, of which the first ``size``
-    (default ``group``; fewer where a short window ends the group) draw: they take one point in each slice
-    ``[k / size, (k + 1) / size)``, slices in a random order, at one random offset in the slice. Each ``u`` is
-    uniform on [0, 1); it depends on (seed, step, size) only, not on the rates, so a warm-up that changes the rates
-    inside a group keeps the group's slices."""
-    size = group if size is None else size
-    if not 0 <= step % group < size <= group:
-        raise ValueError(f"index {step} is not among the first {size} of its group of {group}")
-    rng = random.Random(f"stratified:{seed}:{size}:{step // group}")
-    order = list(range(size))
-    rng.shuffle(order)
-    return (order[step % group] + rng.random()) / size
 

@@ -12,26 +12,18 @@ Why, and what was measured: docs/regime.md ("A drop rate that moves with trainin
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "BOUNDED_WARMUP_LEVELS",
-    "DROP_SCHEDULES",
-    "SCHEDULE_LEVELS",
-    "TimeSchedule",
-    "warmup_factor",
-]
+if TYPE_CHECKING:
+    from dropbp.policy.plugins import Rise
+
+__all__ = ["BOUNDED_WARMUP_LEVELS", "SCHEDULE_LEVELS", "TimeSchedule", "warmup_factor"]
 
 #: Warm-up levels where the number of distinct patterns is bounded (each level is a new pool).
 BOUNDED_WARMUP_LEVELS = 4
 #: Levels of a time schedule's factor where patterns are unbounded: steps of 5%, so that at most 21
 #: pattern samplers are ever built.
 SCHEDULE_LEVELS = 20
-#: How the rates move over the run (``apply(..., drop_schedule=...)``), each rising from 0 over the
-#: first ``ramp`` of the run: ``"constant"`` (no rise: only the warm-up, if any), ``"linear"``,
-#: ``"cosine"`` (a half cosine, slow at both ends) or ``"step"`` (0, then the peak at once).
-DROP_SCHEDULES = ("constant", "linear", "cosine", "step")
-#: The ramp of a rising drop schedule when none is given: the share of the run over which it rises.
-DEFAULT_RAMP = 0.5
 
 
 def warmup_factor(step: int, warmup_steps: int, levels: int | None = None) -> float:
@@ -49,46 +41,36 @@ def warmup_factor(step: int, warmup_steps: int, levels: int | None = None) -> fl
     return math.floor(levels * step / warmup_steps) / levels
 
 
-def _rise(shape: str, position: float) -> float:
-    """A shape's rise at ``position``, the fraction of its ramp done (0 to 1): from 0 to 1."""
-    if shape == "constant" or position >= 1.0:
-        return 1.0
-    if shape == "linear":
-        return position
-    if shape == "cosine":
-        return (1.0 - math.cos(math.pi * position)) / 2.0
-    return 0.0  # "step": nothing until the ramp ends
-
-
 class TimeSchedule:
     """The factor on every rate at each training forward of a run of known length, whose mean is 1.
 
-    The shape's rise (over the first ``ramp`` of the run) times the warm-up's, quantised to ``levels``
-    (each level is one pattern sampler, or one pattern pool on compiled devices), then scaled so that
+    The warm-up's factor (times a rise where one is given: :class:`dropbp.policy.plugins.Rise`), quantised to
+    ``levels`` (each level is one pattern sampler, or one pattern pool on compiled devices), then scaled so that
     its mean over the ``total_steps`` forwards is exactly 1: the run saves the compute its drop rate
     asks for, less early and more late. Forwards past ``total_steps`` keep the last factor.
 
     Args:
         total_steps: the run's length in training forwards (micro-batches: optimizer steps times
             gradient accumulation), counted like ``warmup_steps``.
-        shape: one of :data:`DROP_SCHEDULES`.
-        ramp: the fraction of the run over which the shape rises, in (0, 1].
         warmup_steps: the warm-up's length in forwards (0: none).
         levels: the quantisation (:data:`SCHEDULE_LEVELS`, or :data:`BOUNDED_WARMUP_LEVELS` for bounded
             pattern pools).
+        rise: how the rates rise over the run (None: they do not; only the warm-up lifts them).
     """
 
-    def __init__(self, total_steps: int, shape: str, ramp: float, warmup_steps: int, levels: int) -> None:
-        self._settings = (total_steps, shape, ramp, warmup_steps)
-        rise_steps = ramp * total_steps
-        raw = [_rise(shape, step / rise_steps) * warmup_factor(step, warmup_steps) for step in range(total_steps)]
+    def __init__(self, total_steps: int, warmup_steps: int, levels: int, rise: Rise | None = None) -> None:
+        self._settings = (total_steps, warmup_steps)
+        self._rise = rise
+        raw = [
+            (1.0 if rise is None else rise.level(step, total_steps)) * warmup_factor(step, warmup_steps)
+            for step in range(total_steps)
+        ]
         quantised = [math.floor(levels * x + 0.5) / levels for x in raw]  # nearest level
         mean = sum(quantised) / total_steps
         if mean <= 0.0:
             raise ValueError(
                 f"the drop schedule drops nothing over the whole run of {total_steps} training forwards "
-                f"(shape {shape!r}, ramp {ramp:g}, warm-up {warmup_steps}): lengthen the run or shorten the ramp "
-                "or the warm-up"
+                f"({self.describe()}): lengthen the run or shorten the rise or the warm-up"
             )
         self._factors = [q / mean for q in quantised]
         #: The largest factor: the rates at their peak are the rates times this.
@@ -96,13 +78,14 @@ class TimeSchedule:
 
     @property
     def rises(self) -> bool:
-        """Whether the shape rises over a ramp (else only a warm-up lifts the peak)."""
-        return self._settings[1] != "constant"
+        """Whether the rates rise (else only a warm-up lifts the peak)."""
+        return self._rise is not None
 
     def describe(self) -> str:
         """The settings, for messages."""
-        total, shape, ramp, warmup = self._settings
-        return f"drop_schedule={shape!r}, ramp={ramp:g}, warmup_steps={warmup}, total_steps={total}"
+        total, warmup = self._settings
+        rise = "" if self._rise is None else f"{self._rise.describe()}, "
+        return f"{rise}warmup_steps={warmup}, total_steps={total}"
 
     def factor(self, step: int) -> float:
         """The factor on every rate at training forward ``step`` (counted from 0)."""

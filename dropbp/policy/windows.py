@@ -28,6 +28,16 @@ class Windows:
         check_int("forwards_per_epoch", self.forwards_per_epoch, 1)
         check_int("accumulation", self.accumulation, 1)
 
+    @classmethod
+    def of(cls, value: object) -> Windows | None:
+        """``value`` given as ``windows`` (a pair, or None) made one, or a TypeError / ValueError naming it."""
+        if value is None:
+            return None
+        if not isinstance(value, (list, tuple)) or len(value) != 2:
+            wanted = "(training forwards per epoch, gradient accumulation steps), or None"
+            raise TypeError(f"windows must be {wanted}, got {value!r:.80}")
+        return cls(check_int("windows[0]", value[0], 1), check_int("windows[1]", value[1], 1))
+
     @property
     def span(self) -> int:
         """Pattern indices per epoch: the epoch rounded up to whole windows."""

@@ -24,7 +24,6 @@ from torch import nn
 from dropbp import experimental
 from dropbp.backends import Backend
 from dropbp.controller import DropBPController
-from dropbp.execution.dropped_grads import DEFAULT_DROPPED_GRADS
 from dropbp.options import AUTO_WARMUP
 from dropbp.policy.allocation import cut_cap, cut_rates
 from dropbp.tools.arms import apply_arm as apply
@@ -88,7 +87,7 @@ class Run:
     calibrate: bool = False  # sensitivity-based rates at ``calibrate_at`` of training
     unbiased: bool = False  # scale kept branches' incoming gradient by 1 / (1 - rate)
     lr_compensation: bool = False  # branch parameters get lr / (1 - rate)
-    dropped_grads: str = DEFAULT_DROPPED_GRADS  # what the optimizer sees for dropped branches (dropbp.apply)
+    dropped_grads: str = "skip"  # what the optimizer sees for dropped branches (dropbp.experimental.DroppedGradFill)
     # "warmup": rates rise from 0 over the first 20% of the baseline's steps (apply's warmup_steps);
     # "anneal": they fall to 0 over the last 20% of the run's steps.
     schedule: str | None = None

@@ -111,7 +111,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         for p in model.parameters():
             p.sum()
     gc.collect()
-    level = backend.memory_allocated() if allocator else rss_bytes()
+    level = getattr(torch, backend.torch_module).memory_allocated() if allocator else rss_bytes()
     result: dict[str, Any] = {**spec, "level_bytes": level, "heap_mmap_threshold": mapped}
     if allocator:
         backend.reset_peak_memory()

@@ -3,8 +3,8 @@
 A branch dropped with rate ``r`` receives a gradient (and, with "skip", an update) in ``1 - r`` of
 the steps; scaling its learning rate by :func:`compensation` makes its expected update per step that
 of full backprop. Measured, this did not help at the baselines' swept learning rates (larger steps on
-an already tuned lr); it is kept as an option (``ctl.param_groups``). The same factor is the
-unbiased backward scaling's (:mod:`dropbp.execution.branch_forward`).
+an already tuned lr); it is kept as an option (:func:`dropbp.experimental.param_groups`). The same factor is the
+importance weights' (:mod:`dropbp.experimental.importance_weights`).
 """
 
 from __future__ import annotations
