@@ -6,7 +6,8 @@ sum ||g_P - g_P^(i)||^2). :func:`one_pass` gets every ``g^(i) = g - c^(i)`` (``c
 of branch i's output ``y_i`` with the gradient arriving there, a backward that covers only the graph upstream of
 ``y_i``) from one forward, one full backward and N partial backwards: no forward is repeated, the randomness
 (dropout) is the same for every branch by construction, and ``.grad`` is never touched. The research code's N + 1
-forward+backward passes are kept to check against (:func:`exact_recompute`). Derivation, timings: docs/calibration.md.
+forward+backward passes are kept to check against (:func:`sensitivities_by_recomputing`). Derivation, timings:
+docs/calibration.md.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ __all__ = [
     "OnePassUnavailable",
     "average_across_ranks",
     "CalibrationJob",
-    "exact_recompute",
+    "sensitivities_by_recomputing",
     "measure",
     "one_pass",
 ]
@@ -227,7 +228,7 @@ class CalibrationJob(NamedTuple):
 def one_pass(job: CalibrationJob) -> list[float]:
     """Sensitivities of every branch from one forward (see the module docstring)."""
     closure, params, branch_modules, force, gradnorm, boundary = job
-    _reseed(_draw_seed())  # the same randomness as the first pass of exact_recompute
+    _reseed(_draw_seed())  # the same randomness as the first pass of sensitivities_by_recomputing
     # The pattern stays forced through the backward passes too: activation checkpointing re-runs
     # branch forwards there, and they must see the same (empty) pattern as the forward did.
     with _stashed_grads(params), force(frozenset()):
@@ -251,7 +252,7 @@ def one_pass(job: CalibrationJob) -> list[float]:
     return result
 
 
-def exact_recompute(job: CalibrationJob) -> list[float]:
+def sensitivities_by_recomputing(job: CalibrationJob) -> list[float]:
     """The research code's method: N + 1 forward/backward passes, reseeded identically each time."""
     closure, params, branch_modules, force, gradnorm, boundary = job
     seed = _draw_seed()
@@ -333,7 +334,7 @@ def measure(
             except OnePassUnavailable as why:
                 log.warning("dropbp: calibrate falls back to exact-recompute (N + 1 passes): %s", why)
         if sens is None:
-            sens = exact_recompute(job)
+            sens = sensitivities_by_recomputing(job)
     finally:
         for module, training in modes.items():
             module.training = training

@@ -36,7 +36,7 @@ from dropbp.options import DropBPOptions, check_names, moved
 from dropbp.policy.drop_policy import DropPolicy
 from dropbp.policy.plan import DropTally
 from dropbp.run_schedule import RunSchedule
-from dropbp.state import STATE_VERSION, check_state, migrate, policy_settings
+from dropbp.state import STATE_VERSION, check_state, migrate, state_settings
 
 __all__ = ["DropBPController", "controller_of"]
 
@@ -286,7 +286,8 @@ class DropBPController:
         """Restore :meth:`state_dict` output (all or nothing); the branches must be the same as when it was saved."""
         self._check_attached()
         state = check_state(migrate(state, self.features), tuple(self.features), [b.name for b in self._found])
-        given = dataclasses.replace(self._given, **policy_settings(state))
+        with state_settings(state) as settings:  # each setting checked once, by the options, named as the state's
+            given = dataclasses.replace(self._given, **settings)
         with self._features.loading(given.features, state):  # first: "auto" reads the noise scale's state
             self._use(given, lambda resolved: self._policy.load_state_dict(state, resolved))
         self._hooks.step = state["step"]

@@ -28,7 +28,6 @@ from dropbp.architectures import BERT_BRANCHES
 from dropbp.backends import Backend
 from dropbp.checks import check_bool, check_choice, check_fraction, check_int
 from dropbp.features.base import Feature, feature_classes
-from dropbp.features.noise_scale import NoiseScale
 from dropbp.policy.plugins import policy_plugins
 from dropbp.policy.shapes import get_shape, shape_names
 
@@ -71,9 +70,9 @@ MOVED = {
     "token_selection": "pass features=[dropbp.experimental.TokenDrops(rate, selection=...)]",
 }
 
-# What goes before every option's name in error messages: "" for Python callers, "dropbp_" while the
-# axolotl plugin checks its config keys (:func:`named_as`).
-_PREFIX: ContextVar[str] = ContextVar("dropbp_option_prefix", default="")
+# How error messages write an option's name: as it is for Python callers, "dropbp_{}" while the axolotl plugin checks
+# its config keys, "state['{}']" while a checkpoint state's settings are checked (:func:`named_as`).
+_NAMED: ContextVar[str] = ContextVar("dropbp_option_names", default="{}")
 
 
 def is_auto(value: object) -> bool:
@@ -196,7 +195,7 @@ class DropBPOptions:
     _seed_may_be_none: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        key = _PREFIX.get().__add__
+        key = _NAMED.get().format
         if not is_auto(self.drop_rate):
             self._rate(
                 "drop_rate",
@@ -229,14 +228,14 @@ class DropBPOptions:
         if len(set(keys)) != len(keys):
             raise ValueError(f"{key('features')} holds two features of one kind ({sorted(keys)}): give each once")
         self._set("features", tuple(features))
-        if self.follows_noise_scale and self.feature(NoiseScale.key) is None:  # "auto" reads the measured noise scale
-            self._set("features", (*self.features, NoiseScale()))
+        if self.follows_noise_scale and self.rate_chooser() is None:  # "auto" reads the measured noise scale
+            self._set("features", (*self.features, next(c for c in feature_classes().values() if c.chooses_rate)()))
         policy_plugins(self.features)  # two rises or pattern draws are refused
 
     def _rate(self, name: str, meaning: str) -> None:
         """Check the rate ``name`` is in [0, 1) and store it as a float; the error says what it means."""
         try:
-            self._set(name, check_fraction(_PREFIX.get() + name, getattr(self, name)))
+            self._set(name, check_fraction(_NAMED.get().format(name), getattr(self, name)))
         except (ValueError, TypeError) as error:  # a wrong value, or a string other than "auto"
             raise type(error)(f"{error}: {meaning}") from None
 
@@ -260,11 +259,11 @@ class DropBPOptions:
         """These options on ``backend``, for a model whose branches cost ``flops``, with one meaning each:
         ``max_patterns=None`` is the backend's default bound, ``memory_bound="auto"`` is on or off for this drop rate
         and these features, and ``drop_rate="auto"`` is the rate the noise scale feature now chooses
-        (:meth:`dropbp.NoiseScale.rate`), with no warm-up or time schedule. Every entry (``apply``, a setter, a
+        (:meth:`dropbp.NoiseScale.choose_rate`), with no warm-up or time schedule. Every entry (``apply``, a setter, a
         loaded state, a measured step under ``"auto"``) resolves the options as given, so no setter or state can lift
         a device's bound, and ``"auto"`` follows a later drop rate."""
         if self.follows_noise_scale:
-            rate = self.feature(NoiseScale.key).rate(get_shape(self.pattern), flops)
+            rate = self.rate_chooser().choose_rate(get_shape(self.pattern), flops)
             rises = [f for f in self.features if policy_plugins([f])[0] is not None]  # "auto" replaces a rise
             features = tuple(f for f in self.features if f not in rises)
             auto = {"drop_rate": rate, "warmup_steps": 0, "total_steps": None, "features": features}
@@ -274,6 +273,11 @@ class DropBPOptions:
         if is_auto(memory_bound):
             memory_bound = any(f.bounds_memory for f in self.features) or self.drop_rate >= AUTO_BOUND_RATE
         return dataclasses.replace(self, backend=backend, max_patterns=bound, memory_bound=bool(memory_bound))
+
+    def rate_chooser(self) -> Feature | None:
+        """The feature that chooses ``drop_rate="auto"``'s rate (the noise scale: ``Feature.chooses_rate``), or
+        None."""
+        return next((f for f in self.features if f.chooses_rate), None)
 
     def feature(self, key: str) -> Feature | None:
         """The feature of ``features`` with this key, or None."""
@@ -357,7 +361,7 @@ class TrainerOptions(DropBPOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        key = _PREFIX.get().__add__
+        key = _NAMED.get().format
         if self.calibrate_at is not None and not is_auto(self.calibrate_at):
             point = check_fraction(
                 key("calibrate_at"), self.calibrate_at, what="a fraction of the training steps (or None)"
@@ -395,13 +399,14 @@ def option_fields(cls: type[DropBPOptions]) -> list[dataclasses.Field]:
 
 
 @contextmanager
-def named_as(prefix: str) -> Iterator[None]:
-    """Error messages of the options made inside name every option ``prefix + name`` (axolotl's keys)."""
-    token = _PREFIX.set(prefix)
+def named_as(form: str) -> Iterator[None]:
+    """Error messages of the options made inside name every option ``form.format(name)`` (``"dropbp_{}"``: axolotl's
+    keys; ``"state[{!r}]"``: a checkpoint state's fields)."""
+    token = _NAMED.set(form)
     try:
         yield
     finally:
-        _PREFIX.reset(token)
+        _NAMED.reset(token)
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])

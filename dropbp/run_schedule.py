@@ -20,7 +20,8 @@ __all__ = ["RunSchedule"]
 
 
 class RunSchedule:
-    """A read-only view of one controller's policy (``ctl.schedule``)."""
+    """A view of one controller's policy (``ctl.schedule``): what it will drop, read-only, and what it dropped (the
+    tally, which :meth:`drop_stats` resets)."""
 
     def __init__(
         self,

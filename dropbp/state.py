@@ -1,22 +1,25 @@
 """The controller's checkpoint state (``ctl.state_dict()``): its fields, checked before anything is restored.
 
-A state read back from a file may have been edited, written by another tool or truncated. Every field
-goes through the same checks as ``apply``'s arguments, each message naming the field; a key dropbp
-does not know (a misspelt ``warmup_step``) is refused rather than ignored, so nothing is half-applied
-and nothing is silently lost.
+A state read back from a file may have been edited, written by another tool or truncated. Its structure is checked
+here (every key there, none unknown: a misspelt ``warmup_step`` is refused rather than ignored; the version, the
+branches, the rates, the step); each setting is checked once, by the options' own checks, its message naming the
+state's field (:func:`state_settings`); each feature checks its own entry. Nothing is half-applied and nothing is
+silently lost. A state of an earlier version is migrated first (:func:`migrate`).
 """
 
 from __future__ import annotations
 
 import difflib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from dropbp.checks import check_bool, check_choice, check_fraction, check_int, check_number, check_sequence
+from dropbp.checks import check_bool, check_int, check_number, check_sequence
 from dropbp.features.base import Feature, feature_classes
-from dropbp.options import is_auto
-from dropbp.policy.shapes import shape_names
+from dropbp.options import is_auto, named_as
+from dropbp.policy.windows import Windows
 
-__all__ = ["STATE_VERSION", "check_state", "policy_settings"]
+__all__ = ["STATE_VERSION", "check_state", "migrate", "state_settings"]
 
 #: 2 since dropbp 0.4 (1: 0.2 and 0.3, whose experimental settings the features that replace them migrate).
 STATE_VERSION = 2
@@ -43,17 +46,10 @@ REQUIRED = ("version", "branches", "rates", "step", *POLICY_STATE, "rates_follow
 #: key may hold its state too (:func:`dropbp.features.base.feature_classes`), which the feature checks itself
 #: (:meth:`dropbp.features.base.Feature.check_state`) where it is attached.
 OPTIONAL = ("windows",)
-#: The key of the state ``drop_rate="auto"`` resumes from (the noise scale feature's).
-AUTO_STATE = "noise_scale"
 
 
 def _field(name: str) -> str:
     return f"state[{name!r}]"
-
-
-def _optional_int(name: str, value: object, minimum: int) -> None:
-    if value is not None:
-        check_int(_field(name), value, minimum)
 
 
 def _with_hint(key: object) -> str:
@@ -112,26 +108,21 @@ def check_state(state: object, feature_keys: tuple[str, ...] = (), names: list[s
         )
     for i, rate in enumerate(check_sequence(_field("rates"), state["rates"])):
         check_number(f"state['rates'][{i}]", rate)
-    if not is_auto(state["drop_rate"]):
-        check_fraction(_field("drop_rate"), state["drop_rate"])
-    elif AUTO_STATE not in state:
-        raise ValueError(f"{_field('drop_rate')} is 'auto' but the state has no {AUTO_STATE!r}; pass state_dict()'s")
-    check_int(_field("seed"), state["seed"], 0)
+    if is_auto(state["drop_rate"]):  # "auto" resumes from the state of the feature that chooses its rate
+        chooser = next(key for key, cls in feature_classes().items() if cls.chooses_rate)
+        if chooser not in state:
+            raise ValueError(f"{_field('drop_rate')} is 'auto' but the state has no {chooser!r}; pass state_dict()'s")
     check_int(_field("step"), state["step"], 0)
-    _optional_int("max_patterns", state["max_patterns"], 1)
-    check_int(_field("warmup_steps"), state["warmup_steps"], 0)
-    check_choice(_field("pattern"), state["pattern"], shape_names())
-    _optional_int("total_steps", state["total_steps"], 1)
-    if "windows" in state:
-        windows = state["windows"]
-        if not isinstance(windows, (list, tuple)) or len(windows) != 2:
-            raise TypeError(f"{_field('windows')} must be [forwards per epoch, accumulation], got {windows!r:.80}")
-        for i, value in enumerate(windows):
-            check_int(f"{_field('windows')}[{i}]", value, 1)
+    Windows.of(state.get("windows"))
     check_bool(_field("rates_follow_drop_rate"), state["rates_follow_drop_rate"])
     return state
 
 
-def policy_settings(state: dict[str, Any]) -> dict[str, Any]:
-    """The options a checked ``state`` sets (:data:`POLICY_STATE`)."""
-    return {name: state[name] for name in POLICY_STATE}
+@contextmanager
+def state_settings(state: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The options a structurally checked ``state`` sets (:data:`POLICY_STATE`), for ``dataclasses.replace`` inside the
+    block: the options' own checks, the one validation of each setting, name the state's fields
+    (``state['seed'] must be an int >= 0``)."""
+    with named_as("state[{!r}]"):
+        yield {name: state[name] for name in POLICY_STATE}
+

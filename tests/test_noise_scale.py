@@ -133,7 +133,7 @@ def test_the_forecast_per_arm_follows_the_noise_scale():
     cost 1 - 0.5 * share, full backprop at half the batch 0.5. Far below the noise scale (r -> 0) every arm's step
     is worth a full one."""
     from dropbp.features.noise_scale import noise_scale_forecast
-    from dropbp.policy.noise_scale import NoiseScale, forecast_arms
+    from dropbp.policy.noise_scale import NoiseScaleReading, forecast_arms
 
     branch, half = forecast_arms(1024, 1024, 0.5, (0.5,))
     assert (branch.worth, branch.step_cost) == (pytest.approx(2 / 3), 0.75)
@@ -142,7 +142,7 @@ def test_the_forecast_per_arm_follows_the_noise_scale():
     assert [round(a.speedup, 3) for a in quiet] == [round(1 / 0.75, 3), round(1 / 0.625, 3), 2.0]
     with pytest.raises(ValueError, match="branch_share"):
         forecast_arms(1, 1, 1.5)
-    message = noise_scale_forecast(NoiseScale(2048.0, 1.0, 2048.0, 1024.0, 6), 0.5, branch_share=0.5)
+    message = noise_scale_forecast(NoiseScaleReading(2048.0, 1.0, 2048.0, 1024.0, 6), 0.5, branch_share=0.5)
     assert "noise scale 2,048 tokens over 6 optimizer steps, at 1,024 tokens per step (ratio 2.00" in message
     assert "branch drops at 0.5: 0.80x" in message  # (1 + 2) / (1 + 4) = 0.6 at 0.75 of the time
     assert "Best forecast: full backprop at half the batch" in message
@@ -151,13 +151,13 @@ def test_the_forecast_per_arm_follows_the_noise_scale():
 def test_the_automatic_rate_drops_only_where_the_forecast_says_it_pays():
     """``auto_drop_rate``: nothing before a few steps are measured; the largest rate with no noise (every step worth
     a full one, so only the cost counts); none far above it; and it never rises as the noise scale grows."""
-    from dropbp.policy.noise_scale import AUTO_RATES, NoiseScale, auto_drop_rate
+    from dropbp.policy.noise_scale import AUTO_RATES, NoiseScaleReading, auto_drop_rate
 
     def at(ratio: float) -> float:
-        return auto_drop_rate(NoiseScale(ratio * 1024, 1.0, 1.0, 1024.0, 8), branch_share=0.5)
+        return auto_drop_rate(NoiseScaleReading(ratio * 1024, 1.0, 1.0, 1024.0, 8), branch_share=0.5)
 
     assert auto_drop_rate(None) == 0.0 and at(0.0) == max(AUTO_RATES) and at(5.0) == 0.0
-    assert auto_drop_rate(NoiseScale(0.0, 1.0, 1.0, 1024.0, 3)) == 0.0  # too few steps measured to act on
+    assert auto_drop_rate(NoiseScaleReading(0.0, 1.0, 1.0, 1024.0, 3)) == 0.0  # too few steps measured to act on
     chosen = [at(r) for r in (0.0, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6)]
     assert chosen == sorted(chosen, reverse=True) and 0.0 < chosen[2] < max(AUTO_RATES)
     # by hand at r = 0.1, share 0.5: (1 - p) * 1.1 / ((1.1 - p) * (1 - p / 2)) is 1.222 at p = 0.5, 1.263 at

@@ -91,7 +91,7 @@ def test_the_row_local_linear_maps_run_on_the_kept_rows(monkeypatch):
     kept = keep_count(32, 0.75)
     # per layer: q and o (attention) and gate, up, down (MLP): the gradient rows and the input rows of each
     assert seen == [kept] * (2 * 5 * 2)
-    assert token_backward.TokenDrops  # the module the gathering lives in
+    assert token_backward.RowDropEngine  # the module the gathering lives in
     assert set(ctl.features["token_drops"].weights()) == {b.name for b in ctl.branches}
 
 

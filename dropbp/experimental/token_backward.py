@@ -8,7 +8,7 @@ rows, 0 elsewhere, so every gradient the branch produces (its parameters', and w
 input) is an unbiased estimate of full backprop's. The residual stream is untouched. Exactly: every parameter's
 gradient equals the unmodified model's in which each kept branch's output ``y`` is replaced by
 ``y.detach() + (w * y - (w * y).detach())`` (same values, gradient ``w * g``), for the weights recorded
-(:attr:`TokenDrops.last_weights`).
+(:attr:`RowDropEngine.last_weights`).
 
 Why it is cheaper. Rows of ``w * g`` outside the kept set are zero, and stay zero through the branch's row-local
 linear maps (every linear map of an MLP branch; an attention branch's query and output projections, named in
@@ -56,7 +56,7 @@ from dropbp.experimental.token_selection import (
 )
 from dropbp.internals import checkpoint_hook
 
-__all__ = ["RowSlot", "TokenDrops"]
+__all__ = ["RowDropEngine", "RowSlot"]
 
 #: ``token_drop_rate="auto"``: the weight of the readings so far against a new forward's (per branch, per share)
 _SMOOTHING = 0.8
@@ -233,7 +233,7 @@ def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
-class TokenDrops:
+class RowDropEngine:
     """Token drops on the branches of one model, installed while ``token_drop_rate > 0`` (see the module docstring).
 
     Args: parts: per branch, its module then its tail (the last part's output is what the residual add receives).

@@ -17,8 +17,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from dropbp.checks import check_choice, check_fraction, check_number, check_sequence
-from dropbp.experimental.token_backward import RowSlot
-from dropbp.experimental.token_backward import TokenDrops as RowDrops
+from dropbp.experimental.token_backward import RowDropEngine, RowSlot
 from dropbp.experimental.token_rows import recomputes_on_kept_rows, row_local_linears, row_ops
 from dropbp.experimental.token_selection import AUTO_KEEP_SHARES, TOKEN_SELECTIONS
 from dropbp.features.base import Feature, register_feature
@@ -148,7 +147,7 @@ class TokenDrops(Feature):
         super().attach(host)
         found = [row_local_linears(b) for b in host.branches]
         self._rows = row_ops(host.backend)
-        self._part = RowDrops(
+        self._part = RowDropEngine(
             [b.parts for b in host.branches],
             [linears for linears, _ in found],
             self._rows,
@@ -176,7 +175,7 @@ class TokenDrops(Feature):
         step = self.host.hooks.kept_step(index)
         if step is None:
             return None
-        key = (self.host.options().seed, step, index)
+        key = (self.host.in_force().seed, step, index)
         return RowSlot(key, rate, self._selection, self._rows.place_rows)
 
     def weights(self) -> dict[str, torch.Tensor]:
@@ -193,9 +192,9 @@ class TokenDrops(Feature):
         shares = rows.auto_shares if fixed is None else [1.0 - fixed] * len(self.host.branches)
         return {b.name: share for b, share in zip(self.host.branches, shares, strict=True)}
 
-    def _attached_rows(self) -> RowDrops:
+    def _attached_rows(self) -> RowDropEngine:
         if self._part is None:
-            self.host  # noqa: B018 - raises, saying how to attach
+            raise RuntimeError(f"the {self.key} feature is not attached: pass it to dropbp.apply(..., features=[...])")
         return self._part
 
     def modules(self) -> list[nn.Module]:

@@ -43,6 +43,9 @@ class Feature:
     #: in place of the shape's; None: the feature leaves them alone.
     rise: Any = None
     pattern_draw: Any = None
+    #: Whether it chooses the rate of ``drop_rate="auto"`` (:meth:`choose_rate`); the first registered such class is
+    #: added where ``"auto"`` is given without one (the noise scale).
+    chooses_rate: ClassVar[bool] = False
     #: An extension point of the dropped branches' gradients: how they get one before the optimizer steps (``"zero"``
     #: or ``"reuse"``; None: they get none, the paper's), read by a framework's guard (:func:`dropped_fill`).
     dropped_fill: str | None = None
@@ -92,6 +95,11 @@ class Feature:
         where changed): a ValueError naming the way now where one that mattered is not what ``attached`` (the
         feature of this key given now, or None) does. By default: as it is."""
         return state
+
+    def choose_rate(self, shape: Any, flops: Sequence[float]) -> float:
+        """Where :attr:`chooses_rate`: the drop rate ``"auto"`` stands for now, among those the drop ``shape`` reaches
+        over branches of these costs."""
+        raise NotImplementedError(f"{type(self).__name__} does not choose a drop rate")
 
     def check(self, model: nn.Module, framework: bool) -> None:
         """Raise if this feature cannot run on ``model`` (``framework``: a DeepSpeed engine holds its gradients),

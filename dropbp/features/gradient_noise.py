@@ -30,7 +30,7 @@ from torch.utils.hooks import RemovableHandle
 from dropbp.execution.compile_guards import outside_graphs
 from dropbp.execution.recompute import in_backward
 from dropbp.internals import at_backward_end, tensor_version
-from dropbp.policy.noise_scale import NoiseScale, NoiseScaleEstimator, window_terms
+from dropbp.policy.noise_scale import NoiseScaleEstimator, NoiseScaleReading, window_terms
 
 __all__ = ["MicroBatchGradients", "check_reads", "measure_windows"]
 
@@ -50,7 +50,7 @@ def check_reads(model: nn.Module, framework: bool) -> None:
         )
 
 
-def measure_windows(model: nn.Module, windows: Iterable[Sequence[Mapping[str, object]]]) -> NoiseScale | None:
+def measure_windows(model: nn.Module, windows: Iterable[Sequence[Mapping[str, object]]]) -> NoiseScaleReading | None:
     """The noise scale of ``windows`` of micro-batches (each the model's keyword inputs, labels included), read
     before training (the Trainer callback's start-of-training forecast): each micro-batch's loss is backpropagated on
     its own and its gradient read against its window's mean. No optimizer step; every trainable parameter's

@@ -32,7 +32,7 @@ class Host:
     hooks: StepHooks
     #: The options as given (:class:`dropbp.options.DropBPOptions`, ``"auto"``s kept as such).
     given: Callable[[], Any]
-    #: The options in force (resolved on the backend).
-    options: Callable[[], Any]
+    #: The options in force (resolved on the backend; ``ctl.schedule.options``).
+    in_force: Callable[[], Any]
     #: Ask the controller to resolve its options again: an ``"auto"`` the feature owns has a new value.
     resolve_again: Callable[[], None]

@@ -25,10 +25,10 @@ from dropbp.policy.noise_scale import (
     DEFAULT_BRANCH_SHARE,
     ArmForecast,
     NoiseScaleEstimator,
+    NoiseScaleReading,
     auto_drop_rate,
     forecast_arms,
 )
-from dropbp.policy.noise_scale import NoiseScale as Measured
 from dropbp.policy.shapes import DropShape, get_shape
 
 __all__ = ["NoiseScale", "noise_scale_arms", "noise_scale_forecast"]
@@ -45,6 +45,7 @@ class NoiseScale(Feature):
     DeepSpeed. Logged by the Trainer callback as ``dropbp/noise_scale``; resumes with the controller's state."""
 
     key = "noise_scale"
+    chooses_rate = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -72,7 +73,7 @@ class NoiseScale(Feature):
         )
         self._part.install()
 
-    def estimate(self) -> Measured | None:
+    def estimate(self) -> NoiseScaleReading | None:
         """The noise scale measured so far (``.tokens`` is ``B_simple``), or None before the first optimizer step with
         at least 2 micro-batches has closed (a step closes when the next one's first forward finds the gradients
         cleared). Still readable once removed; a feature never attached (or loaded) has measured nothing: raises."""
@@ -83,7 +84,7 @@ class NoiseScale(Feature):
             )
         return self._estimator.estimate()
 
-    def rate(self, shape: DropShape, flops: Sequence[float]) -> float:
+    def choose_rate(self, shape: DropShape, flops: Sequence[float]) -> float:
         """``drop_rate="auto"`` resolved: the rate the noise scale measured so far forecasts best
         (:func:`dropbp.policy.noise_scale.auto_drop_rate`: 0 until measured) among those the drop ``shape`` reaches
         over branches of these costs (:meth:`~dropbp.policy.shapes.DropShape.reaches`); worked out once per measured
@@ -101,7 +102,8 @@ class NoiseScale(Feature):
         """After each measured optimizer step: under ``drop_rate="auto"``, where the noise scale now forecasts another
         rate, the controller resolves its options again (that rate from the next pattern on)."""
         given, flops = self.host.given(), [b.flops for b in self.host.branches]
-        if given.follows_noise_scale and self.rate(get_shape(given.pattern), flops) != self.host.options().drop_rate:
+        chosen = self.choose_rate(get_shape(given.pattern), flops) if given.follows_noise_scale else None
+        if chosen is not None and chosen != self.host.in_force().drop_rate:
             self.host.resolve_again()
 
     def handles(self) -> list[RemovableHandle]:
@@ -136,7 +138,7 @@ class NoiseScale(Feature):
 
 
 def noise_scale_arms(
-    measured: Measured, drop_rate: float, branch_share: float = DEFAULT_BRANCH_SHARE
+    measured: NoiseScaleReading, drop_rate: float, branch_share: float = DEFAULT_BRANCH_SHARE
 ) -> list[ArmForecast]:
     """The arms :func:`noise_scale_forecast` forecasts: branch drops at ``drop_rate``, 0.5 and 0.75, then full
     backprop at half the batch. ``branch_share``: the branches' share of a step's time (default: the measured cost
@@ -146,7 +148,9 @@ def noise_scale_arms(
     return forecast_arms(measured.tokens, measured.tokens_per_step, share, rates)
 
 
-def noise_scale_forecast(measured: Measured, drop_rate: float, branch_share: float = DEFAULT_BRANCH_SHARE) -> str:
+def noise_scale_forecast(
+    measured: NoiseScaleReading, drop_rate: float, branch_share: float = DEFAULT_BRANCH_SHARE
+) -> str:
     """One message: the noise scale, the tokens per step and, per arm (:func:`noise_scale_arms`), the forecast step
     worth and speedup at equal quality."""
     arms = noise_scale_arms(measured, drop_rate, branch_share)

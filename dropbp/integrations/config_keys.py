@@ -123,7 +123,7 @@ class _DropBPArgsBase(BaseModel):
         config model, where a validator of the same name would replace one of axolotl's or be replaced.
         """
         try:
-            with named_as(PREFIX):
+            with named_as(PREFIX + "{}"):
                 self.options()
         except TypeError as error:  # pydantic reports only ValueErrors
             raise ValueError(str(error)) from None

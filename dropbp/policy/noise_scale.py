@@ -29,7 +29,7 @@ __all__ = [
     "AUTO_RATES",
     "ArmForecast",
     "DEFAULT_BRANCH_SHARE",
-    "NoiseScale",
+    "NoiseScaleReading",
     "NoiseScaleEstimator",
     "auto_drop_rate",
     "forecast_arms",
@@ -47,8 +47,9 @@ DEFAULT_BRANCH_SHARE = 0.534
 
 
 @dataclass(frozen=True)
-class NoiseScale:
-    """An estimate of the gradient noise scale (``ctl.noise_scale()``).
+class NoiseScaleReading:
+    """One reading of the gradient noise scale (what ``dropbp.NoiseScale().estimate()`` returns; the feature is the
+    measuring, this the measured).
 
     Attributes:
         tokens: ``B_simple`` in tokens (``inf`` where the true gradient's estimate is not yet positive).
@@ -122,18 +123,18 @@ class NoiseScaleEstimator:
         self._tokens_per_step = float(tokens_per_step)
         self.steps += 1
 
-    def estimate(self) -> NoiseScale | None:
+    def estimate(self) -> NoiseScaleReading | None:
         """The current estimate, or None before the first measured step."""
         if not self.steps:
             return None
         correction = 1.0 - self.smoothing**self.steps
         gradient, trace = self._gradient / correction, self._trace / correction
         tokens = trace / gradient if gradient > 0 else math.inf
-        return NoiseScale(tokens, gradient, trace, self._tokens_per_step, self.steps)
+        return NoiseScaleReading(tokens, gradient, trace, self._tokens_per_step, self.steps)
 
     def state_dict(self) -> dict[str, float]:
-        return {"steps": self.steps, "gradient": self._gradient, "trace": self._trace,
-                "tokens_per_step": self._tokens_per_step}  # fmt: skip
+        gradient, trace, tokens_per_step = self._gradient, self._trace, self._tokens_per_step
+        return {"steps": self.steps, "gradient": gradient, "trace": trace, "tokens_per_step": tokens_per_step}
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.steps = int(state["steps"])
@@ -190,7 +191,7 @@ def forecast_arms(
 
 
 def auto_drop_rate(
-    measured: NoiseScale | None, branch_share: float = DEFAULT_BRANCH_SHARE, rates: Sequence[float] = AUTO_RATES
+    measured: NoiseScaleReading | None, branch_share: float = DEFAULT_BRANCH_SHARE, rates: Sequence[float] = AUTO_RATES
 ) -> float:
     """``drop_rate="auto"``: the rate of ``rates`` whose forecast worth per unit of time, ``step_worth(1 - p, r) /
     (1 - p * branch_share)``, is highest (the lowest such rate on a tie); 0 before anything is measured. A drop pays
