@@ -24,7 +24,7 @@ from dropbp.backends import Backend
 from dropbp.backends import get as get_backend
 from dropbp.checks import check_int
 from dropbp.execution.compile_guards import EnclosingCompileWarning
-from dropbp.execution.discovery import Branch, check_trainable, find_branches
+from dropbp.execution.discovery import Branch, check_trainable, find_branches, holder
 from dropbp.execution.distributed import RunningDDPCheck, check_ddp
 from dropbp.execution.frameworks import FrameworkWatch, check_wrapper, unwrap
 from dropbp.execution.hooks import StepHooks
@@ -88,27 +88,29 @@ class DropBPController:
         if ddp is not None:
             check_ddp(ddp)
         check_trainable(model)
+        #: Whether a framework's engine wraps the model (DeepSpeed): it holds the gradients, not ``.grad``.
+        self._framework = ddp is None and wrapper is not model
+        self._features = AttachedFeatures(model, self._framework)
+        self._features.check_new(options.features)  # a refusal leaves the model as it was
+        if self._framework:
+            fill = dropped_fill(options.features)
+            check_wrapper(wrapper, fill)
         backend = options.backend if isinstance(options.backend, Backend) else get_backend(options.backend)
         found = find_branches(model, None if options.branches is None else list(options.branches))
         if any(controller_of(m) is not None for m in (model, *(b.module for b in found))):
             attached = "DropBP is already attached to this model (or to some of its branches)"
             raise RuntimeError(f"{attached}; call .remove() on the existing controller first")
+        watch = FrameworkWatch(model, [holder(b.parts) for b in found], lambda: dropped_fill(self._given.features))
         #: The device backend whose step boundaries :meth:`backward` and :meth:`optimizer_step` place.
         self.backend, self._model, self._found = backend, model, found
         self._given = dataclasses.replace(options, backend=backend)
-        #: Whether a framework's engine wraps the model (DeepSpeed): it holds the gradients, not ``.grad``.
-        self._framework = ddp is None and wrapper is not model
-        self._features = AttachedFeatures(model, self._framework)
-        self._features.check_new(self._given.features)  # a refusal leaves the model as it was
-        if self._framework:
-            check_wrapper(wrapper, dropped_fill(self._given.features))
         flops = [b.flops for b in found]
-        self._policy = policy = DropPolicy(flops, self._resolve(self._given))
+        resolved = self._given.resolved(backend, flops)
+        self._policy = policy = DropPolicy(flops, resolved)
         self._hooks = StepHooks(model, self._found, policy=policy, backend=backend)
-        self._hooks.most_kept = self._most_kept()
+        self._hooks.most_kept = policy.most_kept() if resolved.memory_bound else None
         self._hooks.owner = self
         tally = DropTally(flops)
-        watch = FrameworkWatch(model, self._hooks.holders, lambda: dropped_fill(self._given.features))
         for listener in (RunningDDPCheck(), watch, tally):  # the DDP check first: it may refuse the step
             self._hooks.listen(listener)
         compile_warning = EnclosingCompileWarning()
@@ -126,13 +128,6 @@ class DropBPController:
         for module in (model, *(b.module for b in found)):
             _ATTACHED[module] = weakref.ref(self)
         self._removed, self._undo = False, []  # _undo: see at_remove
-
-    def _resolve(self, given: DropBPOptions) -> DropBPOptions:  # the one place options are resolved
-        return given.resolved(self.backend, [b.flops for b in self._found])
-
-    def _most_kept(self) -> int | None:
-        """What the memory bound holds a step to under the options in force (None: off)."""
-        return self._policy.most_kept() if self._policy.options.memory_bound else None
 
     def _clean_copies(self) -> None:
         """Copies and pickles of the model leave out every hook and patch now on it (the features' included)."""
@@ -170,9 +165,10 @@ class DropBPController:
         device's bound), handed to the policy by ``policy_takes`` (all or nothing: it raises before anything
         changes), then to the hooks and the features."""
         self._features.check_new(given.features)
-        policy_takes(self._resolve(given))
+        resolved = given.resolved(self.backend, [b.flops for b in self._found])
+        policy_takes(resolved)
         self._given = given
-        self._hooks.most_kept = self._most_kept()
+        self._hooks.most_kept = self._policy.most_kept() if resolved.memory_bound else None
         self._features.follow(given.features, self._host, self._clean_copies)
 
     def _resolve_again(self) -> None:

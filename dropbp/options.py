@@ -262,17 +262,18 @@ class DropBPOptions:
         (:meth:`dropbp.NoiseScale.choose_rate`), with no warm-up or time schedule. Every entry (``apply``, a setter, a
         loaded state, a measured step under ``"auto"``) resolves the options as given, so no setter or state can lift
         a device's bound, and ``"auto"`` follows a later drop rate."""
-        if self.follows_noise_scale:
+        auto_rate, auto_bound = self.follows_noise_scale, is_auto(self.memory_bound)
+        settings: dict[str, Any] = {"backend": backend}
+        if backend.default_max_patterns is not None and self.max_patterns is None:
+            settings["max_patterns"] = backend.default_max_patterns
+        if auto_rate:  # the chooser's rate, with no warm-up or rise
             rate = self.rate_chooser().choose_rate(get_shape(self.pattern), flops)
-            rises = [f for f in self.features if policy_plugins([f])[0] is not None]  # "auto" replaces a rise
-            features = tuple(f for f in self.features if f not in rises)
-            auto = {"drop_rate": rate, "warmup_steps": 0, "total_steps": None, "features": features}
-            return dataclasses.replace(self, **auto).resolved(backend, flops)
-        bound = backend.default_max_patterns if self.max_patterns is None else self.max_patterns
-        memory_bound = self.memory_bound
-        if is_auto(memory_bound):
-            memory_bound = any(f.bounds_memory for f in self.features) or self.drop_rate >= AUTO_BOUND_RATE
-        return dataclasses.replace(self, backend=backend, max_patterns=bound, memory_bound=bool(memory_bound))
+            features = tuple(f for f in self.features if getattr(f, "rise", None) is None)
+            settings |= {"drop_rate": rate, "warmup_steps": 0, "total_steps": None, "features": features}
+        if auto_bound:
+            rate, features = settings.get("drop_rate", self.drop_rate), settings.get("features", self.features)
+            settings["memory_bound"] = any(f.bounds_memory for f in features) or rate >= AUTO_BOUND_RATE
+        return dataclasses.replace(self, **settings)
 
     def rate_chooser(self) -> Feature | None:
         """The feature that chooses ``drop_rate="auto"``'s rate (the noise scale: ``Feature.chooses_rate``), or
