@@ -74,8 +74,7 @@ class DropBPController:
 
     Args:
         model: the model (or its DDP / framework wrapper, unwrapped here once).
-        options: the options as given (:class:`dropbp.options.DropBPOptions`, valid once made); resolved on the
-            backend here and at every change (:meth:`_resolve`, the one place that resolves them).
+        options: the options as given (:class:`dropbp.options.DropBPOptions`), resolved here and at every change.
     """
 
     def __init__(self, model: nn.Module, options: DropBPOptions) -> None:
@@ -85,8 +84,7 @@ class DropBPController:
             raise TypeError(f"options must be a dropbp.DropBPOptions, got {type(options).__name__}")
         wrapper = model
         model, ddp = unwrap(model)
-        if ddp is not None:
-            check_ddp(ddp)
+        check_ddp(ddp)
         check_trainable(model)
         #: Whether a framework's engine wraps the model (DeepSpeed): it holds the gradients, not ``.grad``.
         self._framework = ddp is None and wrapper is not model
@@ -120,14 +118,17 @@ class DropBPController:
         given, in_force = functools.partial(getattr, self, "_given"), functools.partial(getattr, policy, "options")
         self._host = Host(model, tuple(self._found), backend, self._hooks, given, in_force, self._resolve_again)
         self._copies: CleanCopies | None = None
-        self._features.follow(self._given.features, self._host, self._clean_copies)
-        if self._copies is None:
-            self._clean_copies()
+        self._removed, self._undo = False, []  # _undo: see at_remove
+        try:
+            self._features.follow(self._given.features, self._host, self._clean_copies)
+        except BaseException:  # a feature that failed to attach: the model as it was (follow removed the others)
+            self.remove()
+            raise
+        self._clean_copies()
         #: What the policy will do over a run, and what it dropped (:class:`dropbp.run_schedule.RunSchedule`).
         self.schedule = RunSchedule(policy, flops, tally, self._hooks.pattern, lambda: self._hooks.most_kept)
         for module in (model, *(b.module for b in found)):
             _ATTACHED[module] = weakref.ref(self)
-        self._removed, self._undo = False, []  # _undo: see at_remove
 
     def _clean_copies(self) -> None:
         """Copies and pickles of the model leave out every hook and patch now on it (the features' included)."""
@@ -158,7 +159,7 @@ class DropBPController:
             raise ValueError(f"{', '.join(fixed)} cannot change after apply: remove() and apply again")
         reset_rates = not {"drop_rate", "pattern"}.isdisjoint(change)  # set, even to its value: as apply does
         check_names(DropBPOptions, "replace_options", change)  # older spellings say the way now
-        self._use(dataclasses.replace(self._given, **change), lambda resolved: self._policy.use(resolved, reset_rates))
+        self._use(self._given.replaced(**change), lambda resolved: self._policy.use(resolved, reset_rates))
 
     def _use(self, given: DropBPOptions, policy_takes: Callable[[DropBPOptions], None]) -> None:
         """Options as given from now on: resolved on the backend (a state saved on an unbounded device keeps this
@@ -166,20 +167,23 @@ class DropBPController:
         changes), then to the hooks and the features."""
         self._features.check_new(given.features)
         resolved = given.resolved(self.backend, [b.flops for b in self._found])
+        before = (self._given, self._policy.state_dict(), self._policy.options, self._hooks.most_kept)
         policy_takes(resolved)
         self._given = given
         self._hooks.most_kept = self._policy.most_kept() if resolved.memory_bound else None
-        self._features.follow(given.features, self._host, self._clean_copies)
+        try:
+            self._features.follow(given.features, self._host, self._clean_copies)
+        except BaseException:  # a feature that failed to attach: all as before (follow put the features back)
+            self._given, state, in_force, self._hooks.most_kept = before
+            self._policy.load_state_dict(state, in_force)
+            raise
 
     def _resolve_again(self) -> None:
         """A feature's ``"auto"`` has a new value: the options as given, resolved again (the rates the shape's own)."""
         self._use(self._given, lambda resolved: self._policy.use(resolved, reset_rates=True))
 
-    drop_rate = _setting(
-        "drop_rate",
-        "The target (FLOP-weighted mean) drop rate (under ``'auto'``, the rate in force). Setting it resets the rates "
-        "to the pattern shape's for it, as ``apply`` does; ``calibrate`` allocates towards it.",
-    )
+    drop_rate = _setting("drop_rate", "The target (FLOP-weighted mean) drop rate (under 'auto', the rate in force). "
+                         "Setting it resets the rates to the shape's for it; ``calibrate`` allocates towards it.")
     seed = _setting("seed", "The seed of every pattern.")
     pattern = _setting("pattern", 'The shape of the patterns, "uniform" or "cut"; setting it resets the rates.')
     max_patterns = _setting("max_patterns", "Bound on distinct patterns (``None``: the backend's default).")
@@ -217,15 +221,13 @@ class DropBPController:
 
     @property
     def model(self) -> nn.Module:
-        """The module DropBP is attached to: the model given to :func:`dropbp.apply`, or the one its DDP or
-        DeepSpeed wrapper wraps."""
+        """The module DropBP is attached to: the model given to :func:`dropbp.apply`, or the one its wrapper wraps."""
         return self._model
 
     @contextmanager
     def forcing(self, pattern: Collection[int]) -> Iterator[None]:
-        """Within the block every forward drops exactly the branches ``pattern`` (indices in branch order)
-        and takes no step: no pattern is drawn, the step counter stays (what calibration does;
-        :mod:`dropbp.tools.memory` measures with it)."""
+        """Within the block every forward drops exactly the branches ``pattern`` (indices in branch order) and takes no
+        step: no pattern is drawn, the step counter stays (calibration; :mod:`dropbp.tools.memory` measures so)."""
         self._check_attached()
         indices = frozenset(pattern)
         if not all(isinstance(i, int) and 0 <= i < len(self._found) for i in indices):
@@ -316,7 +318,8 @@ class DropBPController:
         self._hooks.remove()
         for handle in self._compile_handles:
             handle.remove()
-        self._copies.remove()
+        if self._copies is not None:
+            self._copies.remove()
         for module in (self._model, *(b.module for b in self._found)):
             if controller_of(module) is self:
                 del _ATTACHED[module]

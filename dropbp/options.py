@@ -275,6 +275,15 @@ class DropBPOptions:
             settings["memory_bound"] = any(f.bounds_memory for f in features) or rate >= AUTO_BOUND_RATE
         return dataclasses.replace(self, **settings)
 
+    def replaced(self, **change: Any) -> DropBPOptions:
+        """``dataclasses.replace`` (the same checks), where the rate stays ``"auto"`` keeping the feature that chooses
+        it (the noise scale measuring so far) if ``features`` leaves it out: a fresh one would start again from 0."""
+        given, chooser = dataclasses.replace(self, **change), self.rate_chooser()
+        if given.follows_noise_scale and chooser is not None and given.rate_chooser() is not chooser:
+            if not any(f.chooses_rate for f in change.get("features", ())):
+                given = dataclasses.replace(given, features=(*change["features"], chooser))
+        return given
+
     def rate_chooser(self) -> Feature | None:
         """The feature that chooses ``drop_rate="auto"``'s rate (the noise scale: ``Feature.chooses_rate``), or
         None."""

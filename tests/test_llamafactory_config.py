@@ -15,6 +15,7 @@ pytest.importorskip("pydantic")
 
 from dropbp import imports  # noqa: E402
 from dropbp.integrations.hf import DropBPCallback  # noqa: E402
+from dropbp.integrations.llamafactory import split_config  # noqa: E402
 from dropbp.tools.cli import main  # noqa: E402
 
 CONFIG = """\
@@ -99,3 +100,20 @@ def test_without_llamafactory_the_command_says_what_to_install(tmp_path, capsys,
     assert "dropbp llamafactory needs llamafactory, which is not installed: pip install llamafactory==0.9.5" in (
         capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize(
+    ("key", "said"),
+    [
+        ("dropbp_stratify", "dropbp_stratified_cuts"),
+        ("dropbp_unbiased", "dropbp_importance_weights"),
+        ("dropbp_token_drop_rate", "dropbp_token_drops"),
+        ("dropbp_seq_len", "flops_at_length"),
+    ],
+)
+def test_an_earlier_releases_key_is_refused_naming_the_key_now(key, said):
+    """Issue 71, class E: LLaMA-Factory's YAML refuses 0.3's keys saying the way now, as axolotl's path does (not as
+    unknown keys)."""
+    with pytest.raises(ValueError, match=rf"{key}.*{said}") as refused:
+        split_config({"stage": "sft", key: 1})
+    assert "unknown dropbp keys" not in str(refused.value)

@@ -274,3 +274,49 @@ def test_a_refused_feature_changes_nothing(monkeypatch):
     assert ctl.options.drop_rate == 0.5 and ctl.drop_rate == 0.5 and not ctl.features and _hooks(model) == attached
     ctl.remove()
     assert _hooks(model) == before and "forward" not in vars(model)
+
+
+class _FailingFeature(Feature):
+    """A feature whose ``attach`` raises after the features before it were attached (issue 71, class B)."""
+
+    key = "failing"
+
+    def attach(self, host) -> None:
+        super().attach(host)
+        raise RuntimeError("this feature cannot attach")
+
+
+def test_a_feature_whose_attach_raises_leaves_everything_as_it_was():
+    """Class B: ``apply`` with a feature that fails in ``attach`` leaves no hook, no patched forward and no feature
+    attached (a noise scale given before it included); ``replace_options`` with one is all or nothing: options, rates,
+    features and hooks as before."""
+    model = tiny_model("llama", layers=2)
+    before = _hooks(model)
+    noise = dropbp.NoiseScale()
+    with pytest.raises(RuntimeError, match="cannot attach"):
+        dropbp.apply(model, 0.5, features=[noise, dropbp.ChunkedLoss(8), _FailingFeature()])
+    assert _hooks(model) == before and "forward" not in vars(model) and not noise.attached
+    ctl = dropbp.apply(model, 0.5, pattern="uniform", features=[noise])  # the model is free: apply works again
+    ctl.set_rates([0.1, 0.2, 0.3, 0.4])
+    state, attached = ctl.state_dict(), _hooks(model)
+    chunked = dropbp.ChunkedLoss(8)
+    with pytest.raises(RuntimeError, match="cannot attach"):
+        ctl.replace_options(drop_rate=0.25, features=[chunked, _FailingFeature()])
+    assert ctl.state_dict() == state and ctl.rates == [0.1, 0.2, 0.3, 0.4] and ctl.options.drop_rate == 0.5
+    assert list(ctl.features) == ["noise_scale"] and noise.attached and not chunked.attached
+    assert _hooks(model) == attached
+    ctl.remove()
+    assert _hooks(model) == before
+
+
+def test_auto_keeps_its_measured_noise_scale_when_the_features_change():
+    """Class B: under ``drop_rate="auto"`` a ``features=`` that leaves the noise scale out keeps the one measuring
+    (a fresh one would start the rate in force from 0 again)."""
+    model = tiny_model("llama", layers=2)
+    ctl = dropbp.apply(model, "auto")
+    noise = ctl.features["noise_scale"]
+    ctl.replace_options(features=[dropbp.ChunkedLoss(8)])
+    assert ctl.features["noise_scale"] is noise and "chunked_loss" in ctl.features
+    fresh = dropbp.NoiseScale()  # given explicitly: that one
+    ctl.replace_options(features=[fresh])
+    assert ctl.features["noise_scale"] is fresh and not noise.attached

@@ -18,8 +18,10 @@ from dropbp.internals import running_ddp
 __all__ = ["RunningDDPCheck", "check_ddp", "check_running_ddp", "check_running_ddp_checkpointing"]
 
 
-def check_ddp(ddp: DistributedDataParallel) -> None:
-    """Raise ``ValueError`` unless ``ddp`` copes with parameters that get no gradient in a step."""
+def check_ddp(ddp: DistributedDataParallel | None) -> None:
+    """Raise ``ValueError`` unless ``ddp`` (None: no DDP) copes with parameters that get no gradient in a step."""
+    if ddp is None:
+        return
     if getattr(ddp, "static_graph", False):
         problem = "static_graph=True (it assumes the same parameters are used every step)"
     elif not ddp.find_unused_parameters:

@@ -43,15 +43,27 @@ class AttachedFeatures:
 
     def follow(self, wanted: Sequence[Feature], host: Host, attached: Callable[[], None]) -> None:
         """Remove the features not in ``wanted``, attach those new (checked by :meth:`check_new`), then call
-        ``attached`` where the set changed."""
-        gone = [f for f in self._features if f not in wanted]
-        new = [f for f in wanted if f not in self._features]
+        ``attached`` where the set changed; all or nothing: where an ``attach`` raises, those attached here are removed
+        and those removed here attached again before it propagates."""
+        before = list(self._features)
+        gone = [f for f in before if f not in wanted]
+        new = [f for f in wanted if f not in before]
         for feature in gone:
             feature.remove()
             self._features.remove(feature)
-        for feature in new:
-            feature.attach(host)
-            self._features.append(feature)
+        try:
+            for feature in new:
+                feature.attach(host)
+                self._features.append(feature)
+        except BaseException:
+            for feature in reversed(new):
+                if feature.attached:  # attached here (the failing one too, where it got as far as the protocol's part)
+                    feature.remove()
+            self._features = [f for f in before if f not in gone]
+            for feature in gone:  # back, in the order attached now
+                feature.attach(host)
+                self._features.append(feature)
+            raise
         if gone or new:
             attached()
 

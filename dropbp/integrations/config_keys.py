@@ -21,7 +21,7 @@ import dropbp.experimental  # noqa: F401  (registers its features: TokenDrops)
 from dropbp.features.base import Feature, feature_classes
 from dropbp.options import INTERNAL, TrainerOptions, named_as, option_fields
 
-__all__ = ["MOVED_KEYS", "PREFIX", "dropbp_args", "feature_key"]
+__all__ = ["MOVED_KEYS", "PREFIX", "dropbp_args", "feature_key", "moved_key"]
 
 #: What goes before each option's name to make its config key.
 PREFIX = "dropbp_"
@@ -70,6 +70,26 @@ def feature_key(cls: type[Feature]) -> str:
     return PREFIX + cls.key
 
 
+def moved_key(key: str) -> str | None:
+    """What to write now for a config key of an earlier release, as a sentence naming the key; None where ``key`` was
+    none: 0.3's feature keys (:data:`MOVED_KEYS`), its experimental options' (each now a feature's key) and its internal
+    ones (``dropbp_seq_len``)."""
+    name = key.removeprefix(PREFIX)
+    owner = next((cls for cls in feature_classes().values() if name in cls.replaces), None)
+    if key in MOVED_KEYS:
+        return f"{key} is one key per feature since dropbp 0.4: write {MOVED_KEYS[key]}"
+    if not key.startswith(PREFIX):
+        return None
+    if name in INTERNAL:
+        return f"{key} is no config key since dropbp 0.4: {INTERNAL[name]}"
+    if owner is not None:
+        return (
+            f"{key}: measured and not better, it is the feature {owner.__name__} since dropbp 0.4: write "
+            f"{feature_key(owner)}: true, or a mapping of its arguments ({cls_args(owner)})"
+        )
+    return None
+
+
 def cls_args(cls: type[Feature]) -> str:
     """A feature class's constructor arguments, as a config mapping names them."""
     return ", ".join(name for name in inspect.signature(cls).parameters) or "none"
@@ -97,22 +117,12 @@ class _DropBPArgsBase(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _dropbp_experimental_keys_moved(cls, data: Any) -> Any:
-        """An earlier release's key (``dropbp_stratify``, ``dropbp_token_drop_rate``) is refused, saying the key now,
-        not ignored."""
-        if not isinstance(data, Mapping):
-            return data
-        for key in sorted(data):
-            if key in MOVED_KEYS:
-                raise ValueError(f"{key} is one key per feature since dropbp 0.4: write {MOVED_KEYS[key]}")
-            name = key.removeprefix(PREFIX)
-            if key.startswith(PREFIX) and name in INTERNAL:
-                raise ValueError(f"{key} is no config key since dropbp 0.4: {INTERNAL[name]}")
-            owner = next((cls for cls in feature_classes().values() if name in cls.replaces), None)
-            if key.startswith(PREFIX) and owner is not None:
-                raise ValueError(
-                    f"{key}: measured and not better, it is the feature {owner.__name__} since dropbp 0.4: write "
-                    f"{feature_key(owner)}: true, or a mapping of its arguments ({cls_args(owner)})"
-                )
+        """An earlier release's key (``dropbp_stratify``, ``dropbp_token_drop_rate``) is refused, saying the key now
+        (:func:`moved_key`), not ignored."""
+        for key in sorted(data) if isinstance(data, Mapping) else ():
+            said = moved_key(key)
+            if said is not None:
+                raise ValueError(said)
         return data
 
     @model_validator(mode="after")

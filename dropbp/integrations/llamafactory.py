@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dropbp.imports import require
-from dropbp.integrations.config_keys import MOVED_KEYS, PREFIX, dropbp_args
+from dropbp.integrations.config_keys import PREFIX, dropbp_args, moved_key
 
 __all__ = ["load_config", "run", "split_config", "train"]
 
@@ -37,9 +37,10 @@ def split_config(config: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
     ``dropbp_*`` key or a bad value fails here, naming the key, before LLaMA-Factory loads anything."""
     args = dropbp_args()
     unknown = sorted(key for key in config if key.startswith(PREFIX) and key not in args.model_fields)
-    moved = [key for key in unknown if key in MOVED_KEYS]
-    if moved:
-        raise ValueError(f"{moved[0]} is one key per feature since dropbp 0.4: write {MOVED_KEYS[moved[0]]}")
+    for key in unknown:  # an earlier release's key says what to write now
+        said = moved_key(key)
+        if said is not None:
+            raise ValueError(said)
     if unknown:
         raise ValueError(f"unknown dropbp keys {unknown}; dropbp's keys are: {', '.join(args.model_fields)}")
     keys = args.from_config(config)
