@@ -782,3 +782,39 @@ def test_every_number_a_user_gives_is_checked_before_anything_runs():
     assert hypothesis is not None
     check_option()
     check_forecast()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize(
+    ("mode", "pattern"),
+    [("reentrant", "uniform"), ("non-reentrant", "uniform"), ("bound", "uniform"), ("bound", "cut")],
+)
+def test_the_rate_set_to_zero_between_forwards_of_one_backward_keeps_their_gradients_exact(mode, pattern, seed):
+    """Issue 71, class A: at rate 0 a training forward takes the branches' hooks out, but not while an earlier forward's
+    checkpointed region (the user's, re-entrant or not, or the memory bound's) is still to be recomputed in the
+    backward: its dropped branches must then run without autograd again. Two forwards, the rate set to 0 between them,
+    one backward: exactly the reference that detaches each forward's dropped branches."""
+    from conftest import assert_same_grads, lm_loss, summed_loss_and_grads
+
+    model = tiny_model("llama", layers=3)
+    reference = copy.deepcopy(model)  # no checkpointing: its detach hooks are gone by the backward
+    if mode != "bound":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
+    model.train()
+    rate = 0.75 if mode == "bound" else 0.5
+    ctl = dropbp.apply(model, rate, seed=seed, pattern=pattern, memory_bound=mode == "bound")
+    forwards = 0
+
+    def loss(m, ids):
+        nonlocal forwards
+        value = lm_loss(m, ids)
+        if forwards == 0:
+            ctl.drop_rate = 0.0  # after the first forward, before the second and the one backward
+        forwards += 1
+        return value
+
+    total, grads, seen = summed_loss_and_grads(model, [batch(1), batch(2)], ctl=ctl, loss=loss)
+    want_total, want, _ = summed_loss_and_grads(reference, [batch(1), batch(2)], patterns=seen)
+    assert seen[0] and seen[1] == ()  # the first forward dropped, the second (rate 0) did not
+    torch.testing.assert_close(total, want_total)
+    assert_same_grads(grads, want, atol=1e-5)

@@ -269,8 +269,10 @@ class StepHooks:
             return  # checkpointing recomputes the whole model: the step's decision stands
         self.weighting = self.kept_gradient is not None  # read once per forward, not at every branch call
         training = model.training and torch.is_grad_enabled()
-        if training and self.forced is None and not self.weighting and self._policy.never_drops:
-            self._branch_hooks.turn_off()  # nothing to drop or weigh: the branches run as without dropbp
+        # nothing to drop or weigh, and no earlier forward's checkpointed region left to recompute (its dropped
+        # branches must still run without autograd then): the branches run as without dropbp
+        if training and self.forced is None and not self.weighting and self._policy.never_drops and not self._regions:
+            self._branch_hooks.turn_off()
         else:
             self._branch_hooks.turn_on()
         if self.forced is not None:
