@@ -161,3 +161,23 @@ def test_a_mixture_of_experts_keeps_its_router_loss(arch):
     with pytest.raises(UnsupportedModel, match="return_dict=True or leave dropbp.ChunkedLoss out"):
         model(input_ids=ids, labels=_labels(ids), return_dict=False)
     ctl.remove()
+
+
+def test_equals_the_plain_loss_where_every_label_is_ignored_and_with_its_ignore_index():
+    """Issue 71, class D: every label ignored, the plain path's loss is NaN (a mean over nothing) and its gradients 0;
+    the chunked loss's too (it made them NaN: 0 / 0 times zeroed rows). ``ignore_index=`` given to the model's
+    forward reaches the chunked loss as it reaches the plain one."""
+    model = tiny_model("llama", layers=2)
+    reference = copy.deepcopy(model)
+    dropbp.apply(model, 0.0, features=[dropbp.ChunkedLoss(CHUNK)])
+    ids = batch(length=20)
+    ignored = torch.full_like(ids, -100)
+    out, grads = _run(model, ids, ignored)
+    ref, ref_grads = _run(reference, ids, ignored)
+    assert out.loss.isnan() and ref.loss.isnan()
+    assert grads.keys() == ref_grads.keys() and all(not g.any() for g in [*grads.values(), *ref_grads.values()])
+    labels = ids.clone()
+    labels[:, :6] = 0  # token 0 as the ignored id
+    out, grads = _run(model, ids, labels, ignore_index=0)
+    ref, ref_grads = _run(reference, ids, labels, ignore_index=0)
+    _assert_close(out.loss, grads, ref.loss, ref_grads)

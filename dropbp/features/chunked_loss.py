@@ -71,7 +71,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             rows = valid.nonzero().squeeze(1)
             probs[rows, target[rows]] -= 1.0
             probs[~valid] = 0.0
-            grad_logits = (probs * grad_total).to(h.dtype)  # the plain path's logits gradient, in their dtype
+            # the plain path's logits gradient, in their dtype; an ignored row's stays 0 whatever the scale (every
+            # label ignored: the loss is 0 / 0 and the scale inf, and the plain path's gradients are 0, not NaN)
+            grad_logits = torch.where(valid[:, None], probs * grad_total, 0.0).to(h.dtype)
             if need_h:
                 grad_h[start : start + ctx.chunk] = grad_logits @ weight
             if need_w:
@@ -240,6 +242,7 @@ class ChunkedHead:
             chunk_tokens=self.chunk_tokens,
             num_items_in_batch=kwargs.get("num_items_in_batch"),
             shift_labels=kwargs.get("shift_labels"),
+            ignore_index=kwargs.get("ignore_index", -100),  # as the plain path's loss takes it from the forward
             dtype=autocast_dtype[-1] if autocast_dtype else None,
         )
         if isinstance(out, tuple):
