@@ -17,7 +17,7 @@ import random
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -352,6 +352,7 @@ def calibrate(
     gradnorm: bool = True,
     min_rate: float = 0.0,
     max_rate: float = 0.9,
+    **unknown: Any,
 ) -> list[float]:
     """``ctl.calibrate``: measure each branch's sensitivity and set ``policy``'s rates by :func:`dropbp.allocate_rates`.
 
@@ -367,10 +368,19 @@ def calibrate(
         gradnorm: compare gradient norms (the paper) rather than whole gradients.
         min_rate: the allocation's lowest rate.
         max_rate: the allocation's highest rate.
+        unknown: refused (0.2's ``method=`` naming the way now).
 
     Returns:
         The sensitivities, in branch order.
     """
+    if "method" in unknown:
+        raise TypeError(
+            "calibrate() no longer takes method (dropbp 0.3): the research code's N + 1 passes run inside "
+            "dropbp.experimental.exact_recompute(): with it, ctl.calibrate(closure)"
+        )
+    if unknown:
+        raise TypeError(f"calibrate() got unexpected keyword arguments {sorted(unknown)}: it takes gradnorm, "
+                        "min_rate and max_rate")
     if not callable(closure):
         raise TypeError(f"closure must be callable and return the loss, got {type(closure).__name__}")
     method = METHOD.get()  # "one-pass"; the research code's N + 1 passes inside dropbp.experimental.exact_recompute()

@@ -32,7 +32,7 @@ from dropbp.execution.patching import CleanCopies
 from dropbp.features.attached import AttachedFeatures
 from dropbp.features.base import Feature, dropped_fill
 from dropbp.features.host import Host
-from dropbp.options import DropBPOptions, check_names, moved
+from dropbp.options import DropBPOptions, check_names, moved_member
 from dropbp.policy.drop_policy import DropPolicy
 from dropbp.policy.plan import DropTally
 from dropbp.run_schedule import RunSchedule
@@ -237,8 +237,7 @@ class DropBPController:
 
     @property
     def forced(self) -> tuple[str, ...] | None:
-        """Names of the branches a forced pattern (:meth:`forcing`, calibration) drops in the forwards running
-        now; None outside such a block, where forwards draw the step's pattern."""
+        """Names of the branches a forced pattern (:meth:`forcing`, calibration) drops in the forwards running now."""
         forced = self._hooks.forced
         return None if forced is None else self._names(forced)
 
@@ -259,17 +258,17 @@ class DropBPController:
     def _names(self, indices: frozenset[int]) -> tuple[str, ...]:
         return tuple(self._found[i].name for i in sorted(indices))
 
-    def calibrate(self, closure: Callable[[], torch.Tensor], *, gradnorm: bool = True, min_rate: float = 0.0,
-                  max_rate: float = 0.9) -> list[float]:
+    def calibrate(self, closure: Callable[[], torch.Tensor], **settings: Any) -> list[float]:
         """Measure each branch's sensitivity and set the rates by :func:`dropbp.allocate_rates`
-        (:func:`dropbp.calibration.calibrate`, which documents the arguments); ``pattern="uniform"`` only.
+        (:func:`dropbp.calibration.calibrate`, which documents ``gradnorm``, ``min_rate`` and ``max_rate``);
+        ``pattern="uniform"`` only.
 
         Returns:
             The sensitivities, in branch order.
         """
         self._check_attached()
         parts = (self._model, self._found, self._policy, self._hooks.force, self.backend)
-        return calibration.calibrate(*parts, closure, gradnorm=gradnorm, min_rate=min_rate, max_rate=max_rate)
+        return calibration.calibrate(*parts, closure, **settings)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue with the same patterns: rates, seed, step counter, bound, warm-up, time
@@ -291,12 +290,9 @@ class DropBPController:
         self._hooks.step = state["step"]
 
     def backward(self, loss: torch.Tensor) -> bool:
-        """``loss.backward()`` then the backend's step boundary (a graph break on lazy devices).
-
-        Returns False, without raising, when ``loss`` needs no gradient (no trainable parameter took part in the
-        forward), where ``loss.backward()`` would raise. The boundary is placed either way. For hand-written loops:
-        trainers that already place their own breaks (Hugging Face ``Trainer``, optimum-habana ``GaudiTrainer``)
-        need neither this nor :meth:`optimizer_step`, and the controller never places a break by itself.
+        """``loss.backward()`` then the backend's step boundary (a graph break on lazy devices), placed either way;
+        False, without raising, where ``loss`` needs no gradient. For hand-written loops: trainers that place their own
+        breaks (Hugging Face ``Trainer``, optimum-habana ``GaudiTrainer``) need neither this nor :meth:`optimizer_step`.
         """
         needs_grad = loss.requires_grad
         if needs_grad:
@@ -335,8 +331,12 @@ class DropBPController:
         """Settings are properties; any other public name is refused (0.2's settings say where they went), not kept."""
         if name.startswith("_") or name in ("backend", "schedule") or hasattr(type(self), name):
             return object.__setattr__(self, name, value)
-        where = moved(name)
+        where = moved_member(name)
         raise AttributeError(f"DropBPController has no setting {name!r}" + (f" {where}" if where else ""))
+
+    def __getattr__(self, name: str) -> Any:  # only where no attribute is found: an earlier release's says the way
+        where = "" if name.startswith("_") else f" {moved_member(name) or ''}".rstrip()
+        raise AttributeError(f"'DropBPController' object has no attribute {name!r}{where}")
 
     def _check_attached(self) -> None:
         if self._removed:

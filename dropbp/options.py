@@ -40,6 +40,7 @@ __all__ = [
     "AUTO_WARMUP",
     "INTERNAL",
     "MOVED",
+    "MOVED_MEMBERS",
     "DropBPOptions",
     "TrainerOptions",
     "check_names",
@@ -68,6 +69,24 @@ MOVED = {
     "chunked_loss": "pass features=[dropbp.ChunkedLoss()] (or ChunkedLoss(chunk_tokens=N))",
     "token_drop_rate": "pass features=[dropbp.experimental.TokenDrops(rate)] (not better: docs/token-drops.md)",
     "token_selection": "pass features=[dropbp.experimental.TokenDrops(rate, selection=...)]",
+}
+
+#: 0.2's controller members that went elsewhere, and the way now (``ctl.<name>`` read or set says it).
+MOVED_MEMBERS = {
+    "noise_scale": 'ctl.features["noise_scale"].estimate()',
+    "measure_noise_scale": "ctl.replace_options(features=[dropbp.NoiseScale()])",
+    "chunked_loss": 'ctl.features["chunked_loss"].chunk_tokens',
+    "token_weights": 'ctl.features["token_drops"].weights()',
+    "token_keep_shares": 'ctl.features["token_drops"].keep_shares()',
+    "param_groups": "dropbp.experimental.param_groups(ctl, lr)",
+    "update_param_groups": "dropbp.experimental.update_param_groups(ctl, optimizer)",
+    "drop_rate_at": "ctl.schedule.drop_rate_at(step)",
+    "mean_drop_rate": "ctl.schedule.mean_drop_rate(start, stop)",
+    "longest_warmup": "ctl.schedule.longest_warmup(total_steps, up_to)",
+    "pattern_plan": "ctl.schedule.patterns(optimizer_steps, micro_batches)",
+    "max_kept_branches": "ctl.schedule.max_kept_branches",
+    "drop_stats": "ctl.schedule.drop_stats()",
+    "options_given": "ctl.options (those in force: ctl.schedule.options)",
 }
 
 # How error messages write an option's name: as it is for Python callers, "dropbp_{}" while the axolotl plugin checks
@@ -311,6 +330,14 @@ def moved(name: str) -> str | None:
         if name in cls.replaces:
             return f"(dropbp 0.4): measured and not better, it is a feature now: {cls.replaces[name]}"
     return None
+
+
+def moved_member(name: str) -> str | None:
+    """Where a controller member of an earlier release went (:data:`MOVED_MEMBERS`), or an option (:func:`moved`),
+    as a sentence; None: ``name`` was neither."""
+    if name in MOVED_MEMBERS:
+        return f"(dropbp 0.3): {MOVED_MEMBERS[name]}"
+    return moved(name)
 
 
 def check_names(cls: type[DropBPOptions], caller: str, names: Iterable[str]) -> None:

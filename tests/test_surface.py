@@ -15,7 +15,7 @@ from conftest import batch, tiny_model
 import dropbp
 from dropbp.controller import DropBPController
 from dropbp.features.base import Feature, feature_classes
-from dropbp.options import INTERNAL, MOVED
+from dropbp.options import INTERNAL, MOVED, MOVED_MEMBERS
 
 ROOT = Path(dropbp.__file__).parent.parent
 PACKAGE = ROOT / "dropbp"
@@ -320,3 +320,25 @@ def test_auto_keeps_its_measured_noise_scale_when_the_features_change():
     fresh = dropbp.NoiseScale()  # given explicitly: that one
     ctl.replace_options(features=[fresh])
     assert ctl.features["noise_scale"] is fresh and not noise.attached
+
+
+@pytest.mark.parametrize("name", sorted(MOVED_MEMBERS))
+def test_a_controller_member_of_0_2_names_the_way_now_when_read_or_set(name):
+    """Issue 71, class E: 0.2's controller reads (``ctl.noise_scale()``, ``ctl.drop_rate_at``, ...) and writes say where
+    the member went, not a bare AttributeError."""
+    ctl = dropbp.apply(tiny_model("llama", layers=2), 0.5)
+    way = re.escape(MOVED_MEMBERS[name])
+    with pytest.raises(AttributeError, match=rf"no attribute '{name}' \(dropbp 0.3\): {way}"):
+        getattr(ctl, name)
+    with pytest.raises(AttributeError, match=rf"no setting '{name}' \(dropbp 0.3\): {way}"):
+        setattr(ctl, name, 1)
+    with pytest.raises(AttributeError, match=r"no attribute 'nothing_like_this'$"):
+        ctl.nothing_like_this  # noqa: B018 - what is read is the point
+
+
+def test_calibrate_with_0_2_s_method_says_the_way_now():
+    ctl = dropbp.apply(tiny_model("llama", layers=2), 0.5, pattern="uniform")
+    with pytest.raises(TypeError, match=r"no longer takes method \(dropbp 0.3\): .*experimental.exact_recompute"):
+        ctl.calibrate(lambda: None, method="exact-recompute")
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['min_rte'\]"):
+        ctl.calibrate(lambda: None, min_rte=0.1)
