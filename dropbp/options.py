@@ -29,6 +29,7 @@ from dropbp.backends import Backend
 from dropbp.checks import check_bool, check_choice, check_fraction, check_int
 from dropbp.features.base import Feature, feature_classes
 from dropbp.policy.plugins import policy_plugins
+from dropbp.policy.sampler import LARGEST_POOL
 from dropbp.policy.shapes import get_shape, shape_names
 
 #: ``memory_bound="auto"`` turns the bound on from this drop rate (or with a feature that buys memory).
@@ -227,8 +228,12 @@ class DropBPOptions:
             if not isinstance(self.branches, (list, tuple)):
                 raise TypeError(f"{key('branches')} must be a list of module names, got {type(self.branches).__name__}")
             self._set("branches", tuple(self.branches))
-        if self.max_patterns is not None:
-            check_int(key("max_patterns"), self.max_patterns, 1)
+        if self.max_patterns is not None and check_int(key("max_patterns"), self.max_patterns, 1) > LARGEST_POOL:
+            raise ValueError(
+                f"{key('max_patterns')}={self.max_patterns} is more than the {LARGEST_POOL} patterns a pool may hold "
+                "(each is built and kept): a bound is for devices that compile a graph per pattern; "
+                "max_patterns=None draws each step's pattern afresh, at no cost in memory"
+            )
         if not (self.backend is None or isinstance(self.backend, (str, Backend))):
             raise TypeError(f"{key('backend')} must be a name, a Backend or None, got {type(self.backend).__name__}")
         check_int(key("warmup_steps"), self.warmup_steps, 0)

@@ -743,7 +743,7 @@ def test_every_number_a_user_gives_is_checked_before_anything_runs():
     valid = {
         "drop_rate": fraction,
         "token_drop_rate": fraction,
-        "max_patterns": lambda v: v is None or whole(v, 1),
+        "max_patterns": lambda v: v is None or (whole(v, 1) and v <= 4096),
         "warmup_steps": lambda v: whole(v, 0),
         "total_steps": lambda v: v is None or whole(v, 1),
         "stratify": lambda v: whole(v, 1),

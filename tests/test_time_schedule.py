@@ -301,3 +301,36 @@ def test_a_pattern_bound_holds_over_the_whole_run(pattern, rate, drop_schedule, 
     scheduled = sum(ctl.schedule.drop_rate_at(s) for s in range(steps)) / steps
     dropped = sum(len(p) for p in patterns) / (steps * len(ctl.branches))
     assert math.isclose(dropped, scheduled, abs_tol=1 / (max_patterns - 1) + 0.02)
+
+
+@pytest.mark.parametrize("kind", [None, *RISES])
+@pytest.mark.parametrize(
+    ("total", "warmup", "levels"), [(1, 0, 20), (7, 3, 4), (300, 60, 20), (1000, 0, 20), (997, 131, 4)]
+)
+def test_the_schedule_equals_its_step_by_step_definition(kind, total, warmup, levels):
+    """Issue 71, class F: the schedule is worked out from the runs of steps at one level (found by bisection), so its
+    memory and time do not grow with the run; it equals the definition written out step by step here."""
+    rise = None if kind is None else RisingSchedule(kind, ramp=0.3)
+    try:
+        time = TimeSchedule(total, warmup, levels, rise)
+    except ValueError:
+        return  # drops nothing over the run (a step rise on one forward): refused, as the definition's mean is 0
+    warmed = [min(1.0, s / warmup) if warmup else 1.0 for s in range(total)]
+    raw = [(1.0 if rise is None else rise.level(s, total)) * w for s, w in enumerate(warmed)]
+    quantised = [math.floor(levels * x + 0.5) / levels for x in raw]
+    mean = sum(quantised) / total
+    want = [q / mean for q in quantised]
+    assert [time.factor(s) for s in range(total)] == pytest.approx(want, rel=1e-12)
+    assert time.peak == pytest.approx(max(want), rel=1e-12) and time.mean() == pytest.approx(1.0, rel=1e-12)
+    assert time.factor(10 * total) == time.factor(total - 1) and len(set(want)) <= levels + 1
+
+
+def test_a_run_of_a_billion_forwards_costs_what_a_short_one_does():
+    """Issue 71, class F: total_steps=10**9 (and 2 * 10**5) plan at once, holding a few runs of steps, not a factor per
+    forward (a list of 10**9 floats hung); max_patterns past what a pool may hold is refused naming the bound."""
+    model = tiny_model("llama", layers=4)
+    ctl = dropbp.apply(model, 0.5, warmup_steps=10**8, total_steps=10**9, features=[RisingSchedule("cosine")])
+    rates = [ctl.schedule.drop_rate_at(s) for s in (0, 10**8, 5 * 10**8, 10**9 - 1)]
+    assert rates[0] == 0.0 and rates[1] < rates[2] <= rates[3]
+    with pytest.raises(ValueError, match=r"max_patterns=100000 is more than the 4096 patterns a pool may hold"):
+        dropbp.apply(tiny_model("llama", layers=4), 0.5, max_patterns=10**5)

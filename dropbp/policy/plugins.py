@@ -24,7 +24,8 @@ class Rise(Protocol):
     """How the rates rise from 0 over a run of known length (before the warm-up's factor and the mean's scaling)."""
 
     def level(self, step: int, total_steps: int) -> float:
-        """The rise at training forward ``step`` of a run of ``total_steps`` forwards: from 0 to 1."""
+        """The rise at training forward ``step`` of a run of ``total_steps`` forwards: from 0 to 1, never falling
+        as the step grows (the time schedule finds where it changes by bisection)."""
 
     def describe(self) -> str:
         """The object as written (for messages)."""

@@ -16,7 +16,11 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-__all__ = ["CutSampler", "PatternSampler"]
+__all__ = ["LARGEST_POOL", "CutSampler", "PatternSampler"]
+
+#: The most patterns a pool holds (``max_patterns``): each is built and kept; a bound is for devices that compile a
+#: graph per pattern (16 on Gaudi), and past a few thousand, drawing afresh (``max_patterns=None``) is what is meant.
+LARGEST_POOL = 4096
 
 # Swap attempts per pool cell: enough for the pool to look random (the chain mixes in O(cells) swaps).
 _SWAPS_PER_CELL = 8

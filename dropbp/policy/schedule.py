@@ -60,21 +60,33 @@ class TimeSchedule:
 
     def __init__(self, total_steps: int, warmup_steps: int, levels: int, rise: Rise | None = None) -> None:
         self._settings = (total_steps, warmup_steps)
-        self._rise = rise
-        raw = [
-            (1.0 if rise is None else rise.level(step, total_steps)) * warmup_factor(step, warmup_steps)
-            for step in range(total_steps)
-        ]
-        quantised = [math.floor(levels * x + 0.5) / levels for x in raw]  # nearest level
-        mean = sum(quantised) / total_steps
-        if mean <= 0.0:
+        self._rise, self._levels = rise, levels
+        # The level is non-decreasing in the step (the warm-up's and the rise's are): it stays on each of at most
+        # levels + 1 runs of steps, each run's end found by bisection, so neither memory nor time grows with the run.
+        #: (first step, level) of each run, and the sum of the level over the run's steps.
+        self._runs: list[tuple[int, int]] = []
+        summed, step = 0, 0
+        while step < total_steps:
+            level, low, high = self._level(step), step, total_steps  # the run's last step: low
+            while high - low > 1:
+                middle = (low + high) // 2
+                low, high = (middle, high) if self._level(middle) == level else (low, middle)
+            self._runs.append((step, level))
+            summed, step = summed + level * (low - step + 1), low + 1
+        if summed == 0:
             raise ValueError(
                 f"the drop schedule drops nothing over the whole run of {total_steps} training forwards "
                 f"({self.describe()}): lengthen the run or shorten the rise or the warm-up"
             )
-        self._factors = [q / mean for q in quantised]
+        self._per_level = total_steps / summed  # a level's factor, over levels: the mean factor over the run is 1
         #: The largest factor: the rates at their peak are the rates times this.
-        self.peak = max(self._factors)
+        self.peak = self._runs[-1][1] * self._per_level
+
+    def _level(self, step: int) -> int:
+        """The raw factor at ``step`` (the rise times the warm-up) as the nearest of ``levels`` equal steps of 1."""
+        total, warmup = self._settings
+        raw = (1.0 if self._rise is None else self._rise.level(step, total)) * warmup_factor(step, warmup)
+        return math.floor(self._levels * raw + 0.5)
 
     @property
     def rises(self) -> bool:
@@ -88,9 +100,12 @@ class TimeSchedule:
         return f"{rise}warmup_steps={warmup}, total_steps={total}"
 
     def factor(self, step: int) -> float:
-        """The factor on every rate at training forward ``step`` (counted from 0)."""
-        return self._factors[min(step, len(self._factors) - 1)]
+        """The factor on every rate at training forward ``step`` (counted from 0); past the run, the last one."""
+        return self._level(min(step, self._settings[0] - 1)) * self._per_level
 
     def mean(self) -> float:
         """The factor's mean over the run (1, up to rounding)."""
-        return sum(self._factors) / len(self._factors)
+        total, ends = self._settings[0], [start for start, _ in self._runs[1:]] + [self._settings[0]]
+        return sum((end - start) * level for (start, level), end in zip(self._runs, ends, strict=True)) * (
+            self._per_level / total
+        )
