@@ -818,3 +818,31 @@ def test_the_rate_set_to_zero_between_forwards_of_one_backward_keeps_their_gradi
     assert seen[0] and seen[1] == ()  # the first forward dropped, the second (rate 0) did not
     torch.testing.assert_close(total, want_total)
     assert_same_grads(grads, want, atol=1e-5)
+
+
+def test_a_users_hook_added_while_the_branches_hooks_are_out_runs_after_them_as_it_would_have():
+    """Issue 71, class A: at rate 0 the branches' hooks are out; a forward hook a user registers on a branch then (an
+    adapter added to its output) must run after dropbp's when they are back, as it does registered while they are in:
+    on a dropped branch it would otherwise run under no-grad and its adapter lose its gradient."""
+
+    def hooked(switched_out: bool):
+        torch.manual_seed(0)
+        model = tiny_model("llama", layers=2)
+        adapter = torch.nn.Linear(32, 32)
+        ctl = dropbp.apply(model, 0.0 if switched_out else 0.5, seed=1, pattern="uniform")
+        model(input_ids=batch(0), labels=batch(0)).loss.backward()  # at rate 0 this forward takes the hooks out
+        branch = dict(model.named_modules())["model.layers.0.mlp"]
+        branch.register_forward_hook(lambda module, args, output: output + adapter(args[0]))
+        ctl.drop_rate = 0.5
+        grads = []
+        for step in range(6):
+            adapter.zero_grad(set_to_none=True)
+            model(input_ids=batch(step), labels=batch(step)).loss.backward()
+            grads.append((ctl.last_dropped, adapter.weight.grad))
+        return grads
+
+    after_out, while_in = hooked(True), hooked(False)
+    assert [d for d, _ in after_out] == [d for d, _ in while_in]
+    assert any("model.layers.0.mlp" in d for d, _ in while_in)  # the hooked branch dropped in some step
+    for (_, got), (_, want) in zip(after_out, while_in, strict=True):
+        assert got is not None and torch.equal(got, want)

@@ -252,13 +252,14 @@ class HookSwitch:
 
     def turn_on(self) -> None:
         """Each hook back in its place among its dict's others (hooks added meanwhile keep theirs: before the
-        earlier ones where prepended, else after them)."""
+        earlier ones where prepended, else after them; where none of the earlier ones is left to tell, after them, as
+        hooks are registered by default: a user's hook added while ours were out runs after ours, as it would have)."""
         if self._taken is None:
             return
         for hooks, order, ours in self._taken.values():
             now = list(hooks)
             earlier = set(order)
-            first = next((i for i, key in enumerate(now) if key in earlier), len(now))
+            first = next((i for i, key in enumerate(now) if key in earlier), 0)
             merged = now[:first] + [k for k in order if k in ours or k in hooks]
             merged += [k for k in now[first:] if k not in earlier]
             values = {**hooks, **ours}
