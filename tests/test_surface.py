@@ -342,3 +342,12 @@ def test_calibrate_with_0_2_s_method_says_the_way_now():
         ctl.calibrate(lambda: None, method="exact-recompute")
     with pytest.raises(TypeError, match=r"unexpected keyword arguments \['min_rte'\]"):
         ctl.calibrate(lambda: None, min_rte=0.1)
+
+
+@pytest.mark.parametrize("features", [dropbp.NoiseScale(), [dropbp.NoiseScale(), "chunked"], dropbp.NoiseScale])
+def test_features_not_a_list_of_features_is_refused_naming_features(features):
+    """Issue 71, class F: a feature given bare, or beside a non-feature, is refused naming ``features`` (the refusal's
+    own message read the feature's repr, which raised before it was attached)."""
+    with pytest.raises(TypeError, match=r"features must be a list of dropbp features"):
+        dropbp.apply(tiny_model("llama", layers=2), 0.5, features=features)
+    assert repr(dropbp.NoiseScale()) == "NoiseScale(estimate=None)"
