@@ -846,3 +846,40 @@ def test_a_users_hook_added_while_the_branches_hooks_are_out_runs_after_them_as_
     assert any("model.layers.0.mlp" in d for d, _ in while_in)  # the hooked branch dropped in some step
     for (_, got), (_, want) in zip(after_out, while_in, strict=True):
         assert got is not None and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("case", ["token drops alone, re-entrant", "rate 0 then 0.5, non-re-entrant"])
+def test_no_false_warning_for_regions_of_forwards_run_with_the_hooks_out(case, recwarn):
+    """Issue 71, class A: a forward at rate 0 runs with the branches' hooks out and records no region; recomputing its
+    regions later (token drops alone under re-entrant checkpointing; a rate-0 forward then a 0.5 one before the
+    backward) drops nothing, as that forward did: exact, and no "region no training forward recorded" warning."""
+    from conftest import assert_same_grads, lm_loss, summed_loss_and_grads
+
+    model = tiny_model("llama", layers=3)
+    reference = copy.deepcopy(model)
+    reentrant = case.startswith("token")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    if reentrant:  # token drops' exactness is tests/test_token_drops.py's: here, that nothing is said falsely
+        dropbp.apply(model, 0.0, seed=3, features=[dropbp.experimental.TokenDrops(0.5)])
+        for step in range(2):
+            model(input_ids=batch(step), labels=batch(step)).loss.backward()
+        assert not [w for w in recwarn if "no training forward of the model recorded" in str(w.message)]
+        return
+    ctl = dropbp.apply(model, 0.0, seed=3, pattern="uniform")
+    forwards = 0
+
+    def loss(m, ids):
+        nonlocal forwards
+        value = lm_loss(m, ids)
+        if forwards == 0:
+            ctl.drop_rate = 0.5  # the second forward drops, the first (hooks out) did not
+        forwards += 1
+        return value
+
+    total, grads, seen = summed_loss_and_grads(model, [batch(1), batch(2)], ctl=ctl, loss=loss)
+    want_total, want, _ = summed_loss_and_grads(reference, [batch(1), batch(2)], patterns=seen)
+    assert seen[0] == () and seen[1]
+    torch.testing.assert_close(total, want_total)
+    assert_same_grads(grads, want, atol=1e-5)
+    assert not [w for w in recwarn if "no training forward of the model recorded" in str(w.message)]

@@ -32,9 +32,18 @@ from dropbp.execution.discovery import BRANCH_ADVICE, Branch, ResidualProbe, hol
 from dropbp.execution.distributed import check_running_ddp_checkpointing
 from dropbp.execution.patching import ForwardPatch, HookSwitch
 from dropbp.execution.recompute import RecomputeCache, forward_region, in_backward, recomputed_region
+from dropbp.internals import at_backward_end
 from dropbp.policy.drop_policy import DropPolicy
 
-__all__ = ["KeptGradient", "StepHooks", "StepListener"]
+__all__ = ["KeptGradient", "StepHooks", "StepListener", "output_tensor"]
+
+
+def output_tensor(output: object) -> torch.Tensor | None:
+    """A model output's first tensor that needs a gradient (the loss where the model computes it, else logits)."""
+    if torch.is_tensor(output):
+        return output if output.requires_grad else None
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, tuple | list) else ()
+    return next((v for v in values if torch.is_tensor(v) and v.requires_grad), None)
 
 
 class StepListener(Protocol):
@@ -134,6 +143,9 @@ class StepHooks:
             "merge_and_unload(), or a submodule such as model.model called directly): nothing drops there. "
             "Call ctl.remove() when the model is done with DropBP, or dropbp.apply() to the model you now train."
         )
+        #: Training forwards run with the branches' hooks out whose backward has not ended: their regions, recorded by
+        #: no hook, drop nothing when recomputed, as they did.
+        self._quiet = 0
         self._trainable_key: tuple[tuple[int, bool], ...] | None = None  # what _trainable was worked out for
         self._trainable: list[bool] | None = None
         #: Whatever must live as long as the model's hooks (the controller: the model keeps it, no registry does).
@@ -201,7 +213,8 @@ class StepHooks:
             if region is None:
                 return decision
             if region not in self._regions:  # a region no training forward of the model recorded: drop nothing
-                self._unknown_region()  # a re-entrant region no training forward recorded: full backprop there
+                if not self._quiet:  # (a forward with the hooks out, which dropped nothing, records none: as meant)
+                    self._unknown_region()  # a re-entrant region no training forward recorded: full backprop there
                 return frozenset(), ()
             return self._regions[region]
         if not self._forward:
@@ -305,6 +318,10 @@ class StepHooks:
         if not in_backward():
             self._forward = None
             self.bound.end()
+            quiet = output_tensor(output) if self._branch_hooks.off and model.training else None
+            if quiet is not None:  # counted until its backward ends
+                self._quiet += 1
+                quiet.register_hook(lambda grad: at_backward_end(self._quiet_done))
         self._recompute.end_forward()
         if self._recompute.reentrant:
             check_running_ddp_checkpointing()
@@ -312,6 +329,9 @@ class StepHooks:
                 self._regions[region] = (self.dropped, self.weights_in_force)
         if self.forced is None and model.training and torch.is_grad_enabled() and not in_backward():
             self._check_output_needs_a_gradient(output)
+
+    def _quiet_done(self) -> None:
+        self._quiet -= 1
 
     def _check_output_needs_a_gradient(self, output: object) -> None:
         """Stop at the forward, with what to do, when the step's output cannot be backpropagated.

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from dropbp.execution.compile_guards import outside_graphs
+from dropbp.execution.hooks import output_tensor
 from dropbp.execution.recompute import in_backward
 from dropbp.internals import at_backward_end, tensor_version
 from dropbp.policy.noise_scale import NoiseScaleEstimator, NoiseScaleReading, window_terms
@@ -103,14 +104,6 @@ def _tokens(args: tuple, kwargs: dict) -> int | None:
     if first is None:
         return None
     return first.numel() if not first.is_floating_point() else first.numel() // first.shape[-1]
-
-
-def _first_tensor(output: object) -> torch.Tensor | None:
-    """The model output's first tensor that needs a gradient (the loss where the model computes it, else logits)."""
-    if torch.is_tensor(output):
-        return output if output.requires_grad else None
-    values = output.values() if isinstance(output, dict) else output if isinstance(output, tuple | list) else ()
-    return next((v for v in values if torch.is_tensor(v) and v.requires_grad), None)
 
 
 def _group_terms(
@@ -239,7 +232,7 @@ class MicroBatchGradients:
     @outside_graphs
     def _end(self, module: nn.Module, args: tuple, output: object) -> None:
         index = self._current
-        first = _first_tensor(output) if index is not None else None
+        first = output_tensor(output) if index is not None else None
         if first is None:
             return
         self._dropped[index] = frozenset(self._dropped_now())
