@@ -267,3 +267,13 @@ def test_bundled_smollm2_converts_and_knows_paris(tmp_path, monkeypatch):
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=3, do_sample=False)
     assert "Paris" in tokenizer.decode(out[0][ids.shape[1] :])
+
+
+def test_the_tools_turn_checkpointing_on_by_the_installed_transformers_name(recwarn):
+    """Issue 70, item 5: dropbp's own calls that turn Hugging Face activation checkpointing on use the name the installed
+    transformers has (5.x deprecates gradient_checkpointing_enable, 6 removes it): no FutureWarning from them."""
+    from dropbp.tools.pretrained import checkpointing_on
+
+    model = checkpointing_on(tiny_model("llama", layers=2))
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    assert not [w for w in recwarn if issubclass(w.category, FutureWarning) and "checkpointing" in str(w.message)]

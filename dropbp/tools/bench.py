@@ -29,6 +29,7 @@ from dropbp.imports import require
 from dropbp.tools.arms import apply_arm as apply
 from dropbp.tools.compare import timing_verdict
 from dropbp.tools.device_tools import tools_for
+from dropbp.tools.pretrained import checkpointing_on
 from dropbp.tools.report import finish_axes, save_figure, write_record
 
 __all__ = [
@@ -106,7 +107,7 @@ def build_model(
         torch.manual_seed(0)  # the same adapters for lora and qlora
         model = with_lora(model)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpointing_on(model)
     return model.to(device).train() if method != "qlora" else model.train()
 
 

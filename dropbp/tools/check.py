@@ -30,7 +30,7 @@ from dropbp.tools.check_graphs import graph_checks
 from dropbp.tools.check_noise import branch_share, check_stream, noise_section, read_text_file, token_stream
 from dropbp.tools.check_report import FAIL, CheckResult, Outcome, render, write
 from dropbp.tools.device_tools import tools_for
-from dropbp.tools.pretrained import DEFAULT_MODEL, dtype_keyword, load_causal_lm, not_a_model_folder
+from dropbp.tools.pretrained import DEFAULT_MODEL, checkpointing_on, dtype_keyword, load_causal_lm, not_a_model_folder
 from dropbp.tools.qlora import count_4bit_layers, quantize_4bit, with_lora
 
 __all__ = ["CheckResult", "CheckSettings", "CheckSetupError", "render", "run_check", "write"]
@@ -105,7 +105,7 @@ def _load(
     if checkpointing:
         if not getattr(net, "supports_gradient_checkpointing", False):
             raise CheckSetupError(f"{name} does not support Hugging Face activation checkpointing")
-        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpointing_on(net)
     net, _ = backend.prepare(net)
     return net.train(), name, tokenizer
 

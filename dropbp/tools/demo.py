@@ -33,7 +33,7 @@ from dropbp.imports import require
 from dropbp.tools.arms import apply_arm as apply
 from dropbp.tools.bench import Point, measure_model
 from dropbp.tools.compare import Run, compare, run_options, summarise, timing_check
-from dropbp.tools.pretrained import UnusableModel, load_causal_lm
+from dropbp.tools.pretrained import UnusableModel, checkpointing_on, load_causal_lm
 from dropbp.tools.report import plot_curves, steps_and_time_table
 from dropbp.tools.textdata import pydoc_topics
 
@@ -215,7 +215,7 @@ def step_speedups(model: torch.nn.Module, settings: DemoSettings, backend: Backe
     for checkpointing in (False, True):
         twin = copy.deepcopy(model).train()
         if checkpointing:
-            twin.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            checkpointing_on(twin)
         point = Point("demo", "lora", settings.speed_seq_len, 1, checkpointing)
         if show:
             print(f"step time, checkpointing {'on' if checkpointing else 'off'} ...", flush=True)

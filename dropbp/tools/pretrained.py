@@ -17,7 +17,7 @@ from torch import nn
 
 from dropbp.imports import MissingDependency, is_available, require
 
-__all__ = ["DEFAULT_MODEL", "cache_dir", "dtype_keyword", "load_causal_lm"]
+__all__ = ["DEFAULT_MODEL", "cache_dir", "checkpointing_on", "dtype_keyword", "load_causal_lm"]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -124,3 +124,15 @@ def load_causal_lm(model: str | None = None, dtype: torch.dtype = torch.float32)
             f"cannot load the model {model!r} ({first}); pass a folder saved with save_pretrained, an id in "
             "your Hugging Face cache, or leave --model out for the bundled SmolLM2-135M-Instruct"
         ) from None
+
+
+def checkpointing_on(model: nn.Module) -> nn.Module:
+    """``model`` with Hugging Face activation checkpointing on, non-re-entrant (as the Trainer's
+    ``gradient_checkpointing=True``), by the name the installed transformers has: ``activation_checkpointing_enable``
+    where it replaced ``gradient_checkpointing_enable`` (transformers 5.x warns at the old name, 6 removes it)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
