@@ -270,8 +270,8 @@ def test_bundled_smollm2_converts_and_knows_paris(tmp_path, monkeypatch):
 
 
 def test_the_tools_turn_checkpointing_on_by_the_installed_transformers_name(recwarn):
-    """Issue 70, item 5: dropbp's own calls that turn Hugging Face activation checkpointing on use the name the installed
-    transformers has (5.x deprecates gradient_checkpointing_enable, 6 removes it): no FutureWarning from them."""
+    """Issue 70, item 5: dropbp's own calls that turn Hugging Face activation checkpointing on use the name the
+    installed transformers has (5.x deprecates gradient_checkpointing_enable, 6 removes it): no FutureWarning."""
     from dropbp.tools.pretrained import checkpointing_on
 
     model = checkpointing_on(tiny_model("llama", layers=2))
