@@ -6,9 +6,11 @@ of the trainable parameters) after its backward and before its forward. At a tra
 are copied; when that forward's backward ends (a callback queued by a hook on the model's output, so it runs once, at
 the end of the outermost backward, whatever checkpointing recomputes inside it) the squared norm of the difference and
 of the accumulated sum are taken. An optimizer step's window closes at the next training forward that finds the
-gradients cleared (``zero_grad``: set to None, or zeroed in place, which moves their version counters): its
-micro-batches go to the estimator together, as read at the backward's end, before any gradient clipping. Eval,
-no-grad and recomputation forwards read nothing.
+gradients cleared (``zero_grad``: set to None, or zeroed in place, which moves their version counters), or at the
+backward's end of a micro-batch whose gradients were set to None after its forward (``forward -> zero_grad ->
+backward``: that micro-batch begins the next step): its micro-batches go to the estimator together, as read at the
+backward's end, before any gradient clipping. A step already under way when the reads are attached is left out.
+Eval, no-grad and recomputation forwards read nothing.
 
 Costs: one copy of the trainable parameters' gradients (small for LoRA; a full copy for full fine-tuning), made at
 each micro-batch's forward, and two norms at its backward's end (``benchmarks/noise_scale_cost.py`` measures it).
@@ -21,6 +23,7 @@ each step's terms are averaged across the ranks; FSDP (sharded gradients) and De
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -173,6 +176,12 @@ class MicroBatchGradients:
         #: the groups read as an index tensor, per set of parameters with a gradient and device: made once, not per read
         self._where: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
         self._snapshot: list[torch.Tensor | None] = []
+        #: the gradient tensors the snapshot was copied from (weak): one gone by the backward's end means ``zero_grad``
+        #: (set to None) ran between this forward and its backward, and the window ended there
+        self._taken_from: list[weakref.ref | None] = []
+        #: the window under way began in the middle of an optimizer step (attached then): left out when it closes
+        self._partial = False
+        self._began = False  # a counted forward has run since install
         self._micro: list[torch.Tensor] = []  # per micro-batch, its gradient's squared norm per group
         self._batch: torch.Tensor | None = None  # the window's accumulated gradient's squared norm per group so far
         self._tokens: list[int] = []
@@ -199,6 +208,7 @@ class MicroBatchGradients:
         rest = len(self._groups)
         self._group_of = [owner.get(id(p), rest) for p in self._params]
         self._where = {}
+        self._began = False  # attached anew: the step under way, if any, is not seen whole
         self._handles = [
             self._model.register_forward_pre_hook(self._begin, with_kwargs=True, prepend=True),
             self._model.register_forward_hook(self._end),
@@ -218,12 +228,15 @@ class MicroBatchGradients:
         if not self._counts():
             return
         grads = [p.grad for p in self._params]
-        if self._batch is None or self._cleared(grads):
+        if not self._began:  # the first counted forward: an optimizer step under way already has a gradient
+            self._began, self._partial = True, any(g is not None and bool(g.any()) for g in grads)
+        elif self._batch is None or self._cleared(grads):
             self._close()
         tokens = _tokens(args, kwargs)
         if tokens is None:
             return
         self._snapshot = [None if g is None else g.detach().clone() for g in grads]
+        self._taken_from = [None if g is None else weakref.ref(g) for g in grads]
         self._tokens.append(tokens)
         self._dropped.append(frozenset())
         self._micro.append(torch.zeros(len(self._groups) + 1))  # filled when its backward ends
@@ -257,6 +270,10 @@ class MicroBatchGradients:
         """At the end of micro-batch ``index``'s backward: its gradient's squared norm and the window's so far."""
         if index >= len(self._micro):
             return  # the window closed in between (a backward after the next zero_grad)
+        taken = self._taken_from
+        if taken and any(ref is not None and p.grad is not ref() for p, ref in zip(self._params, taken, strict=True)):
+            self._restart_at(index)  # zero_grad between this forward and its backward: a new window from here
+            index = 0
         owns, totals, groups = [], [], []  # summed per group on the gradients' device: read on the host once a window
         norm = torch.linalg.vector_norm
         for p, before, group in zip(self._params, self._snapshot, self._group_of, strict=True):
@@ -278,12 +295,23 @@ class MicroBatchGradients:
             sums[1].index_add_(0, where, torch.stack(totals))
             self._micro[index], self._batch = sums[0], sums[1]
 
+    def _restart_at(self, index: int) -> None:
+        """Micro-batch ``index`` began a new optimizer step after its forward (``forward -> zero_grad -> backward``):
+        the window before it closes without it, and it starts the next one, its own gradient the whole of it."""
+        tokens, dropped = self._tokens[index], self._dropped[index]
+        for held in (self._micro, self._tokens, self._dropped):
+            del held[index]
+        self._close()
+        self._micro, self._tokens, self._dropped = [torch.zeros(len(self._groups) + 1)], [tokens], [dropped]
+        self._snapshot, self._taken_from = [None] * len(self._params), [None] * len(self._params)
+        self._current = 0
+
     def _close(self) -> None:
         """The window read so far is one optimizer step: to the estimator (with at least two micro-batches)."""
-        micro, batch, tokens, dropped = self._micro, self._batch, self._tokens, self._dropped
+        micro, batch, tokens, dropped, partial = self._micro, self._batch, self._tokens, self._dropped, self._partial
         self._micro, self._batch, self._tokens, self._snapshot, self._versions = [], None, [], [], []
-        self._dropped = []
-        if batch is None or len(micro) < 2:
+        self._dropped, self._taken_from, self._partial = [], [], False
+        if batch is None or len(micro) < 2 or partial:  # (a step begun before the reads were attached: left out)
             return
         *squares, batch_square = torch.stack([*(x.to(batch.device) for x in micro), batch]).tolist()  # one host read
         terms = _group_terms(squares, batch_square, tokens, dropped)
