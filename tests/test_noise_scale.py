@@ -372,3 +372,34 @@ def test_a_noise_scale_attached_in_the_middle_of_a_step_leaves_that_step_out():
     got, want = noise.estimate(), reference.estimate()
     assert got.steps == want.steps == 3  # the partial step left out
     assert math.isclose(got.tokens, want.tokens, rel_tol=1e-3)
+
+
+def test_two_forwards_before_one_backward_are_one_micro_batch():
+    """Issue 71, class C: a loss of two forwards (a multi-task or contrastive loss) backpropagated once is one
+    micro-batch of both forwards' tokens (read as two, each the whole gradient, and a quarter of the tokens lost: 532
+    against 31.5); equal to the estimator fed each micro-batch's gradient computed apart."""
+    model = tiny_model("llama", layers=2).train()
+    ctl = dropbp.apply(model, 0.0, features=[dropbp.NoiseScale()])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    reference, m = NoiseScaleEstimator(), 3
+    for step in range(3):
+        pairs = [(batch(100 * step + 2 * k), batch(100 * step + 2 * k + 1)) for k in range(m)]
+        plain = copy.deepcopy(model)
+        params = [p for p in plain.parameters() if p.requires_grad]
+
+        def loss(net, pair):
+            return sum(net(input_ids=x, labels=x).loss for x in pair) / (2 * m)
+
+        micro = [torch.autograd.grad(loss(plain, pair), params) for pair in pairs]
+        total = [sum(parts) for parts in zip(*micro, strict=True)]
+        squares = [sum(float(t.double().pow(2).sum()) for t in grads) * m * m for grads in micro]
+        reference.update(squares, sum(float(t.double().pow(2).sum()) for t in total), 2 * pairs[0][0].numel())
+        optimizer.zero_grad(set_to_none=True)
+        for pair in pairs:
+            loss(model, pair).backward()
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    ctl.features["noise_scale"].flush()
+    got, want = ctl.features["noise_scale"].estimate(), reference.estimate()
+    assert got.steps == want.steps == 3 and got.tokens_per_step == want.tokens_per_step == 3 * 2 * 24
+    assert math.isclose(got.tokens, want.tokens, rel_tol=1e-3)

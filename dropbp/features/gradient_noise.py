@@ -9,7 +9,8 @@ of the accumulated sum are taken. An optimizer step's window closes at the next 
 gradients cleared (``zero_grad``: set to None, or zeroed in place, which moves their version counters), or at the
 backward's end of a micro-batch whose gradients were set to None after its forward (``forward -> zero_grad ->
 backward``: that micro-batch begins the next step): its micro-batches go to the estimator together, as read at the
-backward's end, before any gradient clipping. A step already under way when the reads are attached is left out.
+backward's end, before any gradient clipping. Several forwards before one backward are one micro-batch of all their
+tokens. A step already under way when the reads are attached is left out.
 Eval, no-grad and recomputation forwards read nothing.
 
 Costs: one copy of the trainable parameters' gradients (small for LoRA; a full copy for full fine-tuning), made at
@@ -182,6 +183,8 @@ class MicroBatchGradients:
         #: the window under way began in the middle of an optimizer step (attached then): left out when it closes
         self._partial = False
         self._began = False  # a counted forward has run since install
+        #: the micro-batch whose backward has not ended: a forward before it joins it (a loss of several forwards)
+        self._pending: int | None = None
         self._micro: list[torch.Tensor] = []  # per micro-batch, its gradient's squared norm per group
         self._batch: torch.Tensor | None = None  # the window's accumulated gradient's squared norm per group so far
         self._tokens: list[int] = []
@@ -227,6 +230,10 @@ class MicroBatchGradients:
         self._current = None
         if not self._counts():
             return
+        if self._pending is not None:  # before the last forward's backward: one backward, so one micro-batch
+            self._tokens[self._pending] += _tokens(args, kwargs) or 0
+            self._current = self._pending
+            return
         grads = [p.grad for p in self._params]
         if not self._began:  # the first counted forward: an optimizer step under way already has a gradient
             self._began, self._partial = True, any(g is not None and bool(g.any()) for g in grads)
@@ -240,15 +247,16 @@ class MicroBatchGradients:
         self._tokens.append(tokens)
         self._dropped.append(frozenset())
         self._micro.append(torch.zeros(len(self._groups) + 1))  # filled when its backward ends
-        self._current = len(self._micro) - 1
+        self._current = self._pending = len(self._micro) - 1
 
     @outside_graphs
     def _end(self, module: nn.Module, args: tuple, output: object) -> None:
         index = self._current
         first = output_tensor(output) if index is not None else None
         if first is None:
+            self._pending = None  # no backward to wait for
             return
-        self._dropped[index] = frozenset(self._dropped_now())
+        self._dropped[index] |= frozenset(self._dropped_now())  # several forwards: what any of them dropped
 
         def hook(grad: torch.Tensor) -> None:
             at_backward_end(lambda: self._read(index))
@@ -268,6 +276,7 @@ class MicroBatchGradients:
 
     def _read(self, index: int) -> None:
         """At the end of micro-batch ``index``'s backward: its gradient's squared norm and the window's so far."""
+        self._pending = None
         if index >= len(self._micro):
             return  # the window closed in between (a backward after the next zero_grad)
         taken = self._taken_from
@@ -310,7 +319,7 @@ class MicroBatchGradients:
         """The window read so far is one optimizer step: to the estimator (with at least two micro-batches)."""
         micro, batch, tokens, dropped, partial = self._micro, self._batch, self._tokens, self._dropped, self._partial
         self._micro, self._batch, self._tokens, self._snapshot, self._versions = [], None, [], [], []
-        self._dropped, self._taken_from, self._partial = [], [], False
+        self._dropped, self._taken_from, self._partial, self._pending = [], [], False, None
         if batch is None or len(micro) < 2 or partial:  # (a step begun before the reads were attached: left out)
             return
         *squares, batch_square = torch.stack([*(x.to(batch.device) for x in micro), batch]).tolist()  # one host read
