@@ -419,3 +419,41 @@ def test_the_noise_scale_under_ddp_averages_each_ranks_own_micro_batches():
         assert got.steps == 3 and got.tokens_per_step == want.tokens_per_step
         assert abs(got.gradient_sq_norm / want.gradient_sq_norm - 1) < 1e-4
         assert abs(got.trace / want.trace - 1) < 1e-4
+
+
+def _synchronising_rank_main(rank: int, init_file: str, out_dir: str) -> None:
+    """The noise scale under DDP with every micro-batch synchronised (no ``no_sync``): what it says, what it reads."""
+    import warnings
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        model = tiny_model("llama", layers=2)
+        ctl = dropbp.apply(model, 0.0, features=[dropbp.NoiseScale()])
+        wrapped = DistributedDataParallel(model, find_unused_parameters=True)
+        optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.05)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            for step in range(3):
+                for k in range(2):
+                    ids = _ids(2 * step + k, rank)
+                    (wrapped(input_ids=ids, labels=ids).loss / 2).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            wrapped(input_ids=ids, labels=ids)  # closes the last step
+        messages = [str(w.message) for w in said if "synchronises every micro-batch" in str(w.message)]
+        record = {"said": messages, "measured": ctl.features["noise_scale"].estimate()}
+        torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
+        ranks_done()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_noise_scale_says_it_cannot_be_read_where_ddp_synchronises_every_micro_batch():
+    """Issue 71, class C: without ``no_sync`` DDP writes the averaged gradient after every micro-batch, which the reads
+    took for a cleared gradient: no estimate and no word. Now a warning names why and what to do (once)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        _run_ranks(_synchronising_rank_main, os.path.join(tmp, "init"), tmp)
+        ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+    for r in ranks:
+        assert r["measured"] is None and len(r["said"]) == 1 and "ddp.no_sync()" in r["said"][0]

@@ -31,10 +31,11 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from dropbp.checks import Once
 from dropbp.execution.compile_guards import outside_graphs
 from dropbp.execution.hooks import output_tensor
 from dropbp.execution.recompute import in_backward
-from dropbp.internals import at_backward_end, tensor_version
+from dropbp.internals import at_backward_end, running_ddp, tensor_version
 from dropbp.policy.noise_scale import NoiseScaleEstimator, NoiseScaleReading, window_terms
 
 __all__ = ["MicroBatchGradients", "check_reads", "measure_windows"]
@@ -183,6 +184,11 @@ class MicroBatchGradients:
         #: the window under way began in the middle of an optimizer step (attached then): left out when it closes
         self._partial = False
         self._began = False  # a counted forward has run since install
+        self._synchronised = Once(
+            "dropbp: the noise scale is not read under DDP that synchronises every micro-batch: DDP wrote the "
+            "averaged gradient between two micro-batches of a step, so no micro-batch's own gradient can be told "
+            "apart. Accumulate under ddp.no_sync() for every micro-batch but the last (the Trainer does). Said once."
+        )
         #: the micro-batch whose backward has not ended: a forward before it joins it (a loss of several forwards)
         self._pending: int | None = None
         self._micro: list[torch.Tensor] = []  # per micro-batch, its gradient's squared norm per group
@@ -271,6 +277,8 @@ class MicroBatchGradients:
             return True
         for g, version in zip(grads, self._versions, strict=True):
             if version is not None and (g is None or tensor_version(g) != version):
+                if g is not None and running_ddp() is not None and bool(g.any()):  # written, not zeroed: DDP's sync
+                    self._synchronised()
                 return True
         return False
 
