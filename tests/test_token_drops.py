@@ -693,16 +693,20 @@ class _Attention(torch.nn.Module):
 
 
 class _MLP(torch.nn.Module):
-    """An MLP branch written as users write them: ``"tuple"`` returns ``(output, None)``; ``"inplace"`` applies
-    ``ReLU(inplace=True)`` to its first linear map's output."""
+    """An MLP branch written as users write them: ``"tuple"`` returns ``(output, None)``; ``"aux"`` returns
+    ``(output, an auxiliary float tensor)`` the layer adds too (a router's or a gate's side output); ``"inplace"``
+    applies ``ReLU(inplace=True)`` to its first linear map's output."""
 
     def __init__(self, width: int, kind: str) -> None:
         super().__init__()
         self.kind, self.up, self.down = kind, torch.nn.Linear(width, 2 * width), torch.nn.Linear(2 * width, width)
         self.act = torch.nn.ReLU(inplace=kind == "inplace")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, None]:
-        y = self.down(self.act(self.up(x)))
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        hidden = self.up(x)
+        y = self.down(self.act(hidden))
+        if self.kind == "aux":
+            return y, 0.1 * hidden.mean(-1, keepdim=True)
         return (y, None) if self.kind == "tuple" else y
 
 
@@ -715,7 +719,9 @@ class _Layer(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
         out = self.mlp(self.norm2(x))
-        out = out[0] if isinstance(out, tuple) else out
+        out, aux = out if isinstance(out, tuple) else (out, None)
+        if aux is not None:
+            x = x + aux
         if self.inplace_add:  # Falcon's ``mlp_output += attention_output``: the branch output modified in place
             out += x
             return out
@@ -762,17 +768,23 @@ def test_branches_written_as_users_write_them_train_exactly_under_token_drops(ki
     assert all(g is not None and bool(g.abs().sum() > 0) for n, g in grads.items() if "mlp" in n)
 
 
-def test_a_checkpointed_branch_returning_other_float_tensors_is_refused_saying_what_to_do():
-    """A tuple whose other entries are floating-point tensors cannot be recomputed on the kept rows of its first: said,
-    with what to do, instead of those entries losing their gradient silently."""
-    model = _Custom("tuple", False, checkpointing=True)
-    for layer in model.layers:
-        layer.mlp.forward = lambda x, m=layer.mlp: (m.down(m.act(m.up(x))), m.up(x).sum())
-    names = [f"layers.{i}.mlp" for i in range(2)]
-    dropbp.apply(model, 0.0, branches=names, features=[dropbp.experimental.TokenDrops(0.5)])
-    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
-    with pytest.raises(RuntimeError, match="other floating-point tensors.*branches=.*without activation checkpointing"):
-        model(input_ids=ids, labels=ids)
+def test_a_checkpointed_branch_returning_an_auxiliary_tensor_trains_as_without_checkpointing():
+    """Issue 71, class G: an MLP branch that returns an auxiliary float tensor beside its output (a gate's or router's
+    side output the layer uses) cannot be recomputed on the kept rows of its one output; under non-re-entrant
+    checkpointing it runs again with autograd on every row, its output's rows selected: the same gradients as without
+    checkpointing, step by step (it was refused)."""
+    plain, checkpointed = _Custom("aux", False, checkpointing=False), _Custom("aux", False, checkpointing=True)
+    names = [f"layers.{i}.{part}" for i in range(2) for part in ("attn", "mlp")]
+    controllers = [
+        dropbp.apply(m, 0.0, seed=4, branches=names, features=[dropbp.experimental.TokenDrops(0.5)])
+        for m in (plain, checkpointed)
+    ]
+    for step in range(3):
+        ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(step))
+        (loss, want), (ck_loss, got) = (loss_and_grads(m, ids) for m in (plain, checkpointed))
+        torch.testing.assert_close(ck_loss, loss, atol=1e-6, rtol=0)
+        assert_same_grads(got, want, atol=1e-6)
+    assert all(c.features["token_drops"].weights() for c in controllers)  # rows were selected
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "ckpt"])

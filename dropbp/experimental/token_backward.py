@@ -341,13 +341,14 @@ class RowDropEngine:
                 return None
             first, rest = (output[0], output[1:]) if isinstance(output, tuple) else (output, None)
             carried = [r for r in rest or () if torch.is_tensor(r) and r.is_floating_point()]
-            if not torch.is_tensor(first) or carried:
-                raise RuntimeError(
-                    f"token drops: branch {index} ({type(module).__name__}) returned {type(output).__name__} "
-                    f"{'with other floating-point tensors' if carried else 'and not a tensor'} in a checkpointed "
-                    "region, where its backward is recomputed on the kept rows of its one output tensor; name a "
-                    "module that returns that tensor with branches=, or train it without activation checkpointing"
-                )
+            if not torch.is_tensor(first) or carried:  # not one output tensor to recompute on its kept rows alone:
+                slot.saved_input = None  # the branch runs again with autograd, as when not checkpointed (its linear
+                self._slots[index] = slot  # maps gathering their rows for this slot)
+                try:
+                    again = module.forward(*args)
+                finally:
+                    self._slots[index] = None
+                return self._select(index, slot, again)
             slot.rows = first.numel() // first.shape[-1]
             self._note_residual(slot, first)
             branch = self._parts[index][0]
@@ -369,15 +370,20 @@ class RowDropEngine:
             slot, self._slots[index] = self._slots[index], None
             if slot is None or not torch.is_grad_enabled():
                 return None
-            first = output[0] if isinstance(output, tuple) else output
-            if not (torch.is_tensor(first) and first.requires_grad):
-                return None
-            slot.rows = first.numel() // first.shape[-1]
-            self._note_residual(slot, first)
-            selected = _SelectRows.apply(first, slot, self._selector(index))
-            return (selected, *output[1:]) if isinstance(output, tuple) else selected
+            return self._select(index, slot, output)
 
         return end
+
+    def _select(self, index: int, slot: RowSlot, output: object) -> object:
+        """``output`` of branch ``index`` with its output tensor's backward on the selected rows (:class:`_SelectRows`),
+        or as it is where that tensor needs no gradient."""
+        first = output[0] if isinstance(output, tuple) else output
+        if not (torch.is_tensor(first) and first.requires_grad):
+            return output
+        slot.rows = first.numel() // first.shape[-1]
+        self._note_residual(slot, first)
+        selected = _SelectRows.apply(first, slot, self._selector(index))
+        return (selected, *output[1:]) if isinstance(output, tuple) else selected
 
     def _gathered(self, linear: nn.Module, index: int, transposed: bool) -> list[RemovableHandle]:
         """Hooks that make ``linear``'s output, in a call of branch ``index`` that selects rows, one whose backward
