@@ -106,7 +106,6 @@ class DropBPController:
         resolved = self._given.resolved(backend, flops)
         self._policy = policy = DropPolicy(flops, resolved)
         self._hooks = StepHooks(model, self._found, policy=policy, backend=backend)
-        self._hooks.most_kept = policy.most_kept() if resolved.memory_bound else None
         self._hooks.owner = self
         tally = DropTally(flops)
         for listener in (RunningDDPCheck(), watch, tally):  # the DDP check first: it may refuse the step
@@ -126,7 +125,7 @@ class DropBPController:
             raise
         self._clean_copies()
         #: What the policy will do over a run, and what it dropped (:class:`dropbp.run_schedule.RunSchedule`).
-        self.schedule = RunSchedule(policy, flops, tally, self._hooks.pattern, lambda: self._hooks.most_kept)
+        self.schedule = RunSchedule(policy, flops, tally, self._hooks.pattern)
         for module in (model, *(b.module for b in found)):
             _ATTACHED[module] = weakref.ref(self)
 
@@ -164,17 +163,15 @@ class DropBPController:
     def _use(self, given: DropBPOptions, policy_takes: Callable[[DropBPOptions], None]) -> None:
         """Options as given from now on: resolved on the backend (a state saved on an unbounded device keeps this
         device's bound), handed to the policy by ``policy_takes`` (all or nothing: it raises before anything
-        changes), then to the hooks and the features."""
+        changes; the hooks read it), then to the features."""
         self._features.check_new(given.features)
-        resolved = given.resolved(self.backend, [b.flops for b in self._found])
-        before = (self._given, self._policy.state_dict(), self._policy.options, self._hooks.most_kept)
-        policy_takes(resolved)
+        before = (self._given, self._policy.state_dict(), self._policy.options)
+        policy_takes(given.resolved(self.backend, [b.flops for b in self._found]))
         self._given = given
-        self._hooks.most_kept = self._policy.most_kept() if resolved.memory_bound else None
         try:
             self._features.follow(given.features, self._host, self._clean_copies)
         except BaseException:  # a feature that failed to attach: all as before (follow put the features back)
-            self._given, state, in_force, self._hooks.most_kept = before
+            self._given, state, in_force = before
             self._policy.load_state_dict(state, in_force)
             raise
 

@@ -29,13 +29,11 @@ class RunSchedule:
         flops: Sequence[float],
         tally: DropTally,
         pattern: Callable[[int], frozenset[int]],
-        most_kept: Callable[[], int | None],
     ) -> None:
         self._policy = policy
         self._tally = tally
         self._flops = list(flops)
         self._pattern = pattern
-        self._most_kept = most_kept
 
     @property
     def options(self) -> DropBPOptions:
@@ -47,7 +45,7 @@ class RunSchedule:
     def max_kept_branches(self) -> int:
         """The most branches that store activations in one step: with the memory bound, the drop shape's
         ``most_kept`` at ``drop_rate``; without it, every branch (a step may drop none)."""
-        return self._most_kept() or len(self._flops)
+        return self._policy.most_kept() or len(self._flops)
 
     def drop_rate_at(self, step: int) -> float:
         """The expected FLOP-weighted drop rate at training forward ``step``: the rates under the warm-up and time

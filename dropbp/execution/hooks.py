@@ -90,8 +90,8 @@ class StepHooks:
             output and the residual add) run without autograd when the branch drops.
         policy: decides each step's pattern.
 
-    Read as each training forward starts: :attr:`most_kept` (the memory bound, :mod:`dropbp.execution.bound`; the
-    controller sets it when the options change) and :attr:`kept_gradient` (an extension point a feature sets).
+    Read as each training forward starts: the memory bound's count (the policy's ``most_kept``,
+    :mod:`dropbp.execution.bound`) and :attr:`kept_gradient` (an extension point a feature sets).
     """
 
     def __init__(
@@ -110,8 +110,6 @@ class StepHooks:
         self.holders = [holder(branch) for branch in parts]
         self._policy = policy
         self._backend = backend
-        #: How many kept branches may store activations in a training forward (None: the memory bound is off).
-        self.most_kept: int | None = None
         #: What a kept branch's own parameters' gradient is multiplied by (None: nothing), read as a forward starts.
         self.kept_gradient: KeptGradient | None = None
         #: Whether kept branches are weighted in the forward under way (:attr:`kept_gradient` as it started).
@@ -306,7 +304,7 @@ class StepHooks:
         for listener in self._listeners:  # one may refuse the step (raise): before anything moves on
             listener.on_training_forward(self.dropped)
         self._recompute.begin_forward()
-        keep = self.most_kept
+        keep = self._policy.most_kept()
         if keep is not None:
             self.bound.begin(self.dropped, keep)
         self.step += 1

@@ -201,8 +201,11 @@ class DropPolicy:
         """The drop shape in force (:mod:`dropbp.policy.shapes`)."""
         return get_shape(self._options.pattern)
 
-    def most_kept(self) -> int:
-        """The most branches that store activations in a step under the memory bound, at the target drop rate."""
+    def most_kept(self) -> int | None:
+        """The most branches that store activations in a step under the memory bound (the shape's at the target drop
+        rate), or None where the bound is off (``memory_bound``, resolved: a bool)."""
+        if getattr(self._options, "memory_bound", False) is not True:
+            return None
         return self.shape.most_kept(self._num_branches, self._options.drop_rate)
 
     @property
