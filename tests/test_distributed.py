@@ -361,6 +361,19 @@ def test_token_drops_on_two_ranks_average_each_ranks_own_selection(mode):
         assert_same_grads(b["grads"], mean, atol=1e-5)
 
 
+def _join(rank: int, init_file: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+
+
+def _measured_ddp_model():
+    """A tiny Llama with the noise scale measured, under DDP: (model, controller, DDP wrapper, SGD)."""
+    model = tiny_model("llama", layers=2)
+    ctl = dropbp.apply(model, 0.0, features=[dropbp.NoiseScale()])
+    wrapped = DistributedDataParallel(model, find_unused_parameters=True)
+    return model, ctl, wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.05)
+
+
 def _noise_rank_main(rank: int, init_file: str, out_dir: str) -> None:
     """``measure_noise_scale`` under DDP: 3 optimizer steps of 2 micro-batches (the first under ``no_sync``, as
     Trainer accumulates), then the next step's first forward; per rank, the estimate and, per step, the terms of
@@ -369,13 +382,9 @@ def _noise_rank_main(rank: int, init_file: str, out_dir: str) -> None:
 
     from dropbp.policy.noise_scale import window_terms
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    _join(rank, init_file)
     try:
-        model = tiny_model("llama", layers=2)
-        ctl = dropbp.apply(model, 0.0, features=[dropbp.NoiseScale()])
-        wrapped = DistributedDataParallel(model, find_unused_parameters=True)
-        optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.05)
+        model, ctl, wrapped, optimizer = _measured_ddp_model()
         terms = []
         for step in range(3):
             ids = [_ids(2 * step + k, rank) for k in range(2)]
@@ -425,13 +434,9 @@ def _synchronising_rank_main(rank: int, init_file: str, out_dir: str) -> None:
     """The noise scale under DDP with every micro-batch synchronised (no ``no_sync``): what it says, what it reads."""
     import warnings
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    _join(rank, init_file)
     try:
-        model = tiny_model("llama", layers=2)
-        ctl = dropbp.apply(model, 0.0, features=[dropbp.NoiseScale()])
-        wrapped = DistributedDataParallel(model, find_unused_parameters=True)
-        optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.05)
+        model, ctl, wrapped, optimizer = _measured_ddp_model()
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
             for step in range(3):
