@@ -20,7 +20,7 @@ import argparse
 import json
 from pathlib import Path
 
-from dropbp.options import AUTO_BOUND_RATE
+from dropbp.policy.drop_policy import AUTO_BOUND_RATE
 from dropbp.tools.frontier import exact_seeds
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -2,8 +2,9 @@
 
 Its keyword options, their defaults, help and checks are :class:`dropbp.options.DropBPOptions`'s
 (declared once there; ``help(dropbp.apply)`` lists them). The controller (:class:`~dropbp.controller.DropBPController`)
-unwraps the model, resolves the backend, finds the branches (:mod:`dropbp.execution.discovery`) and builds the drop
-policy (:mod:`dropbp.policy.drop_policy`, which checks the rates against the model's branches), each once.
+validates them, unwraps the model, resolves the backend, finds the branches (:mod:`dropbp.execution.discovery`) and
+builds the drop policy (:mod:`dropbp.policy.drop_policy`, which resolves the ``"auto"``s and checks the rates against
+the model's branches), each once.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch import nn
 from dropbp.controller import DropBPController
 from dropbp.options import DropBPOptions, takes_options
 
-__all__ = ["apply", "apply_options"]
+__all__ = ["apply"]
 
 
 @takes_options(DropBPOptions)
@@ -37,9 +38,4 @@ def apply(model: nn.Module, drop_rate: float, **options: Any) -> DropBPControlle
     Returns:
         The :class:`DropBPController`; ``ctl.remove()`` restores the model exactly.
     """
-    return apply_options(model, DropBPOptions.given("apply", drop_rate=drop_rate, **options))
-
-
-def apply_options(model: nn.Module, options: DropBPOptions) -> DropBPController:
-    """:func:`apply` with its options as one (already valid) :class:`DropBPOptions`."""
-    return DropBPController(model, options)
+    return DropBPController(model, drop_rate, **options)

@@ -13,13 +13,24 @@ import warnings
 from collections.abc import Sequence
 
 __all__ = [
+    "AUTO",
     "check_bool",
     "check_choice",
     "check_fraction",
     "check_int",
     "check_number",
     "check_sequence",
+    "is_auto",
 ]
+
+#: An option's value that the library decides (``drop_rate="auto"``: the rate chosen each optimizer step from the
+#: measured gradient noise scale; ``memory_bound="auto"``, ``warmup="auto"``, ...).
+AUTO = "auto"
+
+
+def is_auto(value: object) -> bool:
+    """Whether an option that takes ``"auto"`` was given it (each option resolves its own ``"auto"`` in one place)."""
+    return isinstance(value, str) and value == AUTO
 
 
 def check_int(name: str, value: object, minimum: int) -> int:

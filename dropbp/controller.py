@@ -1,6 +1,6 @@
 """The controller :func:`dropbp.apply` returns: the lifecycle of DropBP on one model (apply, remove, step, state).
 
-It owns the wiring only: the options (as given, resolved on the backend at every change), the per-step decision
+It owns the wiring only: the options (validated once as given, on the backend at every change), the per-step decision
 (:mod:`dropbp.execution.hooks`), the policy (:mod:`dropbp.policy.drop_policy`), the features (through
 :mod:`dropbp.features.base`'s protocol), checkpoint state and the device's step boundaries; calibration is
 :mod:`dropbp.calibration`'s, what a run will do ``ctl.schedule``'s (:mod:`dropbp.run_schedule`). Every setting validates
@@ -32,7 +32,7 @@ from dropbp.execution.patching import CleanCopies
 from dropbp.features.attached import AttachedFeatures
 from dropbp.features.base import Feature, dropped_fill
 from dropbp.features.host import Host
-from dropbp.options import DropBPOptions, check_names, moved_member
+from dropbp.options import DropBPOptions, check_names, moved_member, takes_options
 from dropbp.policy.drop_policy import DropPolicy
 from dropbp.policy.plan import DropTally
 from dropbp.run_schedule import RunSchedule
@@ -74,14 +74,17 @@ class DropBPController:
 
     Args:
         model: the model (or its DDP / framework wrapper, unwrapped here once).
-        options: the options as given (:class:`dropbp.options.DropBPOptions`), resolved here and at every change.
+        drop_rate: and ``options``: :class:`dropbp.options.DropBPOptions`, validated here once, the backend resolved
+            (:meth:`~dropbp.options.DropBPOptions.on`); the policy resolves the ``"auto"``s for the model's branches.
     """
 
-    def __init__(self, model: nn.Module, options: DropBPOptions) -> None:
+    @takes_options(DropBPOptions)
+    def __init__(self, model: nn.Module, drop_rate: float | str, **options: Any) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(options, DropBPOptions):
-            raise TypeError(f"options must be a dropbp.DropBPOptions, got {type(options).__name__}")
+        given = DropBPOptions.given("apply", drop_rate=drop_rate, **options)
+        backend = given.backend if isinstance(given.backend, Backend) else get_backend(given.backend)
+        on_device = given.on(backend)
         wrapper = model
         model, ddp = unwrap(model)
         check_ddp(ddp)
@@ -89,22 +92,20 @@ class DropBPController:
         #: Whether a framework's engine wraps the model (DeepSpeed): it holds the gradients, not ``.grad``.
         self._framework = ddp is None and wrapper is not model
         self._features = AttachedFeatures(model, self._framework)
-        self._features.check_new(options.features)  # a refusal leaves the model as it was
+        self._features.check_new(on_device.features)  # a refusal leaves the model as it was
         if self._framework:
-            fill = dropped_fill(options.features)
+            fill = dropped_fill(on_device.features)
             check_wrapper(wrapper, fill)
-        backend = options.backend if isinstance(options.backend, Backend) else get_backend(options.backend)
-        found = find_branches(model, None if options.branches is None else list(options.branches))
+        found = find_branches(model, None if on_device.branches is None else list(on_device.branches))
         if any(controller_of(m) is not None for m in (model, *(b.module for b in found))):
             attached = "DropBP is already attached to this model (or to some of its branches)"
             raise RuntimeError(f"{attached}; call .remove() on the existing controller first")
         watch = FrameworkWatch(model, [holder(b.parts) for b in found], lambda: dropped_fill(self._given.features))
         #: The device backend whose step boundaries :meth:`backward` and :meth:`optimizer_step` place.
         self.backend, self._model, self._found = backend, model, found
-        self._given = dataclasses.replace(options, backend=backend)
+        self._given = dataclasses.replace(given, backend=backend)
         flops = [b.flops for b in found]
-        resolved = self._given.resolved(backend, flops)
-        self._policy = policy = DropPolicy(flops, resolved)
+        self._policy = policy = DropPolicy(flops, on_device)
         self._hooks = StepHooks(model, self._found, policy=policy, backend=backend)
         self._hooks.owner = self
         tally = DropTally(flops)
@@ -114,12 +115,12 @@ class DropBPController:
         self._compile_handles = compile_warning.attach(model, [b.name for b in self._found])
         parts = (p for b in found for p in b.parts)
         self._touched = [model, *parts, *compile_warning.layers, *self._hooks.bound.units]
-        given, in_force = functools.partial(getattr, self, "_given"), functools.partial(getattr, policy, "options")
-        self._host = Host(model, tuple(self._found), backend, self._hooks, given, in_force, self._resolve_again)
+        given_now, in_force = functools.partial(getattr, self, "_given"), functools.partial(getattr, policy, "options")
+        self._host = Host(model, tuple(self._found), backend, self._hooks, given_now, in_force, self._resolve_again)
         self._copies: CleanCopies | None = None
         self._removed, self._undo = False, []  # _undo: see at_remove
         try:
-            self._features.follow(self._given.features, self._host, self._clean_copies)
+            self._features.follow(on_device.features, self._host, self._clean_copies)
         except BaseException:  # a feature that failed to attach: the model as it was (follow removed the others)
             self.remove()
             raise
@@ -161,12 +162,12 @@ class DropBPController:
         self._use(self._given.replaced(**change), lambda resolved: self._policy.use(resolved, reset_rates))
 
     def _use(self, given: DropBPOptions, policy_takes: Callable[[DropBPOptions], None]) -> None:
-        """Options as given from now on: resolved on the backend (a state saved on an unbounded device keeps this
-        device's bound), handed to the policy by ``policy_takes`` (all or nothing: it raises before anything
-        changes; the hooks read it), then to the features."""
+        """Options as given from now on: on the backend (:meth:`~dropbp.options.DropBPOptions.on`), handed to the
+        policy by ``policy_takes`` (which resolves the ``"auto"``s; all or nothing: it raises before anything changes;
+        the hooks read it), then to the features."""
         self._features.check_new(given.features)
         before = (self._given, self._policy.state_dict(), self._policy.options)
-        policy_takes(given.resolved(self.backend, [b.flops for b in self._found]))
+        policy_takes(given.on(self.backend))
         self._given = given
         try:
             self._features.follow(given.features, self._host, self._clean_copies)

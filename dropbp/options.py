@@ -26,18 +26,13 @@ from typing import Any, ClassVar, TypeVar, get_type_hints
 
 from dropbp.architectures import BERT_BRANCHES
 from dropbp.backends import Backend
-from dropbp.checks import check_bool, check_choice, check_fraction, check_int
+from dropbp.checks import check_bool, check_choice, check_fraction, check_int, is_auto
 from dropbp.features.base import Feature, feature_classes
 from dropbp.policy.plugins import policy_plugins
 from dropbp.policy.sampler import LARGEST_POOL
 from dropbp.policy.shapes import get_shape, shape_names
 
-#: ``memory_bound="auto"`` turns the bound on from this drop rate (or with a feature that buys memory).
-AUTO_BOUND_RATE = 0.75
-
 __all__ = [
-    "AUTO",
-    "AUTO_BOUND_RATE",
     "AUTO_WARMUP",
     "INTERNAL",
     "MOVED",
@@ -45,13 +40,9 @@ __all__ = [
     "DropBPOptions",
     "TrainerOptions",
     "check_names",
-    "is_auto",
     "option_fields",
     "takes_options",
 ]
-
-#: ``drop_rate="auto"``: the rate chosen each optimizer step from the measured gradient noise scale.
-AUTO = "auto"
 
 #: A Trainer run's warm-up by default (``warmup="auto"``), a fraction of its training steps.
 AUTO_WARMUP = 0.2
@@ -93,13 +84,6 @@ MOVED_MEMBERS = {
 # How error messages write an option's name: as it is for Python callers, "dropbp_{}" while the axolotl plugin checks
 # its config keys, "state['{}']" while a checkpoint state's settings are checked (:func:`named_as`).
 _NAMED: ContextVar[str] = ContextVar("dropbp_option_names", default="{}")
-
-
-def is_auto(value: object) -> bool:
-    """Whether an option that takes ``"auto"`` was given it (each option resolves its own ``"auto"`` in one property:
-    :attr:`DropBPOptions.follows_noise_scale`, :meth:`DropBPOptions.resolved`, :attr:`TrainerOptions.calibration_point`,
-    :attr:`TrainerOptions.warmup_fraction`)."""
-    return isinstance(value, str) and value == AUTO
 
 
 def _help(text: str, **more: Any) -> dict[str, Any]:
@@ -276,28 +260,18 @@ class DropBPOptions:
 
     @property
     def follows_noise_scale(self) -> bool:
-        """``drop_rate="auto"``: the rate in force is the one the noise scale feature chooses (:meth:`resolved`)."""
+        """``drop_rate="auto"``: the rate in force is the one the noise scale feature chooses
+        (:func:`~dropbp.policy.drop_policy.in_force`)."""
         return is_auto(self.drop_rate)
 
-    def resolved(self, backend: Backend, flops: Sequence[float]) -> DropBPOptions:
-        """These options on ``backend``, for a model whose branches cost ``flops``, with one meaning each:
-        ``max_patterns=None`` is the backend's default bound, ``memory_bound="auto"`` is on or off for this drop rate
-        and these features, and ``drop_rate="auto"`` is the rate the noise scale feature now chooses
-        (:meth:`dropbp.NoiseScale.choose_rate`), with no warm-up or time schedule. Every entry (``apply``, a setter, a
-        loaded state, a measured step under ``"auto"``) resolves the options as given, so no setter or state can lift
-        a device's bound, and ``"auto"`` follows a later drop rate."""
-        auto_rate, auto_bound = self.follows_noise_scale, is_auto(self.memory_bound)
-        settings: dict[str, Any] = {"backend": backend}
-        if backend.default_max_patterns is not None and self.max_patterns is None:
-            settings["max_patterns"] = backend.default_max_patterns
-        if auto_rate:  # the chooser's rate, with no warm-up or rise
-            rate = self.rate_chooser().choose_rate(get_shape(self.pattern), flops)
-            features = tuple(f for f in self.features if getattr(f, "rise", None) is None)
-            settings |= {"drop_rate": rate, "warmup_steps": 0, "total_steps": None, "features": features}
-        if auto_bound:
-            rate, features = settings.get("drop_rate", self.drop_rate), settings.get("features", self.features)
-            settings["memory_bound"] = any(f.bounds_memory for f in features) or rate >= AUTO_BOUND_RATE
-        return dataclasses.replace(self, **settings)
+    def on(self, backend: Backend) -> DropBPOptions:
+        """These options on ``backend``: ``max_patterns=None`` is the device's default bound (a state saved on an
+        unbounded device keeps this device's bound). The ``"auto"``s stay: the policy resolves them for the model's
+        branches (:func:`dropbp.policy.drop_policy.in_force`), at every entry (``apply``, a setter, a loaded state, a
+        measured step under ``"auto"``)."""
+        if backend.default_max_patterns is None or self.max_patterns is not None:
+            return dataclasses.replace(self, backend=backend)
+        return dataclasses.replace(self, backend=backend, max_patterns=backend.default_max_patterns)
 
     def replaced(self, **change: Any) -> DropBPOptions:
         """``dataclasses.replace`` (the same checks), where the rate stays ``"auto"`` keeping the feature that chooses
@@ -317,10 +291,9 @@ class DropBPOptions:
         """The feature of ``features`` with this key, or None."""
         return next((f for f in self.features if f.key == key), None)
 
-    def for_apply(self, **overrides: Any) -> DropBPOptions:
-        """These options as :func:`dropbp.apply`'s, with ``overrides`` (what a Trainer run decides)."""
-        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(DropBPOptions)}
-        return DropBPOptions(**{**own, **overrides})
+    def apply_keywords(self, **overrides: Any) -> dict[str, Any]:
+        """These options as :func:`dropbp.apply`'s keywords, with ``overrides`` (what a Trainer run decides)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(DropBPOptions)} | overrides
 
 
 def moved(name: str) -> str | None:

@@ -14,9 +14,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from dropbp.checks import check_bool, check_int, check_number, check_sequence
+from dropbp.checks import check_bool, check_int, check_number, check_sequence, is_auto
 from dropbp.features.base import Feature, feature_classes
-from dropbp.options import is_auto, named_as
+from dropbp.options import named_as
 from dropbp.policy.windows import Windows
 
 __all__ = ["STATE_VERSION", "check_state", "migrate", "state_settings"]

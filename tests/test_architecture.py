@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 import subprocess
 import sys
@@ -95,11 +96,14 @@ def test_a_controller_built_directly_validates_its_parts():
     with pytest.raises(ValueError, match="drop_rate must be in"):
         DropPolicy([1.0] * 4, DropBPOptions(1.5, pattern="uniform"))
     with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
-        DropBPController("model", DropBPOptions(0.5))
-    with pytest.raises(TypeError, match="options must be a dropbp.DropBPOptions, got dict"):
+        DropBPController("model", 0.5)
+    with pytest.raises(TypeError, match="drop_rate must be a number in \\[0, 1\\), got dict"):
         DropBPController(model, {"drop_rate": 0.5})
-    ctl = DropBPController(model, DropBPOptions(0.5, pattern="uniform"))  # what dropbp.apply does, options made
+    with pytest.raises(TypeError, match=r"no longer takes stratify .*StratifiedCuts"):
+        DropBPController(model, 0.5, stratify=4)
+    ctl = DropBPController(model, 0.5, pattern="uniform")  # what dropbp.apply does: apply's arguments
     assert ctl.backend.name == "cpu" and len(ctl.branches) == 4
+    assert list(inspect.signature(DropBPController).parameters) == list(inspect.signature(dropbp.apply).parameters)
 
 
 def _imports(path: Path) -> set[str]:

@@ -20,7 +20,6 @@ from typing import Any
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import CallbackHandler
 
-from dropbp.api import apply_options
 from dropbp.controller import DropBPController, controller_of
 from dropbp.execution.frameworks import unwrap
 from dropbp.experimental.where_it_pays import forecast
@@ -209,7 +208,7 @@ class DropBPCallback(TrainerCallback):
 
     def _apply(self, model: Any, args: TrainingArguments) -> None:
         seed = args.seed if self.options.seed is None else self.options.seed
-        self.controller = apply_options(model, self.options.for_apply(seed=seed))
+        self.controller = DropBPController(model, **self.options.apply_keywords(seed=seed))
         # Removing the controller takes the callback off the trainer too: a removed controller's callback
         # would stop train() ("this DropBP controller was removed"), and attach again would leave two.
         self.controller.at_remove(self._leave)

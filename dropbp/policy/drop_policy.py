@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from dropbp.checks import check_int
+from dropbp.checks import check_int, is_auto
 from dropbp.policy.never_drop_all import fit_rates, keep_a_trainable_branch
 from dropbp.policy.plugins import PatternDraw, policy_plugins
 from dropbp.policy.sampler import PatternSampler
@@ -31,8 +31,10 @@ MAX_SAMPLERS = 32
 THINNING_BLOCK = 8
 #: How far a peak's rounding may lift a rate past 1 before it counts as past 1.
 _ROUNDING = 1e-9
+#: ``memory_bound="auto"`` turns the bound on from this drop rate (or with a feature that buys memory).
+AUTO_BOUND_RATE = 0.75
 
-__all__ = ["DropPolicy", "PolicySettings"]
+__all__ = ["AUTO_BOUND_RATE", "DropPolicy", "PolicySettings", "in_force"]
 
 
 class PolicySettings(Protocol):
@@ -40,16 +42,35 @@ class PolicySettings(Protocol):
     validated there; the policy never imports it, so it knows nothing of devices or execution). Of ``features`` it
     reads only their extension points (:mod:`dropbp.policy.plugins`)."""
 
-    drop_rate: float
+    drop_rate: float | str
     seed: int
     max_patterns: int | None
     warmup_steps: int
     pattern: str
     total_steps: int | None
+    memory_bound: bool | str
     features: Sequence[object]
 
 
 _SETTINGS = tuple(PolicySettings.__annotations__)
+
+
+def in_force(options: PolicySettings, flops: Sequence[float]) -> PolicySettings:
+    """The settings in force for ``options`` as given, over branches of costs ``flops``: ``drop_rate="auto"`` is the
+    rate the features' :class:`~dropbp.policy.plugins.RateChoice` chooses now, with no warm-up or rise;
+    ``memory_bound="auto"`` is on from :data:`AUTO_BOUND_RATE` or with a feature that bounds memory."""
+    settings: dict[str, Any] = {}
+    if is_auto(options.drop_rate):
+        chooser = policy_plugins(options.features).rate_choice
+        if chooser is None:
+            raise ValueError('drop_rate="auto" needs a feature that chooses the rate (dropbp.NoiseScale())')
+        features = tuple(f for f in options.features if getattr(f, "rise", None) is None)
+        rate = chooser.choose_rate(get_shape(options.pattern), flops)
+        settings |= {"drop_rate": rate, "warmup_steps": 0, "total_steps": None, "features": features}
+    if is_auto(options.memory_bound):
+        rate, features = settings.get("drop_rate", options.drop_rate), settings.get("features", options.features)
+        settings["memory_bound"] = policy_plugins(features).bounds_memory or rate >= AUTO_BOUND_RATE
+    return _replace(options, **settings) if settings else options
 
 
 def _time_schedule(options: PolicySettings) -> TimeSchedule | None:
@@ -57,7 +78,7 @@ def _time_schedule(options: PolicySettings) -> TimeSchedule | None:
     if options.total_steps is None:
         return None
     levels = SCHEDULE_LEVELS if options.max_patterns is None else BOUNDED_WARMUP_LEVELS
-    return TimeSchedule(options.total_steps, options.warmup_steps, levels, policy_plugins(options.features)[0])
+    return TimeSchedule(options.total_steps, options.warmup_steps, levels, policy_plugins(options.features).rise)
 
 
 class DropPolicy:
@@ -65,10 +86,11 @@ class DropPolicy:
 
     Args:
         flops: each branch's cost, in branch order; their number is the number of branches.
-        options: the settings (``drop_rate``, ``seed``, ``max_patterns`` (here ``None`` is unbounded), ``warmup_steps``,
-            ``pattern``, ``total_steps`` and the extension points of ``features``); its other fields are not the
-            policy's. Patterns are drawn at each forward's pattern index (:mod:`dropbp.policy.windows`: the run's
-            optimizer-step windows, :meth:`set_windows`), the rates' schedule at the forward itself. With
+        options: the settings as given (``drop_rate``, ``seed``, ``max_patterns`` (here ``None`` is unbounded),
+            ``warmup_steps``, ``pattern``, ``total_steps``, ``memory_bound`` and the extension points of ``features``;
+            ``"auto"``s resolved here, :func:`in_force`); its other fields are not the policy's. Patterns are
+            drawn at each forward's pattern index (:mod:`dropbp.policy.windows`: the run's optimizer-step windows,
+            :meth:`set_windows`), the rates' schedule at the forward itself. With
             ``total_steps`` the rates follow a :class:`~dropbp.policy.schedule.TimeSchedule` whose mean over the run
             is 1, so the run drops ``drop_rate`` on average, warm-up included.
     """
@@ -94,17 +116,19 @@ class DropPolicy:
 
     @property
     def options(self) -> PolicySettings:
-        """The settings in force."""
+        """The settings in force (``"auto"``s resolved)."""
         return self._options
 
     def use(self, options: PolicySettings, reset_rates: bool = False) -> None:
-        """Decide from ``options`` from the next pattern on; all or nothing (a ValueError changes nothing).
+        """Decide from ``options`` (as given: their ``"auto"``s resolved here, :func:`in_force`) from the next
+        pattern on; all or nothing (a ValueError changes nothing).
 
         ``reset_rates`` (a ``drop_rate`` or ``pattern`` set, even to its value) makes the rates the shape's own for
         the drop rate, as ``apply`` does; rates given by :meth:`set_rates` are otherwise kept, and checked at the new
         schedule's peak."""
+        options = in_force(options, self._flops)
         own = self._own_rates or reset_rates
-        draw = policy_plugins(options.features)[1]
+        draw = policy_plugins(options.features).pattern_draw
         if draw is not None:
             draw.check_draw(get_shape(options.pattern), options.max_patterns)
         time = _time_schedule(options)
@@ -204,7 +228,7 @@ class DropPolicy:
     def most_kept(self) -> int | None:
         """The most branches that store activations in a step under the memory bound (the shape's at the target drop
         rate), or None where the bound is off (``memory_bound``, resolved: a bool)."""
-        if getattr(self._options, "memory_bound", False) is not True:
+        if self._options.memory_bound is not True:
             return None
         return self.shape.most_kept(self._num_branches, self._options.drop_rate)
 

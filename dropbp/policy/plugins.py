@@ -2,22 +2,24 @@
 
 The core decides patterns from the drop shape (:mod:`dropbp.policy.shapes`), the warm-up and, for a run of known
 length, a schedule that keeps the run's mean drop rate (:class:`dropbp.policy.schedule.TimeSchedule`). A feature may
-plug into two points, read by :func:`policy_plugins` (the policy imports no feature: it reads these attributes):
+plug into these points, read by :func:`policy_plugins` (the policy imports no feature: it reads these attributes):
 
 - ``rise``: a :class:`Rise`, how the rates rise over the first part of a run of known length;
-- ``pattern_draw``: a :class:`PatternDraw`, the sampler that replaces the shape's own (drawn afresh each step).
+- ``pattern_draw``: a :class:`PatternDraw`, the sampler that replaces the shape's own (drawn afresh each step);
+- ``chooses_rate``: the feature is a :class:`RateChoice`, which chooses ``drop_rate="auto"``'s rate;
+- ``bounds_memory``: ``memory_bound="auto"`` turns the bound on with the feature (what it buys is memory).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from dropbp.policy.sampler import PatternSampler
 from dropbp.policy.shapes import DropShape
 from dropbp.policy.windows import Windows
 
-__all__ = ["PatternDraw", "Rise", "policy_plugins"]
+__all__ = ["PatternDraw", "Plugins", "RateChoice", "Rise", "policy_plugins"]
 
 
 class Rise(Protocol):
@@ -43,12 +45,31 @@ class PatternDraw(Protocol):
         """The sampler at these rates (a pure function of seed and pattern index)."""
 
 
-def policy_plugins(features: Iterable[object]) -> tuple[Rise | None, PatternDraw | None]:
-    """The rise and the pattern draw ``features`` give (``rise`` / ``pattern_draw`` attributes not None); two of one
-    kind are refused."""
+class RateChoice(Protocol):
+    """Chooses the rate that ``drop_rate="auto"`` stands for."""
+
+    def choose_rate(self, shape: DropShape, flops: Sequence[float]) -> float:
+        """The rate now, among those ``shape`` reaches over branches of these costs."""
+
+
+class Plugins(NamedTuple):
+    """What the features of one set of options plug into the policy."""
+
+    rise: Rise | None
+    pattern_draw: PatternDraw | None
+    rate_choice: RateChoice | None
+    bounds_memory: bool
+
+
+def policy_plugins(features: Iterable[object]) -> Plugins:
+    """What ``features`` plug in (``rise`` / ``pattern_draw`` attributes not None, ``chooses_rate`` /
+    ``bounds_memory`` true); two of one kind are refused."""
+    features = list(features)
     rises = [r for f in features if (r := getattr(f, "rise", None)) is not None]
     draws = [d for f in features if (d := getattr(f, "pattern_draw", None)) is not None]
-    for what, found in (("rise", rises), ("pattern draw", draws)):
+    choices = [f for f in features if getattr(f, "chooses_rate", False)]
+    for what, found in (("rise", rises), ("pattern draw", draws), ("rate choice", choices)):
         if len(found) > 1:
             raise ValueError(f"features give {len(found)} a {what} each ({found}): give one")
-    return (rises[0] if rises else None), (draws[0] if draws else None)
+    bounds = any(getattr(f, "bounds_memory", False) for f in features)
+    return Plugins(rises[0] if rises else None, draws[0] if draws else None, choices[0] if choices else None, bounds)
