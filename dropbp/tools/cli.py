@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
         help="step times, memory and the measured map's verdict, about 1.5 minutes on 2 idle CPU cores (the full "
         "demo, with its convergence runs: about 15 minutes)",
     )
-    _out_folder(demo, "demo", "demo.json and demo.png")
+    _out_folder(demo, "demo", "demo.json, demo_steps.png and (the full demo) demo.png")
     demo.add_argument("--model", help="a model id or path instead of the bundled SmolLM2-135M-Instruct")
 
     bench = sub.add_parser("bench", help="step time, ideal vs measured, throughput and memory")
@@ -253,8 +253,7 @@ def _demo(args: argparse.Namespace) -> int:
     if args.steps is not None:
         settings = DemoSettings(**{**settings.__dict__, "steps": args.steps})
     backend = _backend(args.backend)
-    if settings.convergence:  # its plot: say so before anything is measured, not after 15 minutes
-        require("matplotlib", "dropbp demo (its convergence plot; --quick draws none)")
+    require("matplotlib", "dropbp demo (its figures)")  # say so before anything is measured, not after 15 minutes
     with _removed_if_left_empty(args.out) as out:
         try:
             with _warnings_after_the_bar():
@@ -263,7 +262,8 @@ def _demo(args: argparse.Namespace) -> int:
         except UnusableModel as err:
             raise UsageError(str(err)) from None
     print(table(record))
-    print(f"\nwrote {out / 'demo.json'}" + (f" and {out / 'demo.png'}" if settings.convergence else ""))
+    figures = [out / "demo_steps.png", *([out / "demo.png"] if settings.convergence else [])]
+    print(f"\nwrote {out / 'demo.json'} and {' and '.join(str(f) for f in figures)}")
     warning = record.get("timing", {}).get("warning")
     if warning:
         print(f"dropbp demo: {warning}", file=sys.stderr)

@@ -8,8 +8,9 @@ Hugging Face activation checkpointing off and on (:mod:`dropbp.tools.bench`), an
 step in a fresh process each (:mod:`dropbp.tools.memprobe`): full backprop without and with checkpointing, and DropBP
 at 0.875 as shipped in its worst step, with the plain and the chunked loss. ``--quick`` (a few minutes) shows what a
 few minutes can: the step times, the memory table and what the measured map says of the demo's regime
-(:mod:`dropbp.experimental.where_it_pays`), and no convergence race (ten steps say nothing either way). Its recorded
-output: docs/demo.md; the memory rows: docs/memory.md ("Commands").
+(:mod:`dropbp.experimental.where_it_pays`), and no convergence race (ten steps say nothing either way). Both draw the
+step times and memory (``demo_steps.png``); the full demo also the runs' curves (``demo.png``). Its recorded output:
+docs/demo.md; the memory rows: docs/memory.md ("Commands").
 """
 
 from __future__ import annotations
@@ -37,13 +38,15 @@ from dropbp.tools.pretrained import UnusableModel, checkpointing_on, load_causal
 from dropbp.tools.report import plot_curves, steps_and_time_table
 from dropbp.tools.textdata import pydoc_topics
 
-__all__ = ["DURATION", "EQUAL_TIME_FACTOR", "DemoSettings", "demo_runs", "run_demo"]
+__all__ = ["DURATION", "EQUAL_TIME_FACTOR", "DemoSettings", "demo_runs", "rounds_disagree", "run_demo"]
 
 #: About DropBP's step speedup at 0.5 with LoRA in this regime on 2 CPU cores (1.33x-1.41x:
 #: benchmarks/results/convergence_time-schedules_lora_pydoc_accumulate.md): the equal-time run gets this many
 #: times the baseline's steps.
 EQUAL_TIME_FACTOR = 1.35
 _DEFAULT = {"pattern": "cut", "schedule": "warmup", "drop_schedule": "constant"}  # what attach ships
+#: Rounds whose speedups spread wider than this (largest over smallest) disagree: the machine was busy.
+ROUNDS_AGREE_WITHIN = 1.25
 
 
 #: What ``dropbp demo`` says before it starts: how long it takes (docs/demo.md has the timed runs).
@@ -125,7 +128,8 @@ def run_demo(
     show_progress: bool = True,
     announce: str | None = None,
 ) -> dict:
-    """Measure (and train: the full demo), write ``demo.json`` (and ``demo.png``) into ``out``, and return the record.
+    """Measure (and train: the full demo), write ``demo.json`` and ``demo_steps.png`` (and the full demo's
+    ``demo.png``) into ``out``, and return the record.
     ``announce`` goes to stderr once the model is loaded and fits the runs, before anything is measured."""
     tqdm = require("tqdm.auto", "dropbp demo").tqdm
 
@@ -161,6 +165,7 @@ def run_demo(
             title=f"{record['model']} LoRA on Python's help text ({backend.device})",
         )
     out.mkdir(parents=True, exist_ok=True)
+    plot_steps(record, out / "demo_steps.png")
     write_atomically(out / "demo.json", json.dumps(record, indent=2) + "\n")
     return record
 
@@ -222,7 +227,7 @@ def step_speedups(model: torch.nn.Module, settings: DemoSettings, backend: Backe
         got = measure_model(twin, point, [0.5], backend, settings.speed_rounds, 1, patterns=("cut",))
         if not got["rows"]:
             continue  # a model too small for a cut at 0.5 (apply refused it; the runs above say why)
-        row = got["rows"][0]
+        row, base_rounds = got["rows"][0], got["baseline"]["round_step_s"]
         rows.append(
             {
                 "checkpointing": checkpointing,
@@ -233,6 +238,7 @@ def step_speedups(model: torch.nn.Module, settings: DemoSettings, backend: Backe
                 "ideal_speedup": row["ideal_speedup"],
                 "dropped_fraction": row["dropped_fraction"],
                 "speedup_at_expected": row["speedup_at_expected"],
+                "round_speedups": [b / d for b, d in zip(base_rounds, row["round_step_s"], strict=True)],
                 "rounds": settings.speed_rounds,
                 "timing": got["timing"],
             }
@@ -268,8 +274,25 @@ def _memory_lines(rows: list[dict]) -> list[str]:
         "|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['config']} | {r['peak_bytes'] / 2**20:.0f} MiB | {base / r['peak_bytes']:.2f}x less |")
+        lines.append(f"| {r['config']} | {r['peak_bytes'] / 2**20:.0f} MiB | {_against(base, r['peak_bytes'])} |")
     return lines
+
+
+def _against(base: float, peak: float) -> str:
+    """A peak against full backprop's, in the words that are true of it."""
+    if peak == base:
+        return "the same"
+    return f"{base / peak:.2f}x less" if peak < base else f"{peak / base:.2f}x more"
+
+
+def rounds_disagree(row: dict) -> bool:
+    """Whether a speedup row's rounds disagree: their speedups spread past :data:`ROUNDS_AGREE_WITHIN`, or sit on
+    both sides of 1, or the median speedup and the ratio of the median steps differ by as much."""
+    each = row["round_speedups"]
+    of_medians = row["baseline_step_s"] / row["dropbp_step_s"]
+    spread = max(each) / min(each)
+    apart = max(of_medians, row["speedup"]) / min(of_medians, row["speedup"])
+    return spread > ROUNDS_AGREE_WITHIN or apart > ROUNDS_AGREE_WITHIN or min(each) < 1 < max(each)
 
 
 def _speed_lines(rows: list[dict]) -> list[str]:
@@ -279,19 +302,57 @@ def _speed_lines(rows: list[dict]) -> list[str]:
         "",
         f"Step time, LoRA, one sequence of {rows[0]['seq_len']} tokens per step, DropBP 0.5 (the cut, as shipped), "
         f"median of {rows[0]['rounds']} interleaved rounds, each with a pattern of its own (the FLOPs they dropped, "
-        "and the speedup where the cut's mean, 0.5, puts it):",
+        "and the speedup where the cut's mean, 0.5, puts it). The speedup is the median of the rounds' own, which the "
+        "ratio of the two median steps matches where the rounds agree:",
         "",
         "| activation checkpointing | full backprop (s/step) | DropBP 0.5 (s/step) | speedup | ideal "
-        "| FLOPs dropped | speedup at 0.5 |",
-        "|---|---|---|---|---|---|---|",
+        "| FLOPs dropped | speedup at 0.5 | rounds |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        each = r.get("round_speedups")
+        rounds = "" if not each else f"{min(each):.2f}x-{max(each):.2f}x"
+        if each and rounds_disagree(r):
+            rounds = f"**disagree** ({rounds}): a busy machine; run again idle"
         lines.append(
             f"| {'on (a dropped branch also skips its recompute)' if r['checkpointing'] else 'off'} | "
             f"{r['baseline_step_s']:.3f} | {r['dropbp_step_s']:.3f} | {r['speedup']:.2f}x | {r['ideal_speedup']:.2f}x "
-            f"| {r['dropped_fraction']:.2f} | {r['speedup_at_expected']:.2f}x |"
+            f"| {r['dropped_fraction']:.2f} | {r['speedup_at_expected']:.2f}x | {rounds} |"
         )
     return lines
+
+
+def plot_steps(record: dict, path: Path) -> Path:
+    """The step times (full backprop against DropBP 0.5, checkpointing off and on) and, where measured, the peak
+    memory of each configuration, as bars."""
+    matplotlib = require("matplotlib", "dropbp demo (its figure)")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    speed, memory = record.get("step_speedups", []), record.get("memory", [])
+    fig, axes = plt.subplots(1, 2 if memory else 1, figsize=(12 if memory else 6.5, 4.5), squeeze=False)
+    steps = axes[0][0]
+    labels = [f"checkpointing {'on' if r['checkpointing'] else 'off'}" for r in speed]
+    at = range(len(speed))
+    steps.bar([i - 0.2 for i in at], [r["baseline_step_s"] for r in speed], 0.4, label="full backprop")
+    steps.bar([i + 0.2 for i in at], [r["dropbp_step_s"] for r in speed], 0.4, label="DropBP 0.5 (cut)")
+    for i, r in enumerate(speed):
+        steps.annotate(f"{r['speedup']:.2f}x", (i + 0.2, r["dropbp_step_s"]), ha="center", va="bottom")
+    steps.set_xticks(list(at), labels)
+    steps.set_ylabel("seconds a step (median of interleaved rounds)")
+    steps.set_title(f"{record['model']}, LoRA, {speed[0]['seq_len'] if speed else '?'} tokens a step")
+    steps.legend()
+    if memory:
+        peaks = axes[0][1]
+        peaks.barh([r["config"] for r in memory], [r["peak_bytes"] / 2**20 for r in memory])
+        peaks.invert_yaxis()
+        peaks.set_xlabel("peak memory of one step above the loaded model (MiB)")
+        peaks.set_title(f"{memory[0]['seq_len']} tokens, a fresh process each")
+    fig.suptitle(f"dropbp demo on {record['device']} ({record['date']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def table(record: dict) -> str:
