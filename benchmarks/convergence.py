@@ -48,7 +48,7 @@ import transformers
 
 from dropbp import backends
 from dropbp.tools.compare import TAIL_WINDOW, Run, RunResult, compare, equal_quality, summarise, with_timed_tails
-from dropbp.tools.pretrained import DEFAULT_MODEL, load_causal_lm
+from dropbp.tools.pretrained import DEFAULT_MODEL, checkpointing_on, load_causal_lm
 from dropbp.tools.qlora import quantize_4bit
 from dropbp.tools.report import learning_rates_table, plot_curves, seeds_table, steps_and_time_table
 from dropbp.tools.textdata import CORPORA
@@ -291,7 +291,7 @@ def main() -> None:
         torch.manual_seed(args.seed)  # LoRA's A matrices start random: the same start for every run of a seed
         model = with_lora(model)
     if args.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpointing_on(model)
     data = CORPORA[args.corpus](tokenizer, args.seq_len, max_val_windows=16)
     regime = REGIMES[args.regime]
     batch_size = args.batch_size or (8 if args.regime == "accumulate" else 4)

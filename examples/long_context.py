@@ -26,6 +26,7 @@ from peft import LoraConfig, get_peft_model
 import dropbp
 from dropbp.tools.cli import positive, rate, sequence_length
 from dropbp.tools.device_tools import tools_for
+from dropbp.tools.pretrained import checkpointing_on
 
 
 def model_and_ids(name: str, seq_len: int) -> tuple[torch.nn.Module, torch.Tensor]:
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     model, ids = model_and_ids(args.model, args.seq_len)
     lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
     if not args.no_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpointing_on(model)  # non-re-entrant, by the name the installed transformers has
     model, _ = backend.prepare(get_peft_model(model, lora).train())
     ids = ids.to(backend.device)
     ctl = dropbp.apply(model, args.drop_rate, backend=backend, features=[dropbp.ChunkedLoss()])

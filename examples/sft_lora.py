@@ -15,6 +15,7 @@ loaded in bfloat16 (and trained with bf16), on the CPU in float32.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pydoc_data.topics
 import statistics
 import time
@@ -91,9 +92,8 @@ def train(args: argparse.Namespace, drop_rate: float | None) -> list[float]:
         per_device_train_batch_size=args.batch_size,
         learning_rate=2e-4,
         lr_scheduler_type="cosine",
-        warmup_steps=0.1,
-        gradient_checkpointing=True,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
+        warmup_steps=max(1, args.max_steps // 10),  # a count: a float is a fraction only from transformers 5
+        **checkpointing_arguments(),
         bf16=backend.name in BF16_BACKENDS,
         use_cpu=backend.name == "cpu",
         max_length=args.seq_len,
@@ -115,6 +115,14 @@ def train(args: argparse.Namespace, drop_rate: float | None) -> list[float]:
     )
     trainer.train()
     return times.seconds[max(1, len(times.seconds) // 10) :]  # the first steps warm up (allocations, caches)
+
+
+def checkpointing_arguments() -> dict:
+    """Non-re-entrant activation checkpointing, by the argument names the installed transformers has (5.x renamed
+    ``gradient_checkpointing`` to ``activation_checkpointing`` and warns at the old name; 6 removes it)."""
+    names = {f.name for f in dataclasses.fields(trl.SFTConfig)}
+    name = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+    return {name: True, f"{name}_kwargs": {"use_reentrant": False}}
 
 
 def main(argv: list[str] | None = None) -> None:

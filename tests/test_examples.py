@@ -141,3 +141,51 @@ def test_a_model_loads_in_the_dtype_asked_for(tmp_path):
     ).save_pretrained(tmp_path)
     assert next(load_causal_lm(str(tmp_path), torch.bfloat16)[0].parameters()).dtype == torch.bfloat16
     assert next(load_causal_lm(str(tmp_path))[0].parameters()).dtype == torch.float32
+
+
+#: transformers 5.x's word for a name it renamed (gradient -> activation checkpointing), removed in 6.
+RENAMED = "is deprecated and will be removed in v6"
+
+
+def _load_example(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), EXAMPLES / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_examples_and_dropbp_call_no_name_transformers_renamed(tmp_path, monkeypatch, capsys):
+    """transformers 5.x renamed gradient checkpointing to activation checkpointing (the old names warn, 6 removes
+    them): neither dropbp nor an example calls an old name where the installed transformers has the new one. (PEFT's
+    own ``get_peft_model`` still reads ``is_gradient_checkpointing``: its call, not ours.)"""
+    import traceback
+    import warnings
+
+    transformers = pytest.importorskip("transformers")
+    trl = pytest.importorskip("trl")
+    model_class = transformers.PreTrainedModel
+    if not hasattr(model_class, "activation_checkpointing_enable"):
+        pytest.skip(f"transformers {transformers.__version__} has only the old names")
+    callers = []
+    for old in ("gradient_checkpointing_enable", "gradient_checkpointing_disable"):
+        original = getattr(model_class, old)
+
+        def recorded(self, *args, _original=original, _old=old, **kwargs):
+            caller = traceback.extract_stack()[-2].filename
+            callers.append((_old, caller))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(model_class, old, recorded)
+    mine = (str(EXAMPLES), str(EXAMPLES.parent / "dropbp"))
+    monkeypatch.chdir(tmp_path)
+    _load_example("long_context.py").main(["--model", "tiny", "--seq-len", "64", "--max-steps", "1"])
+    assert "activation checkpointing on" in capsys.readouterr().out
+    assert not [(old, caller) for old, caller in callers if caller.startswith(mine)]
+    sft = _load_example("sft_lora.py")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = trl.SFTConfig(output_dir=str(tmp_path / "o"), use_cpu=True, **sft.checkpointing_arguments())
+    assert config.gradient_checkpointing is True
+    assert not [str(w.message) for w in caught if RENAMED in str(w.message)]
