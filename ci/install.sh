@@ -10,7 +10,7 @@ python -m pip install --quiet --upgrade pip
 python -m pip install --quiet "torch==2.13.0"
 # Every other dependency at the version CI tests (ci/constraints.txt says why).
 pins=(-c ci/constraints.txt)
-python -m pip install --quiet "${pins[@]}" -e ".[test,hf,demo]"
+python -m pip install --quiet "${pins[@]}" -e ".[test,hf,demo,docs]"
 # QLoRA's 4-bit layers (one wheel, runs on the CPU). Optional: where it cannot install, its tests skip
 # and say so (tests/test_qlora.py), and the rest of the suite runs.
 python -m pip install --quiet "${pins[@]}" -e ".[qlora]" || echo "ci/install.sh: bitsandbytes did not install here; the QLoRA tests will skip" >&2

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The test command (README "Quick start", line 2; .ci/run runs exactly this): set up .venv if needed,
-# then lint and run the CPU test suite. Extra arguments go to pytest. Fails loudly if no test ran.
-# With no arguments it then runs the litgpt tests, and the gradient and hf integration tests again, in the second
+# then lint and run the CPU test suite (two processes, pytest-xdist). Extra arguments go to pytest instead (one
+# process; `-m fast`: the fast tier, CONTRIBUTING.md). Fails loudly if no test ran. With no arguments it then builds
+# the documentation site strictly (mkdocs.yml: broken links, the API reference from the docstrings).
+# Then it runs the litgpt tests, and the gradient and hf integration tests again, in the second
 # environment, .venv-litgpt (litgpt and the lowest transformers / accelerate / peft the hf extra declares: see
 # ci/install-litgpt.sh), then builds the wheel and tests it installed (ci/wheel.sh), and runs README's install lines
 # in a fresh clone (ci/install-lines.sh).
@@ -12,7 +14,7 @@ cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 free_disk() { df -Ph . | awk 'NR == 2 {print "disk free here: " $4 " of " $2}'; }
 echo "ci/test.sh: $(free_disk)"  # an install that fails with "No space left on device" reads against this
-if [ ! -x .venv/bin/ruff ] || [ ! -x .venv/bin/dropbp ] || { [ ! -x .venv/bin/ds_report ] && [ ! -f .venv/deepspeed-unavailable ]; }; then
+if [ ! -x .venv/bin/ruff ] || [ ! -x .venv/bin/dropbp ] || [ ! -x .venv/bin/mkdocs ] || { [ ! -x .venv/bin/ds_report ] && [ ! -f .venv/deepspeed-unavailable ]; }; then
   bash ci/install.sh || { echo "ci/test.sh: setting up .venv failed (see above) | $(free_disk)" >&2; exit 1; }
 fi
 . .venv/bin/activate
@@ -28,8 +30,9 @@ run_pytest() {  # pytest exits 5 when it ran nothing: a failure, not a pass
   return "$rc"
 }
 
-run_pytest python -m pytest "$@" || exit $?
-[ "$#" -gt 0 ] && exit 0
+[ "$#" -gt 0 ] && { run_pytest python -m pytest "$@"; exit $?; }
+run_pytest python -m pytest -n "${DROPBP_TEST_WORKERS:-2}" || exit $?
+NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet || { echo "ci/test.sh: the docs site did not build (above)" >&2; exit 1; }
 deactivate
 if [ ! -x .venv-litgpt/bin/litgpt ]; then
   bash ci/install-litgpt.sh || { echo "ci/test.sh: setting up .venv-litgpt failed (see above) | $(free_disk)" >&2; exit 1; }

