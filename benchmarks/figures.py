@@ -42,6 +42,17 @@ def _at_expected(model: str, checkpointing: bool) -> str:
     return f"{_bench_row(path, checkpointing, 'cut', 0.5)['speedup_at_expected']:.2f}x"
 
 
+def _h200_checkpointing_memory() -> str:
+    """DropBP 0.5's peak against full backprop's on the H200, both with activation checkpointing (README's first
+    screen: "at about checkpointing's memory")."""
+    point = next(p for p in _json("gpu_h200_core/bench_cuda_1b/bench.json")["points"]
+                 if p["method"] == "lora" and p["checkpointing"])  # fmt: skip
+    ours = next(r for r in point["rows"] if r["pattern"] == "uniform" and r["drop_rate"] == 0.5)["peak_memory_bytes"]
+    full = point["baseline"]["peak_memory_bytes"]
+    way = "above" if ours > full else "below"
+    return f"{100 * abs(ours / full - 1):.0f}% {way} it on the H200: {ours / 2**30:.1f} against {full / 2**30:.1f} GiB"
+
+
 def _fastest_token_step(method: str) -> str:
     [point] = _json(f"bench_tokens_cpu/{method}/bench.json")["points"]
     return f"{max(r['speedup'] for r in point['rows'] if r['pattern'] == 'tokens'):.2f}x"
@@ -116,6 +127,11 @@ def _longer_run() -> str:
 
 
 FIGURES = (
+    Figure(
+        "DropBP 0.5's peak memory against full backprop's, both with activation checkpointing (H200, 1.1B shape)",
+        _h200_checkpointing_memory,
+        (("README.md", r"at 0\.5, (\d+% (?:above|below) it on the H200: [\d.]+ against [\d.]+\s+GiB)"),),
+    ),
     Figure(
         "the longer run at equal time (SmolLM2-135M LoRA, Python help text, 0.5 with warm-up)",
         _longer_run,

@@ -1,4 +1,4 @@
-"""The longest sequences on a memory budget: activation checkpointing, the chunked loss and DropBP at 0.875, LoRA.
+"""Long sequences on a memory budget, each step cheaper: activation checkpointing, the chunked loss, DropBP 0.875, LoRA.
 
     python examples/long_context.py --seq-len 4096                # the packaged SmolLM2-135M-Instruct
     python examples/long_context.py --model tiny --seq-len 256 --max-steps 2   # CI's smoke run (seconds)

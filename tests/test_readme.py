@@ -270,3 +270,47 @@ def test_the_litgpt_environments_transformers_is_one_version_everywhere():
     assert re.findall(r"beside transformers ([\d.]+)", pyproject) == [pin]
     said = re.findall(r"(?:second environment does with|litgpt.{0,80}?) transformers (\d\.\d+)\b", README.read_text())
     assert said and set(said) == {pin}, said
+
+
+# -- the contradictions issue 70 found, one test a class ------------------------------------------------------------
+
+
+def test_one_cell_reads_the_same_on_every_page_that_shows_it():
+    """SmolLM2's equal-time cell: README and docs/results.md print one text (they printed 0.93x and 0.98x)."""
+    results = _readme_results()
+    record = json.loads(results.SMOLLM2_EQUAL_QUALITY.read_text())
+    cell = results.seeds_text(next(r["speedup"] for r in record["rows"] if r["run"] == "DropBP 0.5, equal time"))
+    assert cell in README.read_text() and cell in (ROOT / "docs" / "results.md").read_text()
+
+
+def test_the_claims_table_measures_what_a_record_holds_and_labels_each_figure():
+    """The paper's algorithm's longest sequence is read from its record (it said "not measured"); the CPU cut figure
+    is the cuts drawn and the H200 one at the expected cut, each said; the paper's conditions stand under the table,
+    not over rows they do not describe."""
+    results = _readme_results()
+    claims = results.claims_table()
+    longest = next(line for line in claims.splitlines() if line.startswith("| longest trainable sequence"))
+    assert "not measured" not in longest.split(" | ")[2] and results._paper_longest() in longest
+    throughput = next(line for line in claims.splitlines() if line.startswith("| throughput, NVIDIA A100"))
+    assert "(the cuts drawn)" in throughput and "(at the expected cut)" in throughput
+    header = claims.splitlines()[1]
+    assert "70B" not in header and "LLaMA2-70B QLoRA on A100s" in claims
+
+
+def test_no_page_says_the_gpu_tools_never_ran_where_a_gpu_record_holds_them():
+    """docs/backends.md said `dropbp check` and `bench` never ran on a GPU; gpu_h200_core holds both."""
+    assert (ROOT / "benchmarks/results/gpu_h200_core/check_cuda_final/check.md").exists()
+    for page in PAGES:
+        text = re.sub(r"\s+", " ", page.read_text())
+        said = re.findall(r"`dropbp (?:check|bench)`[^.]*(?:have not|has not|never)[^.]*run on a GPU", text)
+        assert not said, f"{page.name}: {said}"
+
+
+def test_the_long_context_example_is_not_billed_as_the_longest_sequences():
+    """Like for like, checkpointing with the chunked loss reaches as long a sequence as DropBP with both: the example
+    makes each step cheaper, and neither README nor its own first line says it reaches longer sequences."""
+    text = re.sub(r"\s+", " ", README.read_text())
+    billed = text.split("(examples/long_context.py) (", 1)[1].split(")", 1)[0]
+    assert "longest" not in billed
+    first_line = (ROOT / "examples" / "long_context.py").read_text().split("\n", 1)[0]
+    assert "longest" not in first_line.lower()
