@@ -509,12 +509,26 @@ def test_a_checkpoint_holds_the_noise_scale_of_every_step_before_it(tmp_path):
 
 
 @pytest.mark.parametrize("rate", [0.5, "auto"])
-def test_one_micro_batch_per_step_says_the_noise_scale_measures_nothing(tmp_path, caplog, rate):
+def test_one_micro_batch_per_step_is_read_from_within_each_step(tmp_path, caplog, rate):
+    trainer = _trainer(tmp_path, max_steps=3)
+    with caplog.at_level(logging.INFO, logger="dropbp"):
+        callback = attach(trainer, drop_rate=rate, features=[dropbp.NoiseScale()])
+        trainer.train()
+    said = [r.getMessage() for r in caplog.records if "gradient_accumulation_steps=1" in r.getMessage()]
+    assert len(said) == 1 and "read from within each step" in said[0]
+    assert callback.controller.features["noise_scale"].estimate().steps >= 2  # the last closes at the next forward
+
+
+@pytest.mark.parametrize("rate", [0.5, "auto"])
+def test_one_micro_batch_per_step_without_an_output_layer_says_the_noise_scale_measures_nothing(
+    tmp_path, caplog, rate
+):
     trainer = _trainer(tmp_path, max_steps=2)
+    trainer.model.get_output_embeddings = lambda: None  # a model whose output layer cannot be found
     with caplog.at_level(logging.WARNING, logger="dropbp"):
         callback = attach(trainer, drop_rate=rate, features=[dropbp.NoiseScale()])
         trainer.train()
     said = [r.getMessage() for r in caplog.records if "gradient_accumulation_steps=1" in r.getMessage()]
-    assert len(said) == 1 and "nothing will be measured" in said[0]
+    assert len(said) == 1 and "nothing will be measured" in said[0] and "get_output_embeddings()" in said[0]
     assert ('"auto" stays at full backprop' in said[0]) == (rate == "auto")
     assert callback.controller.features["noise_scale"].estimate() is None

@@ -90,9 +90,10 @@ def test_noise_scale_equals_the_estimator_fed_gradients_computed_apart(variant):
     assert math.isclose(got.tokens, want.tokens, rel_tol=1e-3)
 
 
-def test_nothing_is_measured_without_accumulation_or_when_off():
+def test_nothing_is_measured_where_a_step_cannot_be_read_or_when_off():
     model = tiny_model("llama", layers=2)
     model.train()
+    model.get_output_embeddings = lambda: None  # a model whose output layer cannot be found
     ctl = dropbp.apply(model, 0.5)
     noise = dropbp.NoiseScale()
     assert "noise_scale" not in ctl.features
@@ -100,7 +101,8 @@ def test_nothing_is_measured_without_accumulation_or_when_off():
         noise.estimate()
     ctl.replace_options(features=[noise])
     _train(model, ctl, steps=2, m=1)
-    assert noise.estimate() is None  # one micro-batch per step: no spread to measure
+    assert noise.estimate() is None  # one micro-batch per step, and no output layer to read it from within
+    assert "no output layer that get_output_embeddings() returns" in noise.one_micro_batch()
     ctl.replace_options(features=[])  # off: its reads leave the model
     assert not noise.attached and noise.handles() == [] and noise.estimate() is None
     with pytest.raises(TypeError, match=r"no longer takes measure_noise_scale.*dropbp.NoiseScale\(\)"):
@@ -339,9 +341,9 @@ def test_an_overflowed_step_is_left_out_and_the_state_still_loads():
 @pytest.mark.parametrize("m", [1, 3])
 def test_zero_grad_between_a_forward_and_its_backward_starts_the_step_there(m):
     """Issue 71, class C: ``forward -> zero_grad -> backward -> step`` (the order some loops use): each step's window
-    begins at the micro-batch whose backward follows the ``zero_grad``. One micro-batch a step measures nothing (the
-    window never closed before: it grew without end and one made-up step of every micro-batch was read); three equal
-    the estimator fed gradients computed apart."""
+    begins at the micro-batch whose backward follows the ``zero_grad``. One micro-batch a step: each step its own
+    window, read from within (the window never closed before: it grew without end and one made-up step of every
+    micro-batch was read); three equal the estimator fed gradients computed apart."""
     model = tiny_model("llama", layers=2).train()
     ctl = dropbp.apply(model, 0.0, features=[dropbp.NoiseScale()])
     reference = _train(model, ctl, steps=4, m=m, late=True)
@@ -349,7 +351,7 @@ def test_zero_grad_between_a_forward_and_its_backward_starts_the_step_there(m):
     noise.flush()
     got, want = noise.estimate(), reference.estimate()
     if m == 1:
-        assert got is None and want is None
+        assert want is None and got.steps == 4 and got.tokens_per_step == 24  # 2 x 12 tokens a step, none made up
         return
     assert got.steps == want.steps == 4
     assert math.isclose(got.tokens, want.tokens, rel_tol=1e-3)
@@ -403,3 +405,74 @@ def test_two_forwards_before_one_backward_are_one_micro_batch():
     got, want = ctl.features["noise_scale"].estimate(), reference.estimate()
     assert got.steps == want.steps == 3 and got.tokens_per_step == want.tokens_per_step == 3 * 2 * 24
     assert math.isclose(got.tokens, want.tokens, rel_tol=1e-3)
+
+
+def _hand_chunk_noise_scale(model, ids: torch.Tensor, chunks: int) -> float:
+    """B_simple of one sequence's step by hand: a zero shift added at the output layer's input, each chunk's own loss
+    (its positions' next-token cross-entropy, mean) backpropagated apart, and McCandlish's estimator over the chunks'
+    mean gradients (unequal chunks: 1/b the mean of their 1/b_k)."""
+    reference = copy.deepcopy(model)
+    head = reference.get_output_embeddings()
+    shift = torch.nn.Parameter(torch.zeros(head.in_features, dtype=torch.float64))
+    handle = head.register_forward_pre_hook(lambda module, args: (args[0] + shift.to(args[0].dtype),))
+    positions = ids.shape[1]
+    bounds = [round(i * positions / chunks) for i in range(chunks + 1)]
+    means, sizes = [], []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        labels = torch.full_like(ids, -100)
+        last = min(b, positions - 1)  # position t predicts token t + 1: the last position has no loss
+        labels[:, a + 1 : last + 1] = ids[:, a + 1 : last + 1]
+        if last <= a:
+            continue
+        shift.grad = None
+        reference(input_ids=ids, labels=labels).loss.backward()
+        means.append(shift.grad.clone())
+        sizes.append(last - a)
+    handle.remove()
+    m = len(means)
+    inverse = sum(1.0 / n for n in sizes) / m
+    small = sum(float(g.pow(2).sum()) for g in means) / m
+    big = float(torch.stack(means).mean(0).pow(2).sum())
+    trace = (small - big) / (inverse * (1 - 1 / m))
+    gradient = big - trace * inverse / m
+    return trace / gradient  # unclamped: a random model's |G|^2 estimate may be negative
+
+
+@pytest.mark.parametrize(("rate", "chunked"), [(0.0, False), (0.5, False), (0.5, True)])
+def test_one_micro_batch_a_step_is_read_from_within_exactly(rate, chunked):
+    """One long sequence a step (no accumulation): B_simple from 8 chunks of its tokens at the output layer, equal to
+    the chunks' own losses backpropagated apart; whatever the step drops (the head's input gradient is the loss's),
+    with the chunked loss too."""
+    from dropbp.features.gradient_noise import CHUNKS
+
+    model = tiny_model("llama", layers=2).train()
+    ids = torch.randint(0, model.config.vocab_size, (1, 61), generator=torch.Generator().manual_seed(3))
+    want = _hand_chunk_noise_scale(model, ids, CHUNKS)
+    noise = dropbp.NoiseScale()
+    ctl = dropbp.apply(model, rate, features=[noise, *([dropbp.ChunkedLoss()] if chunked else [])], seed=1)
+    assert noise.one_micro_batch() is None
+    model(input_ids=ids, labels=ids).loss.backward()
+    noise.flush()
+    got = noise.estimate()
+    assert got is not None and got.steps == 1 and got.tokens_per_step == 61
+    # the ratio of the two terms (a random model's |G|^2 estimate may fall below 0, which estimate() reads as inf)
+    assert got.trace / got.gradient_sq_norm == pytest.approx(want, rel=1e-4)
+    ctl.remove()
+
+
+def test_drop_rate_auto_follows_a_noise_scale_read_from_within_the_step():
+    """``drop_rate="auto"`` with one micro-batch a step: each closed step is measured, and the rate in force is the
+    one the reading chooses (it stayed at full backprop for the whole run before)."""
+    model = tiny_model("llama", layers=4).train()
+    ctl = dropbp.apply(model, "auto")
+    noise = ctl.features["noise_scale"]
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for step in range(4):
+        ids = batch(seed=step, size=1, length=48)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    noise.flush()
+    assert noise.estimate().steps == 4
+    chosen = noise.choose_rate(dropbp.policy.shapes.get_shape(ctl.pattern), [b.flops for b in ctl.branches])
+    assert ctl.drop_rate == chosen

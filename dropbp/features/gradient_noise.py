@@ -16,9 +16,14 @@ Eval, no-grad and recomputation forwards read nothing.
 Costs: one copy of the trainable parameters' gradients (small for LoRA; a full copy for full fine-tuning), made at
 each micro-batch's forward, and two norms at its backward's end (``benchmarks/noise_scale_cost.py`` measures it).
 Tokens per micro-batch are read from the input's shape (``input_ids`` or ``inputs_embeds``; padding included), so
-nothing waits on the device. Needs at least two micro-batches per optimizer step (gradient accumulation): with one,
-nothing is measured. Under DDP every rank reads its own micro-batches (before DDP writes the averaged gradient) and
-each step's terms are averaged across the ranks; FSDP (sharded gradients) and DeepSpeed's engine are refused.
+nothing waits on the device. With one micro-batch a step (one long document a step: no accumulation to read), the
+step is read from within (:class:`WithinStep`): the gradient at the output layer's input, summed over contiguous
+chunks of the step's tokens, is each chunk's exact gradient of a shift added there (the output layer and the loss act
+on each token alone), so the chunks are the step's samples; drops change none of it. That reads the noise of the
+model's last hidden layer, not of every parameter (a proxy: docs/noise-scale.md); a model whose output layer is not
+reached through ``get_output_embeddings()`` reads nothing (the chunked loss keeps the head's forward: read alike).
+Under DDP every rank reads its own micro-batches (before DDP writes the averaged gradient) and each step's terms are
+averaged across the ranks; FSDP (sharded gradients) and DeepSpeed's engine are refused.
 """
 
 from __future__ import annotations
@@ -38,7 +43,10 @@ from dropbp.execution.recompute import in_backward
 from dropbp.internals import at_backward_end, running_ddp, tensor_version
 from dropbp.policy.noise_scale import NoiseScaleEstimator, NoiseScaleReading, window_terms
 
-__all__ = ["MicroBatchGradients", "check_reads", "measure_windows"]
+__all__ = ["CHUNKS", "MicroBatchGradients", "WithinStep", "check_reads", "chunk_terms", "measure_windows"]
+
+#: Chunks a step of one micro-batch is read in (:class:`WithinStep`): its tokens' contiguous eighths.
+CHUNKS = 8
 
 
 def check_reads(model: nn.Module, framework: bool) -> None:
@@ -140,6 +148,89 @@ def _group_terms(
     return (gradient, trace) if counted else None
 
 
+def chunk_terms(sums: torch.Tensor, counts: torch.Tensor) -> tuple[float, float] | None:
+    """One step's ``(|G|^2, tr(Sigma))`` from its chunks: ``sums[k]``, chunk ``k``'s summed per-token gradient (of a
+    loss that is one factor times the sum of the tokens' losses), ``counts[k]`` the tokens with a loss in it. Each
+    chunk's mean gradient is ``sums[k] / counts[k]`` (the factor cancels in ``B_simple``); chunks with no token are
+    left out. None with fewer than two chunks or a gradient that is not finite."""
+    kept = counts > 0
+    sums, counts = sums[kept].double(), counts[kept].double()
+    if len(counts) < 2 or not bool(torch.isfinite(sums).all()):
+        return None
+    means = sums / counts[:, None]
+    micro = means.square().sum(1).tolist()
+    batch = float(means.mean(0).square().sum())
+    return window_terms(micro, batch, counts.tolist())
+
+
+class WithinStep:
+    """Reads one micro-batch from within its backward: at the output layer's input (``get_output_embeddings()``'s
+    forward input), the per-token gradient summed over ``chunks`` contiguous chunks of the micro-batch's tokens (batch
+    and sequence flattened in order) and the tokens with a loss in each (those with a nonzero gradient row), one
+    reading per backward through the head in :attr:`reads`."""
+
+    def __init__(self, model: nn.Module, counts: Callable[[], bool], chunks: int = CHUNKS) -> None:
+        self._model = model
+        self._counts = counts
+        self.chunks = chunks
+        #: the readings since :meth:`forget` (one per backward through the head; two forwards of one loss: two)
+        self.reads: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._handle: RemovableHandle | None = None
+
+    @staticmethod
+    def head(model: nn.Module) -> nn.Module | None:
+        """The output layer (a Hugging Face or PEFT model's ``get_output_embeddings()``), or None."""
+        getter = getattr(model, "get_output_embeddings", None)
+        try:
+            head = getter() if callable(getter) else None
+        except (AttributeError, NotImplementedError):
+            return None
+        return head if isinstance(head, nn.Module) else None
+
+    def install(self) -> bool:
+        """Hook the output layer; False where the model has none."""
+        head = self.head(self._model)
+        if head is None:
+            return False
+        self._handle = head.register_forward_pre_hook(self._capture)
+        return True
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    @property
+    def handles(self) -> list[RemovableHandle]:
+        return [] if self._handle is None else [self._handle]
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        """The module it hooks (the output layer), while installed."""
+        head = self.head(self._model) if self._handle is not None else None
+        return [] if head is None else [head]
+
+    def forget(self) -> None:
+        self.reads = []
+
+    @outside_graphs
+    def _capture(self, module: nn.Module, args: tuple) -> None:
+        hidden = args[0] if args and torch.is_tensor(args[0]) else None
+        if hidden is None or not hidden.requires_grad or not self._counts():
+            return
+        chunks = self.chunks
+
+        def read(grad: torch.Tensor) -> None:
+            rows = grad.detach().reshape(-1, grad.shape[-1])
+            bounds = torch.linspace(0, rows.shape[0], chunks + 1).round().long().tolist()
+            spans = list(zip(bounds[:-1], bounds[1:], strict=True))
+            sums = torch.stack([rows[a:b].sum(0, dtype=torch.float32) for a, b in spans])
+            counts = torch.stack([(rows[a:b] != 0).any(1).sum() for a, b in spans])
+            self.reads.append((sums, counts))
+
+        hidden.register_hook(read)
+
+
 class MicroBatchGradients:
     """Feeds ``estimator`` one optimizer step at a time from the gradients of ``model``'s trainable parameters.
 
@@ -198,12 +289,22 @@ class MicroBatchGradients:
         self._current: int | None = None  # the index in _micro the running forward's backward fills
         self._versions: list[int | None] = []  # the gradients' version counters at the last read
         self._handles: list[RemovableHandle] = []
+        #: a step of one micro-batch read from within (:class:`WithinStep`); its reading of the window's micro-batch
+        self._within = WithinStep(model, self._counts)
+        self._chunks: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: DDP synchronised a micro-batch: where its steps begin is unknown, so no window is read from within
+        self._steps_unknown = False
         #: Optimizer steps left out: a non-finite gradient (fp16 overflow, skipped by GradScaler) or no group kept twice
         self.skipped = 0
 
     @property
     def handles(self) -> list[RemovableHandle]:
-        return self._handles
+        return [*self._handles, *self._within.handles]
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        """The modules it hooks besides the model (copies leave the hooks out)."""
+        return self._within.modules
 
     @property
     def installed(self) -> bool:
@@ -222,11 +323,13 @@ class MicroBatchGradients:
             self._model.register_forward_pre_hook(self._begin, with_kwargs=True, prepend=True),
             self._model.register_forward_hook(self._end),
         ]
+        self._within.install()
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._within.remove()
 
     def _counts(self) -> bool:
         return self._model.training and torch.is_grad_enabled() and not in_backward() and self._reads()
@@ -250,6 +353,7 @@ class MicroBatchGradients:
             return
         self._snapshot = [None if g is None else g.detach().clone() for g in grads]
         self._taken_from = [None if g is None else weakref.ref(g) for g in grads]
+        self._within.forget()
         self._tokens.append(tokens)
         self._dropped.append(frozenset())
         self._micro.append(torch.zeros(len(self._groups) + 1))  # filled when its backward ends
@@ -279,6 +383,7 @@ class MicroBatchGradients:
             if version is not None and (g is None or tensor_version(g) != version):
                 if g is not None and running_ddp() is not None and bool(g.any()):  # written, not zeroed: DDP's sync
                     self._synchronised()
+                    self._steps_unknown = True  # its windows are micro-batches, not steps: none read from within
                 return True
         return False
 
@@ -302,6 +407,8 @@ class MicroBatchGradients:
             totals.append(norm(g, dtype=torch.float32).square().to(device))
             groups.append(group)
         self._versions = [None if p.grad is None else tensor_version(p.grad) for p in self._params]
+        one = index == 0 and len(self._within.reads) == 1 and not self._steps_unknown
+        self._chunks = self._within.reads[0] if one else None
         if owns:
             key = (tuple(groups), owns[0].device)
             where = self._where.get(key)
@@ -324,14 +431,21 @@ class MicroBatchGradients:
         self._current = 0
 
     def _close(self) -> None:
-        """The window read so far is one optimizer step: to the estimator (with at least two micro-batches)."""
+        """The window read so far is one optimizer step: to the estimator (two micro-batches or more: their gradients;
+        one: its chunks, read from within)."""
         micro, batch, tokens, dropped, partial = self._micro, self._batch, self._tokens, self._dropped, self._partial
+        chunks = self._chunks
         self._micro, self._batch, self._tokens, self._snapshot, self._versions = [], None, [], [], []
-        self._dropped, self._taken_from, self._partial, self._pending = [], [], False, None
-        if batch is None or len(micro) < 2 or partial:  # (a step begun before the reads were attached: left out)
+        self._dropped, self._taken_from, self._partial, self._pending, self._chunks = [], [], False, None, None
+        if self._steps_unknown:
+            chunks = None
+        if batch is None or partial or (len(micro) < 2 and chunks is None):  # (partial: begun before the reads)
             return
-        *squares, batch_square = torch.stack([*(x.to(batch.device) for x in micro), batch]).tolist()  # one host read
-        terms = _group_terms(squares, batch_square, tokens, dropped)
+        if len(micro) < 2:  # one micro-batch: its chunks (one host read)
+            terms = chunk_terms(*chunks)
+        else:
+            *squares, batch_square = torch.stack([*(x.to(batch.device) for x in micro), batch]).tolist()  # one read
+            terms = _group_terms(squares, batch_square, tokens, dropped)
         if terms is None:
             self.skipped += 1
             return

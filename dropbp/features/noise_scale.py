@@ -1,7 +1,8 @@
 """The noise scale feature (:class:`NoiseScale`): the run's gradient noise scale, and the rate of ``drop_rate="auto"``.
 
-It reads each micro-batch's gradient from what gradient accumulation computes anyway
-(:mod:`dropbp.features.gradient_noise`) and feeds the estimator of :mod:`dropbp.policy.noise_scale`; ``estimate()``
+It reads each micro-batch's gradient from what gradient accumulation computes anyway, or, with one micro-batch a step,
+chunks of that step's tokens at the output layer (:mod:`dropbp.features.gradient_noise`), and feeds the estimator of
+:mod:`dropbp.policy.noise_scale`; ``estimate()``
 gives ``B_simple`` in tokens. With ``drop_rate="auto"`` (which adds this feature where none is given) it owns that
 ``"auto"``: after each measured optimizer step it chooses the rate the noise scale forecasts best
 (:func:`dropbp.policy.noise_scale.auto_drop_rate`) and asks the controller to resolve its options again.
@@ -18,7 +19,7 @@ from torch.utils.hooks import RemovableHandle
 
 from dropbp.checks import check_fraction, check_int, check_number
 from dropbp.features.base import Feature, register_feature
-from dropbp.features.gradient_noise import MicroBatchGradients, check_reads
+from dropbp.features.gradient_noise import MicroBatchGradients, WithinStep, check_reads
 from dropbp.features.host import Host
 from dropbp.policy.noise_scale import (
     AUTO_RATES,
@@ -40,9 +41,11 @@ STATE_KEYS = ("steps", "gradient", "trace", "tokens_per_step")
 @register_feature
 class NoiseScale(Feature):
     """Measure the gradient noise scale of this run from the micro-batch gradients gradient accumulation computes
-    anyway: needs at least 2 micro-batches per optimizer step, costs one copy of the trainable parameters'
-    gradients and one host read per optimizer step; averaged across ranks under DDP, refused under FSDP and
-    DeepSpeed. Logged by the Trainer callback as ``dropbp/noise_scale``; resumes with the controller's state."""
+    anyway (costs one copy of the trainable parameters' gradients and one host read per optimizer step); with one
+    micro-batch a step (one long document), from 8 chunks of its tokens at the output layer's input, the last hidden
+    layer's noise (:meth:`one_micro_batch` says where that cannot be read). Averaged across ranks under DDP, refused
+    under FSDP and DeepSpeed. Logged by the Trainer callback as ``dropbp/noise_scale``; resumes with the controller's
+    state."""
 
     key = "noise_scale"
     chooses_rate = True
@@ -73,14 +76,20 @@ class NoiseScale(Feature):
         )
         self._part.install()
 
+    def one_micro_batch(self) -> str | None:
+        """None where a step of one micro-batch is read from within (the output layer's chunks), else why not."""
+        if WithinStep.head(self.host.model) is None:
+            return "the model has no output layer that get_output_embeddings() returns"
+        return None
+
     def estimate(self) -> NoiseScaleReading | None:
-        """The noise scale measured so far (``.tokens`` is ``B_simple``), or None before the first optimizer step with
-        at least 2 micro-batches has closed (a step closes when the next one's first forward finds the gradients
+        """The noise scale measured so far (``.tokens`` is ``B_simple``), or None before the first optimizer step has
+        closed (a step closes when the next one's first forward finds the gradients
         cleared). Still readable once removed; a feature never attached (or loaded) has measured nothing: raises."""
         if not (self._part or self._estimator.steps or self._was_attached):
             raise RuntimeError(
                 "this NoiseScale measures nothing until attached: dropbp.apply(model, rate, features=[noise]) or "
-                "ctl.replace_options(features=[noise]); train with gradient accumulation of at least 2"
+                "ctl.replace_options(features=[noise])"
             )
         return self._estimator.estimate()
 
@@ -108,6 +117,9 @@ class NoiseScale(Feature):
 
     def handles(self) -> list[RemovableHandle]:
         return [] if self._part is None else self._part.handles
+
+    def modules(self) -> list[nn.Module]:
+        return [] if self._part is None else self._part.modules
 
     def flush(self) -> None:
         """Close the optimizer step under way now (the run ended, or the caller knows a step just finished)."""

@@ -270,16 +270,26 @@ class DropBPCallback(TrainerCallback):
             self._move_to(kw["model"], args)
         elif state.global_step == 0 and self.controller.step > 0:
             self._restart()
-        if "noise_scale" in self.controller.features and args.gradient_accumulation_steps < 2:
-            log.warning(
-                "dropbp: the gradient noise scale is measured from two or more micro-batches per optimizer step, and "
-                "gradient_accumulation_steps=1 gives one: nothing will be measured%s. Set gradient_accumulation_steps "
-                ">= 2 (e.g. halve per_device_train_batch_size and double it) or measure it apart: dropbp check "
-                "--model PATH --data FILE.",
-                ', and drop_rate="auto" stays at full backprop for the whole run'
-                if self.controller.options.follows_noise_scale
-                else "",
-            )
+        noise = self.controller.features.get("noise_scale")
+        if noise is not None and args.gradient_accumulation_steps < 2:
+            why = noise.one_micro_batch()
+            if why is None:
+                log.info(
+                    "dropbp: gradient_accumulation_steps=1: the gradient noise scale is read from within each step, "
+                    "the output layer's gradient over 8 chunks of the step's tokens (the last hidden layer's noise: "
+                    "docs/noise-scale.md)"
+                )
+            else:
+                log.warning(
+                    "dropbp: gradient_accumulation_steps=1 gives one micro-batch per optimizer step, and %s: the "
+                    "gradient noise scale cannot be read from within the step either, so nothing will be measured%s. "
+                    "Set gradient_accumulation_steps >= 2 (e.g. halve per_device_train_batch_size and double it) or "
+                    "measure it apart: dropbp check --model PATH --data FILE.",
+                    why,
+                    ', and drop_rate="auto" stays at full backprop for the whole run'
+                    if self.controller.options.follows_noise_scale
+                    else "",
+                )
         loader = kw.get("train_dataloader")
         self._forwards = training_forwards(state.max_steps, args.gradient_accumulation_steps, loader)
         self._windows = epoch_windows(args.gradient_accumulation_steps, loader)
