@@ -52,6 +52,25 @@ def test_search_finds_the_longest_fitting_grid_length(monkeypatch):
     assert len(out["0"]["probes"]) == sum(rate is None for rate, _ in seen)
 
 
+def test_the_memory_table_takes_each_checkpointing_setting_and_its_own_baseline(monkeypatch):
+    """``dropbp bench --memory --checkpointing both`` probes each setting (it ignored the flag: every probe ran without
+    checkpointing), and each row is set against the baseline of its own setting, "less" only where it is less."""
+    seen = []
+
+    def probe(spec, say=print):
+        seen.append((spec["checkpointing"], spec["rate"]))
+        peak = {(False, None): 800, (False, 0.5): 500, (True, None): 200, (True, 0.5): 250}[seen[-1]]
+        saved = {"total": 0, "kept_branches": 0, "rest": 0, "dropped_branches": 0}
+        return {**spec, "peak_above_level_bytes": peak << 20, "saved": saved, "step_s": [1.0]}
+
+    monkeypatch.setattr(membench, "run_probe", probe)
+    rows = membench.memory_table("tiny", "lora", [64], [0, 0.5], [False], {}, lambda s: None, None, [False, True])
+    assert seen == [(False, None), (False, 0.5), (True, None), (True, 0.5)]
+    text = markdown({"device": "cpu", "dtype": "float32", "torch": "x", "date": "d", "memory": rows})
+    assert "| tiny | lora | plain | off | 64 | 0.5 | 0.49 | 1.60x less |" in text
+    assert "| tiny | lora | plain | on | 64 | 0.5 | 0.24 | 1.25x more |" in text
+
+
 def test_markdown_reports_the_gain():
     results = {
         "device": "cpu",

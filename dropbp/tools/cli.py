@@ -398,7 +398,8 @@ def _memory(args: argparse.Namespace, backend, dtype, budget: int | None, out: P
                     results["memory"].append(row)
                     write(results, out)
 
-                memory_table(preset, method, args.seq_lens, args.rates, chunked, common, say, on_row=keep)
+                ckpt = {"off": [False], "on": [True], "both": [False, True]}[args.checkpointing]
+                memory_table(preset, method, args.seq_lens, args.rates, chunked, common, say, keep, ckpt)
             if args.max_seq_len:
                 found: dict = {}
                 results["max_seq_len"][f"{preset}/{method}"] = found

@@ -34,6 +34,7 @@ from dropbp.imports import require
 from dropbp.tools.arms import apply_arm as apply
 from dropbp.tools.bench import Point, measure_model
 from dropbp.tools.compare import Run, compare, run_options, summarise, timing_check
+from dropbp.tools.membench import peak_against
 from dropbp.tools.pretrained import UnusableModel, checkpointing_on, load_causal_lm
 from dropbp.tools.report import plot_curves, steps_and_time_table
 from dropbp.tools.textdata import pydoc_topics
@@ -274,15 +275,8 @@ def _memory_lines(rows: list[dict]) -> list[str]:
         "|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['config']} | {r['peak_bytes'] / 2**20:.0f} MiB | {_against(base, r['peak_bytes'])} |")
+        lines.append(f"| {r['config']} | {r['peak_bytes'] / 2**20:.0f} MiB | {peak_against(base, r['peak_bytes'])} |")
     return lines
-
-
-def _against(base: float, peak: float) -> str:
-    """A peak against full backprop's, in the words that are true of it."""
-    if peak == base:
-        return "the same"
-    return f"{base / peak:.2f}x less" if peak < base else f"{peak / base:.2f}x more"
 
 
 def rounds_disagree(row: dict) -> bool:

@@ -23,7 +23,15 @@ from typing import Any
 
 from dropbp.tools.report import finish_axes, save_figure, write_record
 
-__all__ = ["grid_length", "longest_sequence", "memory_table", "parse_size", "run_probe", "worst_case_seed"]
+__all__ = [
+    "grid_length",
+    "longest_sequence",
+    "memory_table",
+    "parse_size",
+    "peak_against",
+    "run_probe",
+    "worst_case_seed",
+]
 
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
@@ -80,9 +88,11 @@ def _label(spec: dict[str, Any]) -> str:
     return f"{spec['preset']}/{spec['method']} seq {spec['seq_len']} {rate}, {loss}"
 
 
-def _spec(preset: str, method: str, seq: int, rate: float, chunked: bool, common: dict[str, Any]) -> dict[str, Any]:
+def _spec(
+    preset: str, method: str, seq: int, rate: float, chunked: bool, common: dict[str, Any], checkpointing: bool = False
+) -> dict[str, Any]:
     spec = {"preset": preset, "method": method, "seq_len": seq, "rate": None if rate == 0 else rate, "chunked": chunked}
-    return spec | common
+    return spec | {"checkpointing": checkpointing} | common
 
 
 def memory_table(
@@ -94,16 +104,20 @@ def memory_table(
     common: dict[str, Any],
     say: Callable[[str], None] = print,
     on_row: Callable[[dict[str, Any]], None] | None = None,
+    checkpointing: Sequence[bool] = (False,),
 ) -> list[dict[str, Any]]:
-    """Peak memory and saved-activation bytes per sequence length, drop rate and loss path;
-    ``on_row`` sees each row as it comes (to save it: a stopped run keeps what it measured)."""
+    """Peak memory and saved-activation bytes per sequence length, drop rate, loss path and Hugging Face activation
+    checkpointing (off, on or both); ``on_row`` sees each row as it comes (to save it: a stopped run keeps what it
+    measured)."""
     rows = []
-    for c in chunked:
-        for s in seq_lens:
-            for r in rates:
-                rows.append(run_probe(_spec(preset, method, s, r, c, common | {"account": True}), say))
-                if on_row is not None:
-                    on_row(rows[-1])
+    for ckpt in checkpointing:
+        for c in chunked:
+            for s in seq_lens:
+                for r in rates:
+                    spec = _spec(preset, method, s, r, c, common | {"account": True}, ckpt)
+                    rows.append(run_probe(spec, say) | {"checkpointing": ckpt})
+                    if on_row is not None:
+                        on_row(rows[-1])
     return rows
 
 
@@ -178,17 +192,23 @@ def markdown(results: dict[str, Any]) -> str:
     rows = results.get("memory") or []
     if rows:
         lines += [
-            "| model | method | loss | seq | drop rate | peak above load (GiB) | vs baseline "
+            "| model | method | loss | checkpointing | seq | drop rate | peak above load (GiB) | vs baseline "
             "| saved for backward (GiB) | kept branches | rest | freed by dropping | step (s) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-        base = {(r["preset"], r["method"], r["chunked"], r["seq_len"]): r for r in rows if r["rate"] is None}
+
+        def same(r: dict) -> tuple:
+            return r["preset"], r["method"], r["chunked"], r.get("checkpointing", False), r["seq_len"]
+
+        base = {same(r): r for r in rows if r["rate"] is None}
         for r in rows:
-            b = base.get((r["preset"], r["method"], r["chunked"], r["seq_len"]))
-            ratio = f"{b['peak_above_level_bytes'] / r['peak_above_level_bytes']:.2f}x less" if b else ""
+            b = base.get(same(r))
+            ratio = peak_against(b["peak_above_level_bytes"], r["peak_above_level_bytes"]) if b else ""
             s = r["saved"]
+            ckpt = "on" if r.get("checkpointing") else "off"
             lines.append(
-                f"| {r['preset']} | {r['method']} | {'chunked' if r['chunked'] else 'plain'} | {r['seq_len']} | "
+                f"| {r['preset']} | {r['method']} | {'chunked' if r['chunked'] else 'plain'} | {ckpt} | "
+                f"{r['seq_len']} | "
                 f"{r['rate'] or 0} | {_gib(r['peak_above_level_bytes'])} | {ratio} | {_gib(s['total'])} | "
                 f"{_gib(s['kept_branches'])} | {_gib(s['rest'])} | {_gib(s['dropped_branches'])} | "
                 f"{r['step_s'][0]:.1f} |"
@@ -212,6 +232,13 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def peak_against(base: float, peak: float) -> str:
+    """A peak against the baseline's, in the words that are true of it."""
+    if peak == base:
+        return "the same"
+    return f"{base / peak:.2f}x less" if peak < base else f"{peak / base:.2f}x more"
+
+
 def _gib(n: int | None) -> str:
     return "n/a" if n is None else f"{n / 2**30:.2f}"
 
@@ -227,7 +254,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     points: dict[tuple[bool, float], list[tuple[int, float]]] = {}
     for r in results.get("memory") or []:
-        points.setdefault((r["chunked"], r["rate"] or 0), []).append(
+        points.setdefault((r["chunked"], r["rate"] or 0, r.get("checkpointing", False)), []).append(
             (r["seq_len"], r["peak_above_level_bytes"] / 2**30)
         )
     for by_loss in (results.get("max_seq_len") or {}).values():  # the search's fitting probes are real steps too
@@ -236,10 +263,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
                 for p in found["probes"]:
                     if p["fits"]:
                         above = (p["peak_bytes"] - p["level_bytes"]) / 2**30
-                        points.setdefault((loss == "chunked", float(rate)), []).append((p["seq_len"], above))
-    for (chunked, rate), pts in sorted(points.items()):
+                        points.setdefault((loss == "chunked", float(rate), False), []).append((p["seq_len"], above))
+    for (chunked, rate, ckpt), pts in sorted(points.items()):
         style = "-" if chunked else "--"
-        label = f"rate {rate}, {'chunked' if chunked else 'plain'} loss"
+        label = f"rate {rate}, {'chunked' if chunked else 'plain'} loss{', checkpointing' if ckpt else ''}"
         left.plot(*zip(*sorted(pts), strict=True), marker="o", linestyle=style, label=label)
     finish_axes(left, "sequence length (tokens)", "peak memory above load (GiB)")
     for key, by_loss in (results.get("max_seq_len") or {}).items():
