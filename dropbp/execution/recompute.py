@@ -134,6 +134,8 @@ class BranchCache:
             owner.reentrant = True  # a re-entrant region: its forward runs without grad
         if not dropped:
             return False
+        if self._calls == 0:
+            owner.used.append(self)
         self._calls += 1
         if self._calls > 1:
             self.release()
@@ -185,6 +187,9 @@ class RecomputeCache:
         self._forward_of: weakref.WeakKeyDictionary[object, object] = weakref.WeakKeyDictionary()
         #: Held in a non-re-entrant region, with the region, until a kept branch starts there.
         self.pending: list[tuple[BranchCache, object]] = []
+        #: The branches dropped since the last clear (the only ones with anything to reset: a step that drops
+        #: nothing resets nothing)
+        self.used: list[BranchCache] = []
         self._release_task: int | None = None
 
     def begin_forward(self) -> None:
@@ -223,9 +228,9 @@ class RecomputeCache:
         self.recording = False
 
     def clear(self) -> None:
-        for branch in self.branches:
+        for branch in self.used:
             branch.reset()
-        self.pending = []
+        self.used, self.pending = [], []
         self._release_task = None
 
     def release_after_backward(self) -> None:
