@@ -53,6 +53,22 @@ def _h200_checkpointing_memory() -> str:
     return f"{100 * abs(ours / full - 1):.0f}% {way} it on the H200: {ours / 2**30:.1f} against {full / 2**30:.1f} GiB"
 
 
+def _long_document_steps() -> str:
+    """README's one-document line: the step speedup at 4096 tokens, LoRA with checkpointing, at the expected share."""
+    point = next(p for p in _json("long_document_cpu/bench.json")["points"]
+                 if p["method"] == "lora" and p["seq_len"] == 4096 and p["checkpointing"])  # fmt: skip
+    row = {(r["pattern"], r["drop_rate"]): r["speedup_at_expected"] for r in point["rows"]}
+    return f"{row[('cut', 0.5)]:.2f}x faster at 0.5 (the cut) and {row[('uniform', 0.875)]:.2f}x at 0.875 (uniform)"
+
+
+def _long_document_memory() -> str:
+    """README's one-document line: the peak without checkpointing, 0.5 and 0.875 against full backprop (4096)."""
+    rows = [r for r in _json("long_document_memory/memory.json")["memory"]
+            if r["seq_len"] == 4096 and not r["checkpointing"]]  # fmt: skip
+    peak = {r["rate"] or 0.0: r["peak_above_level_bytes"] for r in rows}
+    return f"{peak[0.0] / peak[0.5]:.2f}x and {peak[0.0] / peak[0.875]:.2f}x"
+
+
 def _fastest_token_step(method: str) -> str:
     [point] = _json(f"bench_tokens_cpu/{method}/bench.json")["points"]
     return f"{max(r['speedup'] for r in point['rows'] if r['pattern'] == 'tokens'):.2f}x"
@@ -127,6 +143,16 @@ def _longer_run() -> str:
 
 
 FIGURES = (
+    Figure(
+        "one document of 4096 tokens a step: the step speedup (SmolLM2-135M LoRA, checkpointing on)",
+        _long_document_steps,
+        (("README.md", r"step (\d\.\d\dx faster at 0\.5 \(the cut\) and \d\.\d\dx at 0\.875 \(uniform\))"),),
+    ),
+    Figure(
+        "one document of 4096 tokens a step: the peak without checkpointing (SmolLM2-135M LoRA)",
+        _long_document_memory,
+        (("README.md", r"cuts the peak (\d\.\d\dx and \d\.\d\dx)"),),
+    ),
     Figure(
         "DropBP 0.5's peak memory against full backprop's, both with activation checkpointing (H200, 1.1B shape)",
         _h200_checkpointing_memory,
