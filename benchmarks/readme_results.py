@@ -282,7 +282,7 @@ def _longest() -> tuple[str, str]:
     )
 
 
-def _paper_longest() -> str:
+def paper_longest() -> str:
     """The paper's algorithm (uniform patterns, 0.875) against plain full backprop, the paper's comparison: the
     longest sequence in 3 GiB with the plain loss, neither with activation checkpointing."""
     probes = json.loads(UNIFORM_LONGEST.read_text())["max_seq_len"]["smollm2/lora"]["plain"]
@@ -489,7 +489,7 @@ def claims_table() -> str:
         f"**{100 * saved:.0f}% less** at {100 * gap:+.2f}% loss ({seeds} seeds, above) |",
         f"| time to full backprop's validation loss | 1.5x faster | {reached} | "
         f"{seeds_text(at_time)} at the same batch (above) |",
-        f"| longest trainable sequence | 6.2x longer | {_paper_longest()} | at 0.875: {longest} |",
+        f"| longest trainable sequence | 6.2x longer | {paper_longest()} | at 0.875: {longest} |",
         f"| throughput, NVIDIA A100, LoRA | +79% | H200: **{100 * (uniform[0] - 1):+.0f}%** "
         f"({100 * (uniform[1] - 1):+.0f}% both with checkpointing) | CPU {100 * (cut - 1):+.0f}% (the cuts drawn), "
         f"H200 {100 * (cut_gpu - 1):+.0f}% (at the expected cut) |",

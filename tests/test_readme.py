@@ -290,7 +290,7 @@ def test_the_claims_table_measures_what_a_record_holds_and_labels_each_figure():
     results = _readme_results()
     claims = results.claims_table()
     longest = next(line for line in claims.splitlines() if line.startswith("| longest trainable sequence"))
-    assert "not measured" not in longest.split(" | ")[2] and results._paper_longest() in longest
+    assert "not measured" not in longest.split(" | ")[2] and results.paper_longest() in longest
     throughput = next(line for line in claims.splitlines() if line.startswith("| throughput, NVIDIA A100"))
     assert "(the cuts drawn)" in throughput and "(at the expected cut)" in throughput
     header = claims.splitlines()[1]
