@@ -45,6 +45,7 @@ from datetime import date
 from pathlib import Path
 
 import torch
+from readme_results import seeds_text
 from where_it_pays import PROXY, ByteTokenizer, StepCost, pretrained_proxy, proxy_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -287,22 +288,6 @@ def report(out: Path, costs: dict[int, StepCost], cost_record: Path) -> None:
     print(markdown(record))
 
 
-def _reading(entry: dict) -> str:
-    from dropbp.tools.frontier import exact_seeds
-
-    exact = exact_seeds(entry)
-    parts = []
-    if exact is not None and exact["seeds"] > 1:
-        parts.append(f"**{exact['mean']:.2f}x** [{exact['low']:.2f}, {exact['high']:.2f}]")
-    elif exact is not None:
-        parts.append(f"**{exact['mean']:.2f}x** (1 seed)")
-    for kind in ("at least", "at most"):
-        values = [s["value"] for s in entry["per_seed"] if s["bound"] == kind]
-        if values:
-            parts.append(f"{len(values)} {kind} " + ", ".join(f"{v:.2f}x" for v in values))
-    return "; ".join(parts)
-
-
 def markdown(record: dict) -> str:
     noise = record["noise_scale"]
     forecast = noise["forecast"]
@@ -317,8 +302,8 @@ def markdown(record: dict) -> str:
         name += " (equal time)" if row["equal_time"] else ""
         guess = forecast.get(row["arm"])
         lines.append(
-            f"| {name} | {row['steps']} | {row['lr']:g} | {_reading(row['against_full'])} | "
-            f"{_reading(row['against_best'])} | {'' if guess is None else f'{guess:.2f}x'} |"
+            f"| {name} | {row['steps']} | {row['lr']:g} | {seeds_text(row['against_full'])} | "
+            f"{seeds_text(row['against_best'])} | {'' if guess is None else f'{guess:.2f}x'} |"
         )
     edges = [name for name, lr in record["lr"].items() if lr in (min(record["lr_grid"]), max(record["lr_grid"]))]
     lines += [

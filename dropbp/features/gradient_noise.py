@@ -187,13 +187,11 @@ class WithinStep:
             return None
         return head if isinstance(head, nn.Module) else None
 
-    def install(self) -> bool:
-        """Hook the output layer; False where the model has none."""
+    def install(self) -> None:
+        """Hook the output layer (none where the model has none: nothing is read within)."""
         head = self.head(self._model)
-        if head is None:
-            return False
-        self._handle = head.register_forward_pre_hook(self._capture)
-        return True
+        if head is not None:
+            self._handle = head.register_forward_pre_hook(self._capture)
 
     def remove(self) -> None:
         if self._handle is not None:
@@ -407,8 +405,7 @@ class MicroBatchGradients:
             totals.append(norm(g, dtype=torch.float32).square().to(device))
             groups.append(group)
         self._versions = [None if p.grad is None else tensor_version(p.grad) for p in self._params]
-        one = index == 0 and len(self._within.reads) == 1 and not self._steps_unknown
-        self._chunks = self._within.reads[0] if one else None
+        self._chunks = self._within.reads[0] if index == 0 and len(self._within.reads) == 1 else None
         if owns:
             key = (tuple(groups), owns[0].device)
             where = self._where.get(key)
@@ -434,11 +431,9 @@ class MicroBatchGradients:
         """The window read so far is one optimizer step: to the estimator (two micro-batches or more: their gradients;
         one: its chunks, read from within)."""
         micro, batch, tokens, dropped, partial = self._micro, self._batch, self._tokens, self._dropped, self._partial
-        chunks = self._chunks
+        chunks = None if self._steps_unknown else self._chunks  # (windows DDP ended are not steps: not read within)
         self._micro, self._batch, self._tokens, self._snapshot, self._versions = [], None, [], [], []
         self._dropped, self._taken_from, self._partial, self._pending, self._chunks = [], [], False, None, None
-        if self._steps_unknown:
-            chunks = None
         if batch is None or partial or (len(micro) < 2 and chunks is None):  # (partial: begun before the reads)
             return
         if len(micro) < 2:  # one micro-batch: its chunks (one host read)
