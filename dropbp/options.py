@@ -269,9 +269,8 @@ class DropBPOptions:
         unbounded device keeps this device's bound). The ``"auto"``s stay: the policy resolves them for the model's
         branches (:func:`dropbp.policy.drop_policy.in_force`), at every entry (``apply``, a setter, a loaded state, a
         measured step under ``"auto"``)."""
-        if backend.default_max_patterns is None or self.max_patterns is not None:
-            return dataclasses.replace(self, backend=backend)
-        return dataclasses.replace(self, backend=backend, max_patterns=backend.default_max_patterns)
+        bound = backend.default_max_patterns if self.max_patterns is None else self.max_patterns
+        return dataclasses.replace(self, backend=backend, max_patterns=bound)
 
     def replaced(self, **change: Any) -> DropBPOptions:
         """``dataclasses.replace`` (the same checks), where the rate stays ``"auto"`` keeping the feature that chooses
@@ -285,7 +284,7 @@ class DropBPOptions:
     def rate_chooser(self) -> Feature | None:
         """The feature that chooses ``drop_rate="auto"``'s rate (the noise scale: ``Feature.chooses_rate``), or
         None."""
-        return next((f for f in self.features if f.chooses_rate), None)
+        return policy_plugins(self.features).rate_choice
 
     def feature(self, key: str) -> Feature | None:
         """The feature of ``features`` with this key, or None."""
