@@ -446,8 +446,9 @@ def test_a_construction_callback_says_where_its_figures_go_when_report_to_names_
 def test_the_callback_logs_the_noise_scale_it_measures(tmp_path, caplog):
     """``measure_noise_scale=True`` with gradient accumulation: every logging step after the first closed optimizer
     step carries ``dropbp/noise_scale`` (tokens) and ``dropbp/noise_ratio``, the controller's own figures; once
-    enough steps are measured, the forecast per arm is logged once."""
-    callback = DropBPCallback(0.5, features=[dropbp.NoiseScale()])
+    enough steps are measured, the forecast per arm is logged once. At rate 0 (steps that drop a branch are not read:
+    said once, below)."""
+    callback = DropBPCallback(0.0, features=[dropbp.NoiseScale()])
     trainer = _trainer(tmp_path, callbacks=[callback], gradient_accumulation_steps=2, max_steps=10, logging_steps=2)
     with caplog.at_level(logging.INFO, logger="dropbp"):
         trainer.train()
@@ -461,6 +462,11 @@ def test_the_callback_logs_the_noise_scale_it_measures(tmp_path, caplog):
     assert final.tokens_per_step == 2 * 2 * SEQ and final.steps == 10  # each step closes at its on_step_end
     assert logged[-1]["dropbp/noise_scale"] == final.tokens
     assert logged[-1]["dropbp/noise_ratio"] == pytest.approx(final.tokens / final.tokens_per_step)
+    dropping = DropBPCallback(0.5, warmup=0, features=[dropbp.NoiseScale()])
+    trainer = _trainer(tmp_path, callbacks=[dropping], gradient_accumulation_steps=2, max_steps=4)
+    with pytest.warns(UserWarning, match="not read from optimizer steps that drop a branch's backward"):
+        trainer.train()
+    assert dropping.controller.features["noise_scale"].estimate() is None
 
 
 def test_the_start_forecast_reads_the_runs_data_and_leaves_the_run_as_it_was(tmp_path, caplog, monkeypatch):

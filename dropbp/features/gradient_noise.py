@@ -10,7 +10,15 @@ gradients cleared (``zero_grad``: set to None, or zeroed in place, which moves t
 backward's end of a micro-batch whose gradients were set to None after its forward (``forward -> zero_grad ->
 backward``: that micro-batch begins the next step): its micro-batches go to the estimator together, as read at the
 backward's end, before any gradient clipping. Several forwards before one backward are one micro-batch of all their
-tokens. A step already under way when the reads are attached is left out.
+tokens. A step already under way when the reads are attached is left out. A step whose micro-batches dropped any
+branch's backward is left out too (said once): a dropped branch leaves the gradient of every layer before it short of
+that branch's path, so no micro-batch's gradient is a sample of the full one (read anyway, per branch where kept, it
+was 0.59x-1.31x ``B_simple``); ``drop_rate="auto"`` measures one step in
+:data:`~dropbp.policy.noise_scale.AUTO_REMEASURE_EVERY` at rate 0. Where the model returns its loss, the gradient
+that reaches it (a loss scale, as ``GradScaler``'s, times any division by the accumulation) is read at the step's
+first backward and divided out, so steps at different loss scales are averaged as the same gradients; a loss computed
+outside the model cannot be seen: there the micro-batches are read as each one's mean loss over their count (what the
+Trainer does), a loss scale that moves between steps left in.
 Eval, no-grad and recomputation forwards read nothing.
 
 Costs: one copy of the trainable parameters' gradients (small for LoRA; a full copy for full fine-tuning), made at
@@ -119,35 +127,6 @@ def _tokens(args: tuple, kwargs: dict) -> int | None:
     return first.numel() if not first.is_floating_point() else first.numel() // first.shape[-1]
 
 
-def _group_terms(
-    squares: Sequence[Sequence[float]], batch: Sequence[float], tokens: Sequence[int], dropped: Sequence[frozenset[int]]
-) -> tuple[float, float] | None:
-    """One window's ``(|G|^2, tr(Sigma))``: per group (``squares[i][g]``, micro-batch ``i``'s gradient's squared norm
-    in group ``g``; ``batch[g]``, the accumulated gradient's), the terms of the micro-batches that kept it, summed over
-    the groups kept in two or more. None where no group was, or a gradient is not finite (an fp16 step GradScaler
-    skips: it would stay in the running average for good).
-
-    The micro-batch gradients are read as each one's mean loss times one factor for all (the sum over ``m``
-    micro-batches, or the mean), so ``m^2`` times a micro-batch's square stands beside the square of the sum over the
-    ``k`` that kept a group times ``(m / k)^2``: its mean's, by the same factor (the factor cancels in the ratio)."""
-    m = len(squares)
-    values = [x for row in squares for x in row] + list(batch)
-    if not all(math.isfinite(x) for x in values):
-        return None
-    gradient = trace = 0.0
-    counted = False
-    for group in range(len(batch)):
-        kept = [i for i in range(m) if group not in dropped[i]]
-        if len(kept) < 2:
-            continue
-        k = len(kept)
-        g, t = window_terms(
-            [squares[i][group] * m * m for i in kept], batch[group] * (m / k) ** 2, [tokens[i] for i in kept]
-        )
-        gradient, trace, counted = gradient + g, trace + t, True
-    return (gradient, trace) if counted else None
-
-
 def chunk_terms(sums: torch.Tensor, counts: torch.Tensor) -> tuple[float, float] | None:
     """One step's ``(|G|^2, tr(Sigma))`` from its chunks: ``sums[k]``, chunk ``k``'s summed per-token gradient (of a
     loss that is one factor times the sum of the tokens' losses), ``counts[k]`` the tokens with a loss in it. Each
@@ -232,18 +211,16 @@ class WithinStep:
 class MicroBatchGradients:
     """Feeds ``estimator`` one optimizer step at a time from the gradients of ``model``'s trainable parameters.
 
-    The parameters are read in groups, one per branch and one for the rest, and each group's terms come from the
-    micro-batches that kept it: a branch dropped in a micro-batch contributes no gradient there, which is not a sample
-    of its gradient (counted as one, the spread it adds read as data noise: 1.9x ``B_simple`` at drop rate 0.5). Where
-    nothing is dropped the sum over groups is the whole model's terms, exactly.
+    A step of several micro-batches is read only where none of them dropped a branch (the module docstring says why);
+    ``on_step`` hears of every closed step, read or not.
 
     Args:
         model: the model whose training forwards delimit micro-batches.
         estimator: where each closed optimizer step goes.
         reads: ``reads()`` is False while a forward must not count (calibration's forced passes).
-        on_step: called when an optimizer step has gone to the estimator, before the next step's first forward
-            draws its pattern (the reads' forward pre-hook runs first).
-        groups: per branch, its modules (its parameters are its group); none: one group.
+        on_step: called when an optimizer step closes, before the next step's first forward draws its pattern (the
+            reads' forward pre-hook runs first), with ``"read"`` (it went to the estimator), ``"dropped"`` (its
+            micro-batches dropped a branch) or ``"not finite"``.
         dropped: the branches the running training forward drops (read when it ends).
     """
 
@@ -252,20 +229,15 @@ class MicroBatchGradients:
         model: nn.Module,
         estimator: NoiseScaleEstimator,
         reads: Callable[[], bool],
-        on_step: Callable[[], None] = lambda: None,
-        groups: Sequence[Sequence[nn.Module]] = (),
+        on_step: Callable[[str], None] = lambda outcome: None,
         dropped: Callable[[], frozenset[int]] = frozenset,
     ) -> None:
         self.estimator = estimator
         self._model = model
         self._reads = reads
         self._on_step = on_step
-        self._groups = [list(modules) for modules in groups]
         self._dropped_now = dropped
         self._params = [p for p in model.parameters() if p.requires_grad]
-        self._group_of: list[int] = []  # per parameter, its group (the last: no branch's)
-        #: the groups read as an index tensor, per set of parameters with a gradient and device: made once, not per read
-        self._where: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
         self._snapshot: list[torch.Tensor | None] = []
         #: the gradient tensors the snapshot was copied from (weak): one gone by the backward's end means ``zero_grad``
         #: (set to None) ran between this forward and its backward, and the window ended there
@@ -280,10 +252,12 @@ class MicroBatchGradients:
         )
         #: the micro-batch whose backward has not ended: a forward before it joins it (a loss of several forwards)
         self._pending: int | None = None
-        self._micro: list[torch.Tensor] = []  # per micro-batch, its gradient's squared norm per group
-        self._batch: torch.Tensor | None = None  # the window's accumulated gradient's squared norm per group so far
+        self._micro: list[torch.Tensor] = []  # per micro-batch, its gradient's squared norm (on the device)
+        self._batch: torch.Tensor | None = None  # the window's accumulated gradient's squared norm so far
         self._tokens: list[int] = []
-        self._dropped: list[frozenset[int]] = []  # per micro-batch, the branches (groups) its forward dropped
+        self._dropped: list[bool] = []  # per micro-batch, whether its forward dropped a branch
+        #: per micro-batch, the gradient that reached the model's loss (None: it returned none): the loss scale
+        self._scales: list[torch.Tensor | None] = []
         self._current: int | None = None  # the index in _micro the running forward's backward fills
         self._versions: list[int | None] = []  # the gradients' version counters at the last read
         self._handles: list[RemovableHandle] = []
@@ -292,7 +266,7 @@ class MicroBatchGradients:
         self._chunks: tuple[torch.Tensor, torch.Tensor] | None = None
         #: DDP synchronised a micro-batch: where its steps begin is unknown, so no window is read from within
         self._steps_unknown = False
-        #: Optimizer steps left out: a non-finite gradient (fp16 overflow, skipped by GradScaler) or no group kept twice
+        #: Optimizer steps left out: a non-finite gradient (fp16 overflow, skipped by GradScaler) or a dropped branch
         self.skipped = 0
 
     @property
@@ -312,10 +286,6 @@ class MicroBatchGradients:
         if self._handles:
             return
         self._params = [p for p in self._model.parameters() if p.requires_grad]
-        owner = {id(p): g for g, modules in enumerate(self._groups) for m in modules for p in m.parameters()}
-        rest = len(self._groups)
-        self._group_of = [owner.get(id(p), rest) for p in self._params]
-        self._where = {}
         self._began = False  # attached anew: the step under way, if any, is not seen whole
         self._handles = [
             self._model.register_forward_pre_hook(self._begin, with_kwargs=True, prepend=True),
@@ -353,8 +323,9 @@ class MicroBatchGradients:
         self._taken_from = [None if g is None else weakref.ref(g) for g in grads]
         self._within.forget()
         self._tokens.append(tokens)
-        self._dropped.append(frozenset())
-        self._micro.append(torch.zeros(len(self._groups) + 1))  # filled when its backward ends
+        self._dropped.append(False)
+        self._scales.append(None)
+        self._micro.append(torch.zeros(()))  # filled when its backward ends
         self._current = self._pending = len(self._micro) - 1
 
     @outside_graphs
@@ -364,9 +335,11 @@ class MicroBatchGradients:
         if first is None:
             self._pending = None  # no backward to wait for
             return
-        self._dropped[index] |= frozenset(self._dropped_now())  # several forwards: what any of them dropped
+        self._dropped[index] |= bool(self._dropped_now())  # several forwards: any of them
 
         def hook(grad: torch.Tensor) -> None:
+            if grad.dim() == 0 and index < len(self._scales) and self._scales[index] is None:  # the loss's scale
+                self._scales[index] = grad.detach().float()
             at_backward_end(lambda: self._read(index))
 
         first.register_hook(hook)
@@ -394,69 +367,67 @@ class MicroBatchGradients:
         if taken and any(ref is not None and p.grad is not ref() for p, ref in zip(self._params, taken, strict=True)):
             self._restart_at(index)  # zero_grad between this forward and its backward: a new window from here
             index = 0
-        owns, totals, groups = [], [], []  # summed per group on the gradients' device: read on the host once a window
+        owns, totals = [], []  # summed on the gradients' device: read on the host once a window
         norm = torch.linalg.vector_norm
-        for p, before, group in zip(self._params, self._snapshot, self._group_of, strict=True):
+        for p, before in zip(self._params, self._snapshot, strict=True):
             if p.grad is None:
                 continue
             g = p.grad.detach()
             device = owns[0].device if owns else g.device
             owns.append(norm(g if before is None else g - before, dtype=torch.float32).square().to(device))
             totals.append(norm(g, dtype=torch.float32).square().to(device))
-            groups.append(group)
         self._versions = [None if p.grad is None else tensor_version(p.grad) for p in self._params]
         self._chunks = self._within.reads[0] if index == 0 and len(self._within.reads) == 1 else None
         if owns:
-            key = (tuple(groups), owns[0].device)
-            where = self._where.get(key)
-            if where is None:
-                where = self._where[key] = torch.tensor(groups, device=owns[0].device)
-            sums = torch.zeros(2, len(self._groups) + 1, device=owns[0].device)
-            sums[0].index_add_(0, where, torch.stack(owns))
-            sums[1].index_add_(0, where, torch.stack(totals))
-            self._micro[index], self._batch = sums[0], sums[1]
+            self._micro[index], self._batch = torch.stack(owns).sum(), torch.stack(totals).sum()
 
     def _restart_at(self, index: int) -> None:
         """Micro-batch ``index`` began a new optimizer step after its forward (``forward -> zero_grad -> backward``):
         the window before it closes without it, and it starts the next one, its own gradient the whole of it."""
-        tokens, dropped = self._tokens[index], self._dropped[index]
-        for held in (self._micro, self._tokens, self._dropped):
+        tokens, dropped, scale = self._tokens[index], self._dropped[index], self._scales[index]
+        for held in (self._micro, self._tokens, self._dropped, self._scales):
             del held[index]
         self._close()
-        self._micro, self._tokens, self._dropped = [torch.zeros(len(self._groups) + 1)], [tokens], [dropped]
+        self._micro, self._tokens, self._dropped, self._scales = [torch.zeros(())], [tokens], [dropped], [scale]
         self._snapshot, self._taken_from = [None] * len(self._params), [None] * len(self._params)
         self._current = 0
 
     def _close(self) -> None:
-        """The window read so far is one optimizer step: to the estimator (two micro-batches or more: their gradients;
-        one: its chunks, read from within)."""
+        """The window read so far is one optimizer step: to the estimator (two micro-batches or more that dropped no
+        branch: their gradients; one: its chunks, read from within), its loss scale divided out."""
         micro, batch, tokens, dropped, partial = self._micro, self._batch, self._tokens, self._dropped, self._partial
+        scale = self._scales[0] if self._scales else None
         chunks = None if self._steps_unknown else self._chunks  # (windows DDP ended are not steps: not read within)
         self._micro, self._batch, self._tokens, self._snapshot, self._versions = [], None, [], [], []
         self._dropped, self._taken_from, self._partial, self._pending, self._chunks = [], [], False, None, None
+        self._scales = []
         if batch is None or partial or (len(micro) < 2 and chunks is None):  # (partial: begun before the reads)
             return
-        if len(micro) < 2:  # one micro-batch: its chunks (one host read)
-            terms = chunk_terms(*chunks)
-        else:
-            *squares, batch_square = torch.stack([*(x.to(batch.device) for x in micro), batch]).tolist()  # one read
-            terms = _group_terms(squares, batch_square, tokens, dropped)
-        if terms is None:
-            self.skipped += 1
-            return
-        gradient, trace = terms
+        if len(micro) < 2:  # one micro-batch: its chunks (one host read), as gradients of the summed token losses
+            sums, counts = chunks
+            terms = chunk_terms(sums if scale is None else sums * (counts.sum() / scale.to(sums.device)), counts)
+        elif any(dropped):
+            terms = None
+        else:  # each micro-batch's gradient as that of its own mean loss: unscaled, or (no loss seen) times 1/m
+            m = len(micro)
+            factor = m * m if scale is None else 1 / scale.to(batch.device).square()
+            read = torch.stack([*(x.to(batch.device) for x in micro), batch / (m * m)]) * factor
+            *squares, batch_square = read.tolist()  # one host read
+            terms = window_terms(squares, batch_square, tokens)
         ranks = _world()
         if ranks > 1:  # every rank closes the same steps (the same forwards): the terms averaged across them
             import torch.distributed as dist
 
-            terms = torch.tensor([gradient, trace], dtype=torch.float64, device=batch.device)
-            dist.all_reduce(terms)
-            gradient, trace = (terms / ranks).tolist()
-        if not (math.isfinite(gradient) and math.isfinite(trace)):  # a rank's overflowed step: left out everywhere
+            both = torch.tensor(terms or [math.nan] * 2, dtype=torch.float64, device=batch.device)
+            dist.all_reduce(both)  # a step one rank left out (its overflow, its drops): left out everywhere
+            terms = tuple((both / ranks).tolist())
+        if terms is None or not all(math.isfinite(x) for x in terms):  # dropped, or overflowed (GradScaler skips it)
             self.skipped += 1
+            self._on_step("dropped" if any(dropped) else "not finite")
             return
+        gradient, trace = terms
         self.estimator.add(gradient, trace, sum(tokens) * ranks)
-        self._on_step()
+        self._on_step("read")
 
     def flush(self) -> None:
         """Close the window under way now (the run ended, or the caller knows a step just finished)."""

@@ -17,12 +17,13 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from dropbp.checks import check_fraction, check_int, check_number
+from dropbp.checks import Once, check_fraction, check_int, check_number
 from dropbp.features.base import Feature, register_feature
 from dropbp.features.gradient_noise import MicroBatchGradients, WithinStep, check_reads
 from dropbp.features.host import Host
 from dropbp.policy.noise_scale import (
     AUTO_RATES,
+    AUTO_REMEASURE_EVERY,
     DEFAULT_BRANCH_SHARE,
     ArmForecast,
     NoiseScaleEstimator,
@@ -54,6 +55,14 @@ class NoiseScale(Feature):
         super().__init__()
         self._estimator = NoiseScaleEstimator()
         self._chosen: tuple[tuple[int, str, int], float] | None = None  # rate()'s last answer, by what it read
+        self._unread = 0  # optimizer steps closed since the last one read (their branches dropped)
+        self._dropping = Once(
+            "dropbp: the noise scale is not read from optimizer steps that drop a branch's backward: a dropped branch "
+            "leaves every earlier layer's gradient short of its path, so no micro-batch's gradient is a sample of the "
+            "full one. It is read from the steps that drop nothing (drop_rate='auto' runs one step in "
+            f"{AUTO_REMEASURE_EVERY} at rate 0 for it) or, with one micro-batch a step, from within the step. "
+            "Said once."
+        )
         self._was_attached = False
 
     @classmethod
@@ -71,7 +80,6 @@ class NoiseScale(Feature):
             self._estimator,
             lambda: host.hooks.forced is None,
             on_step=self._follow,
-            groups=[b.parts for b in host.branches],
             dropped=lambda: host.hooks.dropped,
         )
         self._part.install()
@@ -97,9 +105,10 @@ class NoiseScale(Feature):
         """``drop_rate="auto"`` resolved: the rate the noise scale measured so far forecasts best
         (:func:`dropbp.policy.noise_scale.auto_drop_rate`: 0 until measured) among those the drop ``shape`` reaches
         over branches of these costs (:meth:`~dropbp.policy.shapes.DropShape.reaches`); worked out once per measured
-        step."""
+        step. 0 for one step after :data:`~dropbp.policy.noise_scale.AUTO_REMEASURE_EVERY` - 1 that could not be read
+        (they dropped): a step that drops nothing is measured."""
         measured = self._estimator.estimate()
-        if measured is None:
+        if measured is None or self._unread >= AUTO_REMEASURE_EVERY - 1:
             return 0.0
         key = (measured.steps, shape.name, tuple(flops))
         if self._chosen is None or self._chosen[0] != key:
@@ -107,10 +116,14 @@ class NoiseScale(Feature):
             self._chosen = key, auto_drop_rate(measured, rates=rates)
         return self._chosen[1]
 
-    def _follow(self) -> None:
-        """After each measured optimizer step: under ``drop_rate="auto"``, where the noise scale now forecasts another
-        rate, the controller resolves its options again (that rate from the next pattern on)."""
+    def _follow(self, outcome: str) -> None:
+        """After each optimizer step (``outcome``: :class:`MicroBatchGradients`'s): under ``drop_rate="auto"``, where
+        the noise scale now forecasts another rate, or a step must be measured, the controller resolves its options
+        again (that rate from the next pattern on); at a given rate, a step left out for its drops is said once."""
+        self._unread = 0 if outcome == "read" else self._unread + 1
         given, flops = self.host.given(), [b.flops for b in self.host.branches]
+        if outcome == "dropped" and not given.follows_noise_scale:
+            self._dropping()
         chosen = self.choose_rate(get_shape(given.pattern), flops) if given.follows_noise_scale else None
         if chosen is not None and chosen != self.host.in_force().drop_rate:
             self.host.resolve_again()

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 __all__ = [
     "AUTO_MIN_STEPS",
     "AUTO_RATES",
+    "AUTO_REMEASURE_EVERY",
     "ArmForecast",
     "DEFAULT_BRANCH_SHARE",
     "NoiseScaleReading",
@@ -39,6 +40,9 @@ __all__ = [
 
 #: Optimizer steps measured before ``drop_rate="auto"`` drops anything (one step's estimate is too noisy to act on).
 AUTO_MIN_STEPS = 4
+#: ``drop_rate="auto"`` runs one optimizer step in this many at rate 0 while it drops: a step that drops a branch's
+#: backward cannot be read (:mod:`dropbp.features.gradient_noise`), and the noise scale grows as a fine-tune goes on.
+AUTO_REMEASURE_EVERY = 8
 #: The rates ``drop_rate="auto"`` chooses from (few, so that a lazy-graph device meets few patterns).
 AUTO_RATES = (0.0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75)
 #: The branches' share of a step's time ``drop_rate="auto"`` assumes: the map's cost record's (SmolLM2-135M full
