@@ -131,6 +131,27 @@ def test_the_noise_scale_is_the_users_text_measured_as_the_estimator_says(model_
     assert math.isclose(noise["noise_scale_tokens"], want.tokens, rel_tol=1e-3)
 
 
+def test_one_document_a_step_is_measured_per_document_and_forecast_at_one(model_dir, tmp_path, capsys):
+    """Issue 69: a run of one long document a step (no accumulation to read in training). The check measures its own
+    micro-batches of one document each (``--seq-len L``) and forecasts at one document a step (``--tokens-per-step
+    L``): each arm's forecast is the noise-scale model's at ``B_simple / L``."""
+    from dropbp.policy.noise_scale import forecast_arms
+    from dropbp.tools.check_noise import NOISE_MICRO_BATCHES
+
+    text = tmp_path / "documents.txt"
+    text.write_text("A long document of the user's own, one a step.\n" * 60)
+    args = ["check", "--backend", "cpu", "--quick", "--model", str(model_dir), "--seq-len", "64", "--data", str(text)]
+    code = cli.main([*args, "--tokens-per-step", "64", "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    noise = json.loads((tmp_path / "check.json").read_text())["noise_scale"]
+    assert noise["tokens_per_step"] == 64 and noise["measured_tokens_per_step"] == NOISE_MICRO_BATCHES * 64
+    arms = forecast_arms(noise["noise_scale_tokens"], 64, noise["branch_share"], (0.5, 0.75))
+    assert [a["name"] for a in noise["forecast"]] == [a.name for a in arms]
+    assert [a["speedup"] for a in noise["forecast"]] == pytest.approx([a.speedup for a in arms], rel=1e-9)
+    assert "at 64 tokens per step" in noise["message"] and noise["message"] in out
+
+
 @pytest.mark.parametrize(
     ("content", "match"),
     [(None, "does not exist"), ("too short", "the noise scale needs at least 528 tokens")],
