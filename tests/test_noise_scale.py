@@ -295,12 +295,16 @@ def test_steps_that_drop_a_branch_are_not_read_and_it_is_said(pattern):
 
 
 @pytest.mark.parametrize("returns_loss", [True, False])
-def test_a_loss_scale_that_moves_between_steps_is_divided_out(returns_loss):
+def test_a_loss_scale_that_moves_between_steps_is_divided_out(returns_loss, caplog):
     """Issue 71, class C: ``GradScaler`` whose scale grows and halves between steps (set by ``update(new_scale)``):
     the reads take scaled gradients, and averaged steps of different scales (60.9 against 51.4 by hand). The
     gradient that reaches the model's loss is the scale: divided out, the reading equals the estimator fed the
     unscaled micro-batch gradients computed apart. A loss computed outside the model (logits returned): the scale
-    cannot be seen, so a steady scale reads the same and only a moving one is off (what the docstring says)."""
+    cannot be seen, so a steady scale reads the same and only a moving one would be off: said once (the "dropbp"
+    log)."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="dropbp")
     model = tiny_model("llama", layers=2).train()
     ctl = dropbp.apply(model, 0.0, features=[dropbp.NoiseScale()])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -337,6 +341,8 @@ def test_a_loss_scale_that_moves_between_steps_is_divided_out(returns_loss):
     if returns_loss:  # the terms themselves: unscaled
         assert math.isclose(got.gradient_sq_norm, want.gradient_sq_norm, rel_tol=1e-4)
         assert math.isclose(got.trace, want.trace, rel_tol=1e-4)
+    unseen = [r for r in caplog.records if "cannot see a loss scale" in r.getMessage()]
+    assert len(unseen) == (0 if returns_loss else 1)  # said once, where the model returns no loss
 
 
 @pytest.mark.parametrize("sizes", [(16, 112, 16, 112), (32, 32, 32, 32), (8, 24, 40, 56)])

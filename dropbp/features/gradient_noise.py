@@ -18,7 +18,7 @@ was 0.59x-1.31x ``B_simple``); ``drop_rate="auto"`` measures one step in
 that reaches it (a loss scale, as ``GradScaler``'s, times any division by the accumulation) is read at the step's
 first backward and divided out, so steps at different loss scales are averaged as the same gradients; a loss computed
 outside the model cannot be seen: there the micro-batches are read as each one's mean loss over their count (what the
-Trainer does), a loss scale that moves between steps left in.
+Trainer does), a loss scale that moves between steps left in (said once, in the ``dropbp`` log).
 Eval, no-grad and recomputation forwards read nothing.
 
 Costs: one copy of the trainable parameters' gradients (small for LoRA; a full copy for full fine-tuning), made at
@@ -36,6 +36,7 @@ averaged across the ranks; FSDP (sharded gradients) and DeepSpeed's engine are r
 
 from __future__ import annotations
 
+import logging
 import math
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -50,6 +51,8 @@ from dropbp.execution.hooks import output_tensor
 from dropbp.execution.recompute import in_backward
 from dropbp.internals import at_backward_end, running_ddp, tensor_version
 from dropbp.policy.noise_scale import NoiseScaleEstimator, NoiseScaleReading, window_terms
+
+log = logging.getLogger("dropbp")
 
 __all__ = ["CHUNKS", "MicroBatchGradients", "WithinStep", "check_reads", "chunk_terms", "measure_windows"]
 
@@ -258,6 +261,7 @@ class MicroBatchGradients:
         self._dropped: list[bool] = []  # per micro-batch, whether its forward dropped a branch
         #: per micro-batch, the gradient that reached the model's loss (None: it returned none): the loss scale
         self._scales: list[torch.Tensor | None] = []
+        self._scale_unseen_said = False
         self._current: int | None = None  # the index in _micro the running forward's backward fills
         self._versions: list[int | None] = []  # the gradients' version counters at the last read
         self._handles: list[RemovableHandle] = []
@@ -403,6 +407,13 @@ class MicroBatchGradients:
         self._scales = []
         if batch is None or partial or (len(micro) < 2 and chunks is None):  # (partial: begun before the reads)
             return
+        if scale is None and not self._scale_unseen_said:
+            self._scale_unseen_said = True
+            log.info(
+                "dropbp: the model returned no loss, so the noise scale cannot see a loss scale: it reads each "
+                "micro-batch as its own mean loss over the accumulation, and a GradScaler whose scale moves between "
+                "steps would be averaged at mixed scales. Pass labels to the model to have the scale divided out."
+            )
         if len(micro) < 2:  # one micro-batch: its chunks (one host read), as gradients of the summed token losses
             sums, counts = chunks
             terms = chunk_terms(sums if scale is None else sums * (counts.sum() / scale.to(sums.device)), counts)
