@@ -223,7 +223,7 @@ class MicroBatchGradients:
         reads: ``reads()`` is False while a forward must not count (calibration's forced passes).
         on_step: called when an optimizer step closes, before the next step's first forward draws its pattern (the
             reads' forward pre-hook runs first), with ``"read"`` (it went to the estimator), ``"dropped"`` (its
-            micro-batches dropped a branch) or ``"not finite"``.
+            micro-batches dropped a branch) or ``"left out"`` (a gradient not finite, or too few tokens to read).
         dropped: the branches the running training forward drops (read when it ends).
     """
 
@@ -434,7 +434,7 @@ class MicroBatchGradients:
             terms = tuple((both / ranks).tolist())
         if terms is None or not all(math.isfinite(x) for x in terms):  # dropped, or overflowed (GradScaler skips it)
             self.skipped += 1
-            self._on_step("dropped" if any(dropped) else "not finite")
+            self._on_step("dropped" if any(dropped) else "left out")
             return
         gradient, trace = terms
         self.estimator.add(gradient, trace, sum(tokens) * ranks)
