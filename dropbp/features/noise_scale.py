@@ -121,11 +121,13 @@ class NoiseScale(Feature):
         the noise scale now forecasts another rate, or a step must be measured, the controller resolves its options
         again (that rate from the next pattern on); at a given rate, a step left out for its drops is said once."""
         self._unread = 0 if outcome == "read" else self._unread + 1
-        given, flops = self.host.given(), [b.flops for b in self.host.branches]
-        if outcome == "dropped" and not given.follows_noise_scale:
-            self._dropping()
-        chosen = self.choose_rate(get_shape(given.pattern), flops) if given.follows_noise_scale else None
-        if chosen is not None and chosen != self.host.in_force().drop_rate:
+        given = self.host.given()
+        if not given.follows_noise_scale:
+            if outcome == "dropped":
+                self._dropping()
+            return
+        chosen = self.choose_rate(get_shape(given.pattern), [b.flops for b in self.host.branches])
+        if chosen != self.host.in_force().drop_rate:
             self.host.resolve_again()
 
     def handles(self) -> list[RemovableHandle]:
