@@ -123,7 +123,7 @@ def one_arm(model, rate: float | None, length: int, steps: int, out: Path, devic
 
 
 def measure(shape: str, length: int, args: argparse.Namespace) -> dict:
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if args.device == "cuda" else torch.float32
     model = lora_model(config_of(shape, length), args.device, dtype)
     seconds: dict[str, list[float]] = {}
     peaks: dict[str, int] = {}
@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", nargs="+", choices=list(LENGTHS), default=["smollm2", "llama-3.1-8b"])
     parser.add_argument("--lengths", nargs="+", type=int, help="instead of each shape's (LENGTHS)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps at the start of each run")
     parser.add_argument("--rounds", type=int, default=2)
