@@ -42,6 +42,7 @@ from peft import LoraConfig, get_peft_model
 
 import dropbp
 from dropbp.integrations.hf import DropBPCallback
+from dropbp.tools.bench import at_expected_fraction
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from sft_lora import StepTimes, checkpointing_arguments  # noqa: E402  (the example's timing and checkpointing)
@@ -91,14 +92,29 @@ def _tokenizer() -> transformers.PreTrainedTokenizerFast:
     )
 
 
-def one_arm(model, rate: float | None, length: int, steps: int, out: Path, device: str) -> tuple[list[float], int]:
-    """One ``SFTTrainer`` run of ``steps`` steps of one random document of ``length`` tokens; its step times and the
-    peak of allocated memory (0 off CUDA)."""
+class DroppedShares(transformers.TrainerCallback):
+    """The FLOP-weighted share of the branches each optimizer step dropped (one micro-batch a step)."""
+
+    def __init__(self, drop: DropBPCallback) -> None:
+        self.drop, self.shares = drop, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        ctl, dropped = self.drop.controller, set(self.drop.controller.last_dropped)
+        self.shares.append(sum(b.flops for b in ctl.branches if b.name in dropped) / sum(b.flops for b in ctl.branches))
+
+
+def one_arm(
+    model, rate: float | None, length: int, steps: int, args: argparse.Namespace
+) -> tuple[list[float], list[float], int]:
+    """One ``SFTTrainer`` run of ``steps`` steps of one random document of ``length`` tokens; its step times, the
+    share of branch FLOPs each step dropped, and the peak of allocated memory (0 off CUDA)."""
+    out, device = args.out, args.device
     backend = dropbp.backends.get()
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (steps, length), generator=torch.Generator().manual_seed(length)).tolist()
     times = StepTimes(backend)
-    drop = None if rate is None else DropBPCallback(drop_rate=rate, warmup=0)
+    drop = None if rate is None else DropBPCallback(drop_rate=rate, warmup=0, pattern=args.pattern)
+    shares = None if drop is None else DroppedShares(drop)
     config = trl.SFTConfig(
         output_dir=str(out / "trainer"), max_steps=steps, per_device_train_batch_size=1, learning_rate=1e-4,
         **checkpointing_arguments(), bf16=device == "cuda", use_cpu=device == "cpu", max_length=length,
@@ -109,7 +125,7 @@ def one_arm(model, rate: float | None, length: int, steps: int, out: Path, devic
         args=config,
         train_dataset=datasets.Dataset.from_dict({"input_ids": ids}),
         processing_class=_tokenizer(),
-        callbacks=[times] + ([] if drop is None else [drop]),
+        callbacks=[times] + ([] if drop is None else [drop, shares]),
     )
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -119,30 +135,36 @@ def one_arm(model, rate: float | None, length: int, steps: int, out: Path, devic
         drop.controller.remove()
     del trainer
     gc.collect()
-    return times.seconds, peak
+    return times.seconds, [0.0] * steps if shares is None else shares.shares, peak
 
 
 def measure(shape: str, length: int, args: argparse.Namespace) -> dict:
     dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if args.device == "cuda" else torch.float32
     model = lora_model(config_of(shape, length), args.device, dtype)
     seconds: dict[str, list[float]] = {}
+    dropped: dict[str, list[float]] = {}
     peaks: dict[str, int] = {}
     for round_ in range(args.rounds):
         for k in range(len(RATES)):
             rate = RATES[(k + round_) % len(RATES)]
             name = "full" if rate is None else f"{rate:g}"
-            steps, peak = one_arm(model, rate, length, args.warmup + args.steps, args.out, args.device)
+            steps, shares, peak = one_arm(model, rate, length, args.warmup + args.steps, args)
             seconds.setdefault(name, []).extend(steps[args.warmup :])
+            dropped.setdefault(name, []).extend(shares[args.warmup :])
             peaks[name] = max(peaks.get(name, 0), peak)
             print(f"{shape} {length} {name}: median {statistics.median(steps[args.warmup:]):.3f} s", flush=True)
     del model
     gc.collect()
     full = statistics.median(seconds["full"])
+    rate_of = {name: 0.0 if name == "full" else float(name) for name in seconds}
     return {
         "shape": shape,
         "tokens": length,
+        "pattern": args.pattern,
         "arms": {
             name: {"median_step_s": statistics.median(s), "steps": len(s), "speedup": full / statistics.median(s),
+                   "step_s": s, "dropped_share": dropped[name],
+                   "speedup_at_expected": full / at_expected_fraction(s, dropped[name], rate_of[name]),
                    "peak_allocated_bytes": peaks[name] or None}
             for name, s in seconds.items()
         },
@@ -151,16 +173,19 @@ def measure(shape: str, length: int, args: argparse.Namespace) -> dict:
 
 def table(record: dict) -> str:
     lines = [
-        "| shape | tokens | arm | median step | speedup | peak memory |",
-        "|---|---|---|---|---|---|",
+        "| shape | tokens | pattern @ arm | median step | speedup | FLOPs dropped (mean) | speedup at expected "
+        "| peak memory |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for point in record["points"]:
         for name, arm in point["arms"].items():
             peak = arm["peak_allocated_bytes"]
             memory = "-" if peak is None else f"{peak / 2**30:.2f} GiB"
+            arm_name = name if name == "full" else f"{point['pattern']} @ {name}"
             lines.append(
-                f"| {point['shape']} | {point['tokens']} | {name} | {arm['median_step_s']:.3f} s "
-                f"| {arm['speedup']:.2f}x | {memory} |"
+                f"| {point['shape']} | {point['tokens']} | {arm_name} | {arm['median_step_s']:.3f} s "
+                f"| {arm['speedup']:.2f}x | {statistics.mean(arm['dropped_share']):.2f} "
+                f"| {arm['speedup_at_expected']:.2f}x | {memory} |"
             )
     return "\n".join(lines)
 
@@ -171,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lengths", nargs="+", type=int, help="instead of each shape's (LENGTHS)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--pattern", default="cut", help="the drops' shape (default: the shipped default, cut)")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps at the start of each run")
     parser.add_argument("--rounds", type=int, default=2)

@@ -33,7 +33,10 @@ def test_the_long_document_gpu_script_records_every_arm(tmp_path, monkeypatch):
     assert point["shape"] == "tiny" and point["tokens"] == 64
     assert list(point["arms"]) == ["full", "0.5", "0.875"]
     assert all(arm["steps"] == 4 and arm["peak_allocated_bytes"] is None for arm in point["arms"].values())
-    assert point["arms"]["full"]["speedup"] == 1.0
-    assert "| tiny | 64 | 0.875 |" in (out / "long_document_gpu.md").read_text()
+    assert point["arms"]["full"]["speedup"] == 1.0 and point["arms"]["full"]["dropped_share"] == [0.0] * 4
+    for rate in (0.5, 0.875):  # each step's dropped share is a cut's: a share of the branch FLOPs, the top kept
+        assert all(0.0 <= share < 1.0 for share in point["arms"][f"{rate:g}"]["dropped_share"])
+    assert any(share > 0.0 for share in point["arms"]["0.875"]["dropped_share"])
+    assert "| tiny | 64 | cut @ 0.875 |" in (out / "long_document_gpu.md").read_text()
     with pytest.raises(ValueError, match="unknown shape 'huge'"):
         script.config_of("huge", 64)
