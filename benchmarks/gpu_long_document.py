@@ -104,16 +104,17 @@ class DroppedShares(transformers.TrainerCallback):
 
 
 def one_arm(
-    model, rate: float | None, length: int, steps: int, args: argparse.Namespace
+    model, rate: float | None, length: int, steps: int, round_: int, args: argparse.Namespace
 ) -> tuple[list[float], list[float], int]:
-    """One ``SFTTrainer`` run of ``steps`` steps of one random document of ``length`` tokens; its step times, the
-    share of branch FLOPs each step dropped, and the peak of allocated memory (0 off CUDA)."""
+    """One ``SFTTrainer`` run of ``steps`` steps of one random document of ``length`` tokens, drop patterns seeded by
+    the round (each round draws its own); its step times, the share of branch FLOPs each step dropped, and the peak of
+    allocated memory (0 off CUDA)."""
     out, device = args.out, args.device
     backend = dropbp.backends.get()
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (steps, length), generator=torch.Generator().manual_seed(length)).tolist()
     times = StepTimes(backend)
-    drop = None if rate is None else DropBPCallback(drop_rate=rate, warmup=0, pattern=args.pattern)
+    drop = None if rate is None else DropBPCallback(drop_rate=rate, warmup=0, pattern=args.pattern, seed=round_)
     shares = None if drop is None else DroppedShares(drop)
     config = trl.SFTConfig(
         output_dir=str(out / "trainer"), max_steps=steps, per_device_train_batch_size=1, learning_rate=1e-4,
@@ -148,7 +149,7 @@ def measure(shape: str, length: int, args: argparse.Namespace) -> dict:
         for k in range(len(RATES)):
             rate = RATES[(k + round_) % len(RATES)]
             name = "full" if rate is None else f"{rate:g}"
-            steps, shares, peak = one_arm(model, rate, length, args.warmup + args.steps, args)
+            steps, shares, peak = one_arm(model, rate, length, args.warmup + args.steps, round_, args)
             seconds.setdefault(name, []).extend(steps[args.warmup :])
             dropped.setdefault(name, []).extend(shares[args.warmup :])
             peaks[name] = max(peaks.get(name, 0), peak)
