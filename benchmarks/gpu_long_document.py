@@ -99,8 +99,9 @@ class DroppedShares(transformers.TrainerCallback):
         self.drop, self.shares = drop, []
 
     def on_step_end(self, args, state, control, **kwargs):
-        ctl, dropped = self.drop.controller, set(self.drop.controller.last_dropped)
-        self.shares.append(sum(b.flops for b in ctl.branches if b.name in dropped) / sum(b.flops for b in ctl.branches))
+        ctl = self.drop.controller
+        branches, dropped = ctl.branches, set(ctl.last_dropped)  # branches: views made afresh at each read
+        self.shares.append(sum(b.flops for b in branches if b.name in dropped) / sum(b.flops for b in branches))
 
 
 def one_arm(
